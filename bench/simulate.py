@@ -1,0 +1,15 @@
+"""``kvgate simulate``: the cluster simulator (lands with its issue)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("rest", nargs="*", help="arguments (not implemented yet)")
+
+
+def main(args: argparse.Namespace) -> int:
+    print("kvgate simulate: not implemented yet", file=sys.stderr)
+    return 2

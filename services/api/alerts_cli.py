@@ -1,0 +1,15 @@
+"""``kvgate alerts``: alert tools for operators (lands with its issue)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("rest", nargs="*", help="arguments (not implemented yet)")
+
+
+def main(args: argparse.Namespace) -> int:
+    print("kvgate alerts: not implemented yet", file=sys.stderr)
+    return 2

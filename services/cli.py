@@ -1,0 +1,83 @@
+"""The ``kvgate`` command: one subcommand per service or tool.
+
+Subcommand modules are imported only when chosen, so ``kvgate router`` does not pay for the
+admin API's imports. Each module provides ``add_arguments(parser)`` and ``main(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": (
+        "services.up",
+        "run the whole stack on this machine (embedded NATS and Postgres unless URLs are given)",
+    ),
+    "router": ("services.router.cli", "OpenAI-compatible router: picks a worker per request"),
+    "indexer": (
+        "services.kv_indexer.cli",
+        "kv_indexer: KV events -> global prefix index, deltas and snapshots",
+    ),
+    "telemetry": (
+        "services.telemetry.cli",
+        "telemetry agent: NVML + engine metrics -> bus, capacity detectors",
+    ),
+    "api": ("services.api.cli", "admin REST API: policies, canaries, workers, alerts (Postgres)"),
+    "migrate": ("services.api.migrate", "apply database migrations (alembic upgrade / downgrade)"),
+    "sim-worker": ("services.worker_sim.cli", "simulated vLLM-like inference worker(s)"),
+    "bridge": (
+        "services.kv_indexer.bridges.cli",
+        "bridge a real engine's KV events onto the bus (vllm | sglang | trtllm)",
+    ),
+    "alerts": ("services.api.alerts_cli", "operator tools for alerts (tail)"),
+    "bench": ("bench.cli", "benchmark policies and routers with real processes and HTTP"),
+    "simulate": (
+        "bench.simulate",
+        "simulate a cluster on a virtual clock with the router's policy code",
+    ),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {name:<11} {desc}" for name, (_, desc) in COMMANDS.items())
+    return argparse.ArgumentParser(
+        prog="kvgate",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="kvgate: KV-cache-aware routing control plane for LLM inference fleets.",
+        epilog=f"commands:\n{lines}\n\nRun 'kvgate COMMAND --help' for a command's options.",
+        usage="kvgate [-h] COMMAND [options]",
+    )
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    module_name, desc = COMMANDS[command]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"kvgate {command}", description=desc)
+    module.add_arguments(parser)
+    parser.set_defaults(_main=module.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help"}:
+        _top_parser().print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        _top_parser().print_usage(sys.stderr)
+        print(
+            f"kvgate: unknown command {command!r}; choose from {', '.join(COMMANDS)}",
+            file=sys.stderr,
+        )
+        return 2
+    parser = build_parser(command)
+    args = parser.parse_args(rest)
+    return int(args._main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

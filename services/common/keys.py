@@ -1,0 +1,76 @@
+"""Canonical KV block keys: one function for workers, bridges, the indexer and the router.
+
+Engines hash blocks differently (vLLM: sha256 of a pickle with a seed; SGLang: signed int64;
+TensorRT-LLM: its own ints), so kvgate derives its own key from the token ids:
+
+    key[0] = xxh3_64(tokens[0:B] as little-endian uint32, seed = S)
+    key[i] = xxh3_64(tokens[i*B:(i+1)*B] as little-endian uint32, seed = key[i-1])
+
+where ``B`` is the block size and ``S = cluster_seed`` or, with a LoRA adapter or cache salt,
+``xxh3_64(f"{lora}\\0{salt}", seed=cluster_seed)``. Chaining through the xxh3 seed makes each
+key depend on every token before it (equal key => equal prefix, up to 64-bit collisions)
+without concatenating buffers. Only full blocks get keys, like vLLM's prefix cache.
+
+Invariant: the same (tokens, block_size, seed, lora, salt) always gives the same keys, in
+every process and on every machine (xxh3 is specified and platform-independent).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def block_seed(cluster_seed: int = 0, lora: str | None = None, salt: str | None = None) -> int:
+    """The chain's starting seed; a LoRA adapter or a cache salt gives a disjoint key space."""
+    if not lora and not salt:
+        return cluster_seed & 0xFFFFFFFFFFFFFFFF
+    return _xxh3(f"{lora or ''}\0{salt or ''}".encode(), seed=cluster_seed & 0xFFFFFFFFFFFFFFFF)
+
+
+def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 (raises OverflowError for ids outside uint32)."""
+    arr = array("I", token_ids)
+    if arr.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte 'I'
+        raise RuntimeError("unsupported platform: array('I') is not 32-bit")
+    return arr.tobytes()
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    seed: int = 0,
+    parent_key: int | None = None,
+    max_blocks: int | None = None,
+) -> list[int]:
+    """Keys of the full blocks of ``token_ids``.
+
+    ``seed`` is the value from :func:`block_seed`. ``parent_key`` continues a chain (the tokens
+    then start at a block boundary after that parent). ``max_blocks`` stops early.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    n_blocks = len(token_ids) // block_size
+    if max_blocks is not None:
+        n_blocks = min(n_blocks, max_blocks)
+    if n_blocks == 0:
+        return []
+    data = memoryview(tokens_to_bytes(token_ids[: n_blocks * block_size]))
+    step = block_size * 4
+    h = seed if parent_key is None else parent_key
+    keys = [0] * n_blocks
+    off = 0
+    for i in range(n_blocks):
+        h = _xxh3(data[off : off + step], seed=h)
+        keys[i] = h
+        off += step
+    return keys
+
+
+def blocks_needed(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """KV blocks a request needs to run to completion: ceil((prompt + max_tokens) / block)."""
+    return -(-(prompt_tokens + max_tokens) // block_size)

@@ -1,0 +1,269 @@
+"""Every message on the bus: msgpack-encoded, versioned, validated at decode.
+
+Invariants:
+- Each message has ``v`` (schema major version). A decoder accepts ``v == SCHEMA_VERSION``;
+  anything else is rejected with :class:`SchemaError`. Unknown *fields* are ignored, so a newer
+  minor revision that adds fields can be read by an older service.
+- :func:`decode` either returns a fully type-checked object or raises :class:`SchemaError`
+  whose message names the message type and the offending field. Nothing half-valid escapes.
+- Block keys are canonical kvgate keys (:mod:`services.common.keys`): unsigned 64-bit ints.
+
+Other issues extend this module with their own messages; keep every wire type here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+SCHEMA_VERSION = 1
+
+# msgpack cannot carry ints above 2**64 - 1, so ge=0 makes this exactly uint64
+U64 = Annotated[int, Meta(ge=0)]
+NonNeg = Annotated[int, Meta(ge=0)]
+Pos = Annotated[int, Meta(gt=0)]
+Frac = Annotated[float, Meta(ge=0.0, le=1.0)]
+NonNegF = Annotated[float, Meta(ge=0.0)]
+Token = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")]
+Tier = Literal["gpu", "cpu", "disk"]
+Severity = Literal["info", "warning", "critical"]
+
+
+class SchemaError(ValueError):
+    """A message failed to decode or validate; the text says which message and which field."""
+
+
+class Message(Struct, kw_only=True):
+    v: int = SCHEMA_VERSION
+
+
+def now() -> float:
+    return time.time()
+
+
+# --------------------------------------------------------------------------- KV events
+
+
+class BlockStored(Struct, tag="stored", tag_field="type", kw_only=True):
+    """Full blocks stored, in chain order: ``keys[0]``'s parent is ``parent_key`` (None = root)."""
+
+    keys: list[U64]
+    parent_key: U64 | None = None
+    block_size: Pos
+    tier: Tier = "gpu"
+
+
+class BlockRemoved(Struct, tag="removed", tag_field="type", kw_only=True):
+    keys: list[U64]
+    tier: Tier = "gpu"
+
+
+class AllBlocksCleared(Struct, tag="cleared", tag_field="type", kw_only=True):
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventBatch(Message):
+    """Events of one worker. ``seq`` increases by exactly one per batch per ``instance_id``;
+    a new ``instance_id`` means the worker restarted (its earlier blocks are gone)."""
+
+    worker_id: Token
+    instance_id: Token
+    seq: NonNeg
+    ts: float
+    events: list[KvEvent]
+
+
+class KvDumpRequest(Message):
+    """Ask a worker (or its bridge) for its full cache as one batch of BlockStored events."""
+
+    worker_id: Token
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------- workers
+
+
+class WorkerCapacity(Struct, kw_only=True):
+    block_size: Pos
+    num_gpu_blocks: Pos
+    max_num_seqs: Pos
+    max_model_len: Pos
+    max_num_batched_tokens: Pos | None = None
+
+
+class WorkerHeartbeat(Message):
+    """Registers a worker and states its capacity. ``kv_seq`` is the last KV batch seq it
+    published (-1: none yet), so a consumer can see a gap even when no later batch comes."""
+
+    worker_id: Token
+    instance_id: Token
+    url: str
+    model: str
+    capacity: WorkerCapacity
+    engine: str = "sim"
+    state: Literal["starting", "ready", "draining"] = "ready"
+    kv_seq: Annotated[int, Meta(ge=-1)] = -1
+    kv_events: bool = True
+    ts: float = 0.0
+
+
+class WorkerControl(Message):
+    worker_id: Token
+    action: Literal["cordon", "drain", "uncordon"]
+    by: str = ""
+    ts: float = 0.0
+
+
+class GpuSample(Struct, kw_only=True):
+    index: NonNeg
+    uuid: str = ""
+    name: str = ""
+    sm_util_pct: float | None = None
+    mem_util_pct: float | None = None
+    mem_used_bytes: NonNeg | None = None
+    mem_total_bytes: NonNeg | None = None
+    mem_bw_util_pct: float | None = None
+    pcie_rx_bytes_s: NonNegF | None = None
+    pcie_tx_bytes_s: NonNegF | None = None
+    sm_clock_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    xid_errors: NonNeg | None = None
+    ecc_errors: NonNeg | None = None
+
+
+class WorkerLoad(Message):
+    """One telemetry sample of a worker. ``stale`` samples carry None, never zeros, for what
+    could not be read; ``ts`` is when it was measured, so consumers can judge age."""
+
+    worker_id: Token
+    ts: float
+    source: str = "sim"  # vllm | sglang | trtllm | sim
+    stale: bool = False
+    error: str | None = None
+    running: NonNeg | None = None
+    waiting: NonNeg | None = None
+    scheduled: NonNeg | None = None  # TensorRT-LLM "scheduled" (vs active = running)
+    max_batch: NonNeg | None = None
+    kv_usage: Frac | None = None
+    kv_blocks_total: NonNeg | None = None
+    kv_blocks_free: NonNeg | None = None
+    tokens_per_block: NonNeg | None = None
+    prefix_cache_queries: NonNegF | None = None
+    prefix_cache_hits: NonNegF | None = None
+    gpus: list[GpuSample] = []
+
+
+# --------------------------------------------------------------------------- routers
+
+
+class RouterLoad(Message):
+    """A router's in-flight requests per worker (for global least-request across replicas)."""
+
+    router_id: Token
+    ts: float
+    seq: NonNeg = 0
+    inflight: dict[str, NonNeg] = {}
+
+
+class RouterOutcome(Message):
+    request_id: str
+    router_id: Token
+    ts: float
+    policy: str
+    policy_version: NonNeg = 0
+    arm: Literal["control", "candidate"] = "control"
+    canary_id: str | None = None
+    model: str = ""
+    worker_id: str | None = None
+    status: Literal["ok", "error", "timeout", "rejected", "cancelled"] = "ok"
+    http_status: int = 200
+    prompt_tokens: NonNeg = 0
+    completion_tokens: NonNeg = 0
+    predicted_cached_tokens: NonNeg = 0
+    cached_tokens: NonNeg | None = None  # as reported by the worker (ground truth)
+    ttft_s: NonNegF | None = None
+    e2e_s: NonNegF | None = None
+    retries: NonNeg = 0
+    migrated: NonNeg = 0
+    stream: bool = False
+
+
+class CanaryAssignment(Struct, kw_only=True):
+    canary_id: str
+    fraction: Frac
+    candidate_name: str
+    candidate_version: NonNeg
+    candidate_spec: dict[str, Any]
+
+
+class PolicyUpdated(Message):
+    """The active policy (and canary split, if any). Routers apply the newest ``revision``."""
+
+    revision: NonNeg
+    name: str
+    version: NonNeg
+    spec: dict[str, Any]
+    canary: CanaryAssignment | None = None
+    ts: float = 0.0
+
+
+# --------------------------------------------------------------------------- alerts
+
+
+class Alert(Message):
+    """An alert signal (from a detector or router) or a managed alert state change.
+    ``fingerprint`` identifies the condition (kind + worker + ...) for de-duplication."""
+
+    fingerprint: Annotated[str, Meta(min_length=1, max_length=256)]
+    kind: Token
+    severity: Severity
+    state: Literal["firing", "resolved"] = "firing"
+    source: Token = "unknown"
+    worker_id: str | None = None
+    summary: Annotated[str, Meta(max_length=2000)] = ""
+    remedy: Annotated[str, Meta(max_length=4000)] = ""
+    details: dict[str, Any] = {}
+    ts: float = 0.0
+    alert_id: str | None = None  # set by the alert manager
+
+
+# --------------------------------------------------------------------------- codec
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def encode(msg: Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(msg_type: type[Struct], data: bytes | bytearray | memoryview) -> Any:
+    """Decode and validate ``data`` as ``msg_type`` or raise SchemaError naming the problem."""
+    dec = _decoders.get(msg_type)
+    if dec is None:
+        dec = _decoders[msg_type] = msgspec.msgpack.Decoder(msg_type)
+    try:
+        obj = dec.decode(data)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(f"{msg_type.__name__}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"{msg_type.__name__}: malformed msgpack ({exc})") from None
+    version = getattr(obj, "v", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise SchemaError(
+            f"{msg_type.__name__}: unsupported schema version v={version} (this build reads v={SCHEMA_VERSION})"
+        )
+    return obj
+
+
+def to_builtins(msg: Struct) -> Any:
+    """Plain dicts/lists (for JSON in HTTP debug views and the admin API)."""
+    return msgspec.to_builtins(msg)

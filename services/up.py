@@ -1,0 +1,338 @@
+"""``kvgate up``: the whole control plane on one machine, no Docker.
+
+Starts (unless URLs are given) a real nats-server with JetStream and a real PostgreSQL, both
+keeping their data under ``--state-dir``; applies migrations; then runs the services as child
+processes: simulated workers, kv_indexer, telemetry, api and router. Prints the URLs, restarts
+a child that dies (with backoff), and on Ctrl-C / SIGTERM stops the children (SIGTERM, then
+SIGKILL after a grace period) before the embedded servers, so nothing is orphaned and
+JetStream / Postgres shut down cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common import settings as S
+from services.common.embedded import (
+    EmbeddedNats,
+    EmbeddedPostgres,
+    env_without_proxy,
+    nats_url_reachable,
+    port_open,
+)
+from services.common.logging import configure_logging, get_logger
+
+OPTIONS = (
+    S.option(
+        "up_nats_url",
+        "",
+        "use this NATS instead of starting an embedded one",
+        flag="--nats-url",
+        env="KVGATE_UP_NATS_URL",
+    ),
+    S.option(
+        "up_database_url",
+        "",
+        "use this Postgres instead of starting an embedded one",
+        flag="--database-url",
+        env="KVGATE_UP_DATABASE_URL",
+    ),
+    S.option(
+        "workers", 4, "number of simulated workers to start (0: none)", env="KVGATE_UP_WORKERS"
+    ),
+    S.option("router_port", 8080, "router (OpenAI API) port", env="KVGATE_ROUTER_PORT"),
+    S.option("api_port", 8081, "admin API port", env="KVGATE_API_PORT"),
+    S.option(
+        "indexer_port",
+        8082,
+        "kv_indexer HTTP (health, metrics, debug) port",
+        env="KVGATE_INDEXER_PORT",
+    ),
+    S.option(
+        "telemetry_port", 8083, "telemetry HTTP (health, metrics) port", env="KVGATE_TELEMETRY_PORT"
+    ),
+    S.option("sim_port", 8100, "first simulated worker port", env="KVGATE_SIM_PORT"),
+    S.option(
+        "embedded_nats_port",
+        0,
+        "port of the embedded NATS (0: a free one)",
+        env="KVGATE_EMBEDDED_NATS_PORT",
+    ),
+    S.STATE_DIR,
+    S.SUBJECT_PREFIX,
+    S.LOG_LEVEL,
+    S.LOG_FORMAT,
+    S.option(
+        "ready_timeout",
+        60.0,
+        "seconds to wait for the stack to become ready",
+        env="KVGATE_UP_READY_TIMEOUT",
+    ),
+)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # pragma: no cover - not Linux
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    health_url: str | None
+    proc: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self, env: dict[str, str], log_dir: Path) -> None:
+        out = open(log_dir / f"{self.name}.log", "ab")  # noqa: SIM115 - the child owns it
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+            # own process group: a terminal's Ctrl-C reaches only the supervisor, which then
+            # stops children in order
+            start_new_session=True,
+        )
+        out.close()
+
+
+def _http_ok(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:  # noqa: S310 - local URL
+            if resp.status == 200:
+                body = resp.read()
+                try:
+                    return json.loads(body)
+                except ValueError:
+                    return {}
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return None
+
+
+class Stack:
+    def __init__(self, st: S.Settings) -> None:
+        self.st = st
+        self.log = get_logger("up")
+        self.state_dir = Path(st.state_dir).resolve()
+        self.log_dir = self.state_dir / "logs"
+        self.nats: EmbeddedNats | None = None
+        self.pg: EmbeddedPostgres | None = None
+        self.children: list[Child] = []
+        self.stopping = False
+
+    # ------------------------------------------------------------------ infrastructure
+    def start_infra(self) -> tuple[str, str]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        nats_url = self.st.up_nats_url
+        if nats_url:
+            if not nats_url_reachable(nats_url):
+                self.log.warning(
+                    "given NATS is not reachable yet; services will keep retrying", url=nats_url
+                )
+        else:
+            self.nats = EmbeddedNats(self.state_dir / "nats", port=self.st.embedded_nats_port)
+            nats_url = self.nats.start()
+        db_url = self.st.up_database_url
+        if not db_url:
+            self.pg = EmbeddedPostgres(self.state_dir / "postgres")
+            self.pg.start()
+            db_url = self.pg.sqlalchemy_url("kvgate")
+        return nats_url, db_url
+
+    def migrate(self, env: dict[str, str]) -> None:
+        cmd = [sys.executable, "-m", "services.cli", "migrate", "upgrade"]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"migrations failed:\n{result.stdout}\n{result.stderr}")
+        self.log.info("migrations applied")
+
+    # ------------------------------------------------------------------ children
+    def plan(self) -> list[Child]:
+        st, py = self.st, [sys.executable, "-m", "services.cli"]
+        host = "127.0.0.1"
+        kids: list[Child] = []
+        if st.workers > 0:
+            kids.append(
+                Child(
+                    "sim-workers",
+                    py + ["sim-worker", "--count", str(st.workers), "--port", str(st.sim_port)],
+                    f"http://{host}:{st.sim_port}/health",
+                )
+            )
+        kids += [
+            Child(
+                "indexer",
+                py + ["indexer", "--port", str(st.indexer_port)],
+                f"http://{host}:{st.indexer_port}/health",
+            ),
+            Child(
+                "telemetry",
+                py + ["telemetry", "--port", str(st.telemetry_port)],
+                f"http://{host}:{st.telemetry_port}/health",
+            ),
+            Child(
+                "api",
+                py + ["api", "--port", str(st.api_port)],
+                f"http://{host}:{st.api_port}/api/v1/health",
+            ),
+            Child(
+                "router",
+                py + ["router", "--port", str(st.router_port)],
+                f"http://{host}:{st.router_port}/health",
+            ),
+        ]
+        return kids
+
+    def check_ports(self) -> None:
+        st = self.st
+        ports = [st.router_port, st.api_port, st.indexer_port, st.telemetry_port]
+        ports += [st.sim_port + i for i in range(st.workers)]
+        busy = [p for p in ports if port_open("127.0.0.1", p, 0.2)]
+        if busy:
+            raise SystemExit(
+                f"kvgate up: port(s) {busy} already in use; choose others (see kvgate up --help)"
+            )
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.st.ready_timeout
+        pending = [c for c in self.children if c.health_url]
+        while pending and time.monotonic() < deadline and not self.stopping:
+            for c in list(pending):
+                if c.proc is not None and c.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{c.name} exited with {c.proc.returncode}; see {self.log_dir / (c.name + '.log')}"
+                    )
+                if _http_ok(c.health_url) is not None:
+                    pending.remove(c)
+            time.sleep(0.1)
+        if pending:
+            raise RuntimeError(
+                f"not ready in time: {[c.name for c in pending]}; logs in {self.log_dir}"
+            )
+        # the router is useful once it has seen every worker's heartbeat
+        router = f"http://127.0.0.1:{self.st.router_port}/health"
+        while time.monotonic() < deadline and not self.stopping:
+            h = _http_ok(router) or {}
+            if int(h.get("workers", 0)) >= self.st.workers:
+                return
+            time.sleep(0.1)
+        self.log.warning("router has not seen every worker yet", expected=self.st.workers)
+
+    def supervise(self, env: dict[str, str]) -> None:
+        """Restart a child that died (at most 5 times a minute, then give up on the stack)."""
+        while not self.stopping:
+            for c in self.children:
+                if c.proc is not None and c.proc.poll() is not None and not self.stopping:
+                    now = time.monotonic()
+                    c.restarts = [t for t in c.restarts if now - t < 60] + [now]
+                    if len(c.restarts) > 5:
+                        raise RuntimeError(
+                            f"{c.name} keeps dying; see {self.log_dir / (c.name + '.log')}"
+                        )
+                    self.log.warning(
+                        "child exited, restarting", child=c.name, code=c.proc.returncode
+                    )
+                    time.sleep(min(0.5 * len(c.restarts), 3.0))
+                    c.start(env, self.log_dir)
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.stopping = True
+        for c in reversed(self.children):
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for c in reversed(self.children):
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log.warning("child did not stop in time, killing", child=c.name)
+                c.proc.kill()
+                c.proc.wait()
+        if self.nats is not None:
+            self.nats.stop()
+        if self.pg is not None:
+            self.pg.stop()
+
+    def run(self) -> int:
+        self.check_ports()
+        nats_url, db_url = self.start_infra()
+        env = env_without_proxy()
+        env.update(
+            {
+                "KVGATE_NATS_URL": nats_url,
+                "KVGATE_DATABASE_URL": db_url,
+                "KVGATE_SUBJECT_PREFIX": self.st.subject_prefix,
+                "KVGATE_LOG_LEVEL": self.st.log_level,
+                "KVGATE_LOG_FORMAT": "json",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        self.migrate(env)
+        self.children = self.plan()
+        for c in self.children:
+            c.start(env, self.log_dir)
+        self.wait_ready()
+        if self.stopping:
+            return 0
+        print(
+            "\nkvgate is up\n"
+            f"  OpenAI base URL : http://127.0.0.1:{self.st.router_port}/v1\n"
+            f"  admin API       : http://127.0.0.1:{self.st.api_port}/api/v1\n"
+            f"  NATS            : {nats_url}\n"
+            f"  database        : {db_url}\n"
+            f"  workers         : {self.st.workers} simulated\n"
+            f"  logs            : {self.log_dir}\n"
+            "Press Ctrl-C to stop.\n",
+            flush=True,
+        )
+        self.supervise(env)
+        return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    S.add_options(parser, OPTIONS)
+
+
+def main(args: argparse.Namespace) -> int:
+    st = S.resolve(args, OPTIONS)
+    configure_logging("up", st.log_level, st.log_format)
+    stack = Stack(st)
+
+    def on_signal(signum, _frame) -> None:
+        if not stack.stopping:
+            stack.log.info("stopping", signal=signal.Signals(signum).name)
+        stack.stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return stack.run()
+    except (RuntimeError, OSError) as exc:
+        stack.log.error("kvgate up failed", error=str(exc))
+        return 1
+    finally:
+        stack.stop()
+        os.sys.stdout.flush()

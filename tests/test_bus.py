@@ -1,0 +1,158 @@
+"""The bus against a real NATS server: typed pub/sub, drops, request/reply, JetStream
+durability across a consumer restart, idempotent stream setup, reconnect after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common.bus import BUS_DROPPED, Bus
+from services.common.schemas import KvDumpRequest, RouterLoad, WorkerControl
+from services.common.subjects import Subjects
+
+
+async def test_publish_subscribe_typed(bus: Bus) -> None:
+    got: asyncio.Queue[RouterLoad] = asyncio.Queue()
+
+    async def handler(msg: RouterLoad, _raw) -> None:
+        await got.put(msg)
+
+    await bus.subscribe(bus.subjects.router_load_all, RouterLoad, handler)
+    sent = RouterLoad(router_id="r1", ts=1.0, inflight={"w": 2})
+    await bus.publish(bus.subjects.router_load("r1"), sent)
+    assert await asyncio.wait_for(got.get(), 5) == sent
+
+
+async def test_invalid_message_is_counted_and_subscription_survives(bus: Bus) -> None:
+    got: asyncio.Queue[RouterLoad] = asyncio.Queue()
+
+    async def handler(msg: RouterLoad, _raw) -> None:
+        await got.put(msg)
+
+    before = BUS_DROPPED.labels("RouterLoad", "invalid")._value.get()
+    await bus.subscribe(bus.subjects.router_load_all, RouterLoad, handler)
+    await bus.publish_raw(bus.subjects.router_load("r1"), b"\xc1 not msgpack")
+    good = RouterLoad(router_id="r1", ts=2.0)
+    await bus.publish(bus.subjects.router_load("r1"), good)
+    assert await asyncio.wait_for(got.get(), 5) == good  # delivered in order after the bad one
+    assert BUS_DROPPED.labels("RouterLoad", "invalid")._value.get() == before + 1
+
+
+async def test_handler_error_is_counted_not_fatal(bus: Bus) -> None:
+    got: asyncio.Queue[int] = asyncio.Queue()
+
+    async def handler(msg: RouterLoad, _raw) -> None:
+        if msg.seq == 0:
+            raise RuntimeError("boom")
+        await got.put(msg.seq)
+
+    before = BUS_DROPPED.labels("RouterLoad", "handler_error")._value.get()
+    await bus.subscribe(bus.subjects.router_load_all, RouterLoad, handler)
+    await bus.publish(bus.subjects.router_load("r"), RouterLoad(router_id="r", ts=0, seq=0))
+    await bus.publish(bus.subjects.router_load("r"), RouterLoad(router_id="r", ts=0, seq=1))
+    assert await asyncio.wait_for(got.get(), 5) == 1
+    assert BUS_DROPPED.labels("RouterLoad", "handler_error")._value.get() == before + 1
+
+
+async def test_request_reply(bus: Bus) -> None:
+    async def responder(req: KvDumpRequest) -> WorkerControl:
+        return WorkerControl(worker_id=req.worker_id, action="cordon")
+
+    await bus.serve(bus.subjects.kv_dump("w1"), KvDumpRequest, responder)
+    reply = await bus.request(
+        bus.subjects.kv_dump("w1"), KvDumpRequest(worker_id="w1"), WorkerControl, timeout=5
+    )
+    assert reply.worker_id == "w1" and reply.action == "cordon"
+
+
+async def test_request_without_responder_times_out(bus: Bus) -> None:
+    try:
+        await bus.request(
+            bus.subjects.kv_dump("nobody"),
+            KvDumpRequest(worker_id="nobody"),
+            WorkerControl,
+            timeout=0.5,
+        )
+    except TimeoutError as exc:
+        assert "nobody" in str(exc)
+    else:
+        raise AssertionError("expected TimeoutError")
+
+
+async def test_ensure_stream_is_idempotent(bus: Bus) -> None:
+    name = bus.subjects.kv_events_stream
+    await bus.ensure_stream(name, [bus.subjects.kv_events_all], max_age_s=60)
+    await bus.ensure_stream(name, [bus.subjects.kv_events_all], max_age_s=120)  # updates, no error
+    info = await bus.js.stream_info(name)
+    assert info.config.max_age == 120
+
+
+async def test_durable_consumer_resumes_after_restart(
+    nats_url: str, bus: Bus, subjects: Subjects
+) -> None:
+    stream = subjects.outcomes_stream
+    await bus.ensure_stream(stream, [subjects.router_load_all])
+    durable = subjects.durable("test_consumer")
+
+    async def run_consumer(expect: int) -> list[int]:
+        got: list[int] = []
+        done = asyncio.Event()
+        consumer_bus = Bus(nats_url, "consumer", subjects)
+        await consumer_bus.connect(max_wait_s=5)
+
+        async def handler(msg: RouterLoad, _raw) -> None:
+            got.append(msg.seq)
+            if len(got) >= expect:
+                done.set()
+
+        await consumer_bus.consume(
+            stream, subjects.router_load_all, durable, RouterLoad, handler, batch=10
+        )
+        await asyncio.wait_for(done.wait(), 10)
+        await consumer_bus.close()
+        return got
+
+    for i in range(5):
+        await bus.js_publish(subjects.router_load("r"), RouterLoad(router_id="r", ts=0, seq=i))
+    assert await run_consumer(5) == [0, 1, 2, 3, 4]
+    # published while no consumer runs: the durable consumer gets exactly these, nothing twice
+    for i in range(5, 8):
+        await bus.js_publish(subjects.router_load("r"), RouterLoad(router_id="r", ts=0, seq=i))
+    assert await run_consumer(3) == [5, 6, 7]
+
+
+async def test_reconnects_after_server_restart(embedded_nats, subjects: Subjects) -> None:
+    b = Bus(embedded_nats.url, "restart-test", subjects)
+    await b.connect(max_wait_s=5)
+    got: asyncio.Queue[int] = asyncio.Queue()
+
+    async def handler(msg: RouterLoad, _raw) -> None:
+        await got.put(msg.seq)
+
+    await b.subscribe(subjects.router_load_all, RouterLoad, handler)
+    await b.publish(subjects.router_load("r"), RouterLoad(router_id="r", ts=0, seq=1))
+    assert await asyncio.wait_for(got.get(), 5) == 1
+
+    embedded_nats.stop()
+    await asyncio.wait_for(b.disconnected.wait(), 10)
+    embedded_nats.start()
+    await asyncio.wait_for(b.connected.wait(), 20)  # nats-py reconnected by itself
+    await b.publish(subjects.router_load("r"), RouterLoad(router_id="r", ts=0, seq=2))
+    assert await asyncio.wait_for(got.get(), 5) == 2  # the subscription was restored
+    await b.close()
+
+
+async def test_connect_retries_until_server_appears(tmp_path, subjects: Subjects) -> None:
+    from services.common.embedded import EmbeddedNats
+
+    server = EmbeddedNats(tmp_path / "late")
+    b = Bus(server.url, "late", subjects)
+    task = asyncio.create_task(b.connect(max_wait_s=20))
+    await asyncio.sleep(0.3)  # the client is retrying now; then the server comes up
+    assert not task.done()
+    await asyncio.to_thread(server.start)
+    try:
+        await asyncio.wait_for(task, 20)
+        assert b.is_connected
+    finally:
+        await b.close()
+        server.stop()

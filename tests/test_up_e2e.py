@@ -1,0 +1,101 @@
+"""`kvgate up` as a user runs it: embedded NATS and Postgres, a chat completion through the
+router with the official openai client, then Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common.embedded import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _processes_mentioning(needle: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = (
+                Path(f"/proc/{pid}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
+        except OSError:
+            continue
+        if needle in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) -> None:
+    import openai
+
+    router, api, indexer, telemetry, sim = (free_port() for _ in range(5))
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--workers",
+            "2",
+            "--state-dir",
+            str(state),
+            "--router-port",
+            str(router),
+            "--api-port",
+            str(api),
+            "--indexer-port",
+            str(indexer),
+            "--telemetry-port",
+            str(telemetry),
+            "--sim-port",
+            str(sim),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Press Ctrl-C to stop" in line:
+                break
+        output = "".join(lines)
+        assert "kvgate is up" in output, output
+        assert f"http://127.0.0.1:{router}/v1" in output
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router}/v1", api_key="unused")
+        raw = client.chat.completions.with_raw_response.create(
+            model="sim-llama-8b", messages=[{"role": "user", "content": "Say hello"}], max_tokens=8
+        )
+        completion = raw.parse()
+        assert completion.choices[0].message.content
+        assert raw.headers["x-kvgate-worker"].startswith("sim")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, "".join(lines) + (proc.stdout.read() if proc.stdout else "")
+    leftovers = _processes_mentioning(str(state)) + _processes_mentioning(f"--port {router}")
+    leftovers += _processes_mentioning(f"--port {sim}")
+    assert leftovers == [], leftovers
