@@ -137,6 +137,11 @@ class GpuSample(Struct, kw_only=True):
     power_w: float | None = None
     xid_errors: NonNeg | None = None
     ecc_errors: NonNeg | None = None
+    # added by the telemetry issue (additive; older readers ignore them):
+    # mem_util_pct is memory *occupancy* (used/total %), mem_bw_util_pct is NVML's
+    # "memory utilization" (share of time device memory was read or written).
+    mem_free_bytes: NonNeg | None = None
+    last_xid: NonNeg | None = None  # code of the most recent XID error seen
 
 
 class WorkerLoad(Message):
@@ -159,6 +164,10 @@ class WorkerLoad(Message):
     prefix_cache_queries: NonNegF | None = None
     prefix_cache_hits: NonNegF | None = None
     gpus: list[GpuSample] = []
+    # added by the telemetry issue (additive):
+    kv_capacity_tokens: NonNeg | None = None  # KV cache size in tokens (blocks x block size)
+    cache_hit_rate: Frac | None = None  # prefix-cache hit rate over the last interval(s)
+    prefix_caching: bool | None = None  # engine reports prefix caching on / off
 
 
 # --------------------------------------------------------------------------- routers
