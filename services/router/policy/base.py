@@ -1,0 +1,187 @@
+"""The policy plugin model: a policy is a named class with a parameter schema that turns the
+candidate workers (already filtered) into costs; :func:`decide` does the rest.
+
+Flow of :func:`decide` (pure; the live router and the simulator both call it):
+
+1. **filters** (:mod:`.filters`): routable (healthy, not cordoned / draining, circuit closed),
+   serves the model, could *ever* hold the request (KV blocks and max_model_len) ->
+   otherwise ``never_fits`` with the numbers;
+2. **admission**: can take it *now* (in-flight below the cap, enough free KV blocks counting the
+   prefix it already holds) -> otherwise ``wait`` (the router queues it);
+3. **scorers** (:mod:`.scorers`, combined by the policy class): a cost per candidate;
+4. **picker** (:mod:`.pickers`): lowest cost, ties broken by the policy's seeded RNG.
+
+Invariant: given the same spec (including ``seed``) and the same sequence of
+(request, snapshot, overlaps), the sequence of decisions is identical.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from services.router.policy import filters
+from services.router.policy.errors import PolicyError
+from services.router.policy.pickers import pick_min
+from services.router.policy.types import ClusterSnapshot, Decision, RequestInfo, WorkerState
+from services.router.policy.validation import check
+
+# parameters every policy accepts
+COMMON_PARAMS: dict[str, Any] = {
+    "seed": {
+        "type": "integer",
+        "minimum": 0,
+        "default": 0,
+        "description": "seed of the policy's RNG (tie breaks, random choices)",
+    },
+    "max_inflight": {
+        "type": ["integer", "null"],
+        "minimum": 1,
+        "default": None,
+        "description": "per-worker cap on in-flight requests (null: the worker's max_num_seqs)",
+    },
+}
+
+
+@dataclass
+class PolicyState:
+    """Mutable state a policy keeps between decisions (deterministic given the seed)."""
+
+    rng: random.Random
+    counter: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class PolicyImpl:
+    """Base of every policy. Subclasses set ``name``, ``PARAMS`` (JSON Schema properties) and
+    implement :meth:`costs`. ``self.p`` holds validated params (defaults filled in)."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    PARAMS: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.p = params
+        self.max_inflight: int | None = params.get("max_inflight")
+
+    def cap(self, w: WorkerState) -> int:
+        c = w.capacity.max_num_seqs
+        return c if self.max_inflight is None else min(c, self.max_inflight)
+
+    def costs(
+        self,
+        req: RequestInfo,
+        cands: list[WorkerState],
+        overlaps: dict[str, int],
+        state: PolicyState,
+    ) -> dict[str, float]:
+        raise NotImplementedError
+
+    def pick(self, costs: dict[str, float], state: PolicyState) -> str:
+        return pick_min(costs, state.rng)
+
+
+REGISTRY: dict[str, type[PolicyImpl]] = {}
+
+
+def register(cls: type[PolicyImpl]) -> type[PolicyImpl]:
+    """Class decorator: make a policy available by ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def params_schema(cls: type[PolicyImpl]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": cls.description,
+        "properties": {**COMMON_PARAMS, **cls.PARAMS},
+        "additionalProperties": False,
+    }
+
+
+@dataclass
+class Policy:
+    """A configured policy: implementation + validated params + its own state."""
+
+    name: str
+    params: dict[str, Any]
+    impl: PolicyImpl
+    state: PolicyState
+    version: int = 0
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, "params": dict(self.params)}
+
+
+def validate_policy_spec(name: str, params: dict[str, Any] | None) -> dict[str, Any]:
+    """Validated params with defaults filled in, or :class:`PolicyError` naming the field."""
+    if not isinstance(name, str) or name not in REGISTRY:
+        raise PolicyError("name", f"unknown policy {name!r} (known: {', '.join(sorted(REGISTRY))})")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise PolicyError("params", "must be an object")
+    return check(params, params_schema(REGISTRY[name]), "params")
+
+
+def build_policy(spec: dict[str, Any], version: int = 0) -> Policy:
+    """``{"name": ..., "params": {...}}`` -> a ready :class:`Policy` (validated)."""
+    if not isinstance(spec, dict):
+        raise PolicyError("spec", "must be an object with 'name' and 'params'")
+    unknown = set(spec) - {"name", "params"}
+    if unknown:
+        raise PolicyError(sorted(unknown)[0], "unknown field (a spec has 'name' and 'params')")
+    name = spec.get("name")
+    params = validate_policy_spec(name, spec.get("params"))  # type: ignore[arg-type]
+    impl = REGISTRY[name](params)  # type: ignore[index]
+    return Policy(name, params, impl, PolicyState(random.Random(params["seed"])), version)
+
+
+def decide(
+    policy: Policy, request: RequestInfo, snapshot: ClusterSnapshot, overlaps: dict[str, int]
+) -> Decision:
+    impl = policy.impl
+    filtered: dict[str, str] = {}
+    serving = filters.routable_for_model(snapshot.workers.values(), request.model, filtered)
+    if not serving:
+        return Decision(
+            None,
+            reason=f"no routable worker serves model {request.model!r}",
+            filtered=filtered,
+            policy=policy.name,
+        )
+    possible = filters.could_ever_fit(serving, request, filtered)
+    if not possible:
+        return Decision(
+            None,
+            reason="request can never fit",
+            never_fits=filters.never_fits_message(serving, request),
+            filtered=filtered,
+            policy=policy.name,
+        )
+    cands = filters.can_take_now(possible, request, overlaps, impl.cap, filtered)
+    if not cands:
+        return Decision(
+            None,
+            reason="all workers at capacity",
+            wait=True,
+            filtered=filtered,
+            policy=policy.name,
+        )
+    costs = impl.costs(request, cands, overlaps, policy.state)
+    wid = impl.pick(costs, policy.state)
+    ov = overlaps.get(wid, 0)
+    bs = snapshot.workers[wid].capacity.block_size
+    return Decision(
+        wid,
+        scores=costs,
+        reason="lowest cost",
+        filtered=filtered,
+        overlap_blocks=ov,
+        cached_tokens=min(ov * bs, request.prompt_tokens),
+        policy=policy.name,
+    )

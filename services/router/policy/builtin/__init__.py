@@ -1,0 +1,17 @@
+"""Built-in policies, one small module each. Importing this package registers them all.
+
+To add a policy: write a module here with a :class:`~services.router.policy.base.PolicyImpl`
+subclass decorated with ``@register`` and import it below.
+"""
+
+from services.router.policy.builtin import (  # noqa: F401
+    gpu_aware,
+    kv_aware,
+    kv_load,
+    least_request,
+    power_of_two,
+    prefix,
+    random_pick,
+    round_robin,
+    weighted,
+)

@@ -1,0 +1,15 @@
+"""``random``: uniform choice among the candidates (seeded)."""
+
+from __future__ import annotations
+
+from services.router.policy.base import PolicyImpl, PolicyState, register
+from services.router.policy.types import RequestInfo, WorkerState
+
+
+@register
+class RandomPick(PolicyImpl):
+    name = "random"
+    description = "uniformly random worker (seeded; deterministic per seed)"
+
+    def costs(self, req: RequestInfo, cands: list[WorkerState], overlaps, state: PolicyState):
+        return {w.worker_id: state.rng.random() for w in cands}

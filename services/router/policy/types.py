@@ -1,0 +1,92 @@
+"""Inputs and output of a routing decision. Plain data, no I/O.
+
+Invariants:
+- A :class:`ClusterSnapshot` is a consistent view at ``now``: the caller (live router or
+  simulator) builds it from heartbeats, telemetry and in-flight counts; policies never mutate it.
+- ``WorkerState.inflight`` is *global*: this router's in-flight requests to the worker plus
+  those the other router replicas reported, so replicas do not pile onto the same idle worker.
+- ``WorkerState.kv_blocks_free`` is the caller's best estimate of free KV blocks *now*
+  (telemetry minus blocks reserved by requests dispatched since); ``None`` means unknown.
+- ``overlaps[w]`` (passed to ``decide`` beside the snapshot) is the number of leading prompt
+  blocks worker ``w`` holds, as :meth:`PrefixIndex.find_matches` returns it.
+- Costs in a :class:`Decision` are "lower is better" and comparable only within one decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What a worker can hold (from its heartbeat)."""
+
+    block_size: int = 16
+    num_gpu_blocks: int = 4096
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker_id: str
+    model: str = ""
+    url: str = ""
+    capacity: Capacity = field(default_factory=Capacity)
+    healthy: bool = True
+    cordoned: bool = False
+    draining: bool = False
+    circuit_open: bool = False
+    # load
+    inflight: int = 0  # global across router replicas
+    pending_prefill_tokens: int = 0  # uncached prompt tokens of in-flight requests before 1st token
+    running: int | None = None  # engine-reported (telemetry)
+    waiting: int | None = None
+    kv_usage: float | None = None  # 0..1
+    kv_blocks_free: int | None = None  # estimate now, see module docstring
+    # GPU pressure (telemetry; None = unknown)
+    gpu_sm_util: float | None = None  # 0..1
+    gpu_mem_used: float | None = None  # fraction 0..1 of total
+    gpu_bw_util: float | None = None  # 0..1
+    telemetry_age_s: float | None = None
+    telemetry_stale: bool = False
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not (self.cordoned or self.draining or self.circuit_open)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    request_id: str
+    model: str = ""
+    prompt_tokens: int = 0
+    max_tokens: int = 16
+    block_keys: tuple[int, ...] = ()
+    session_id: str | None = None
+
+
+@dataclass(slots=True)
+class ClusterSnapshot:
+    workers: dict[str, WorkerState]
+    now: float = 0.0
+
+
+@dataclass(slots=True)
+class Decision:
+    """The pick (or why none), with per-worker costs and filter verdicts for explanation.
+
+    - ``worker_id`` None and ``wait`` True: workers exist but none can take it now -> queue.
+    - ``never_fits`` set: no routable worker could ever hold the request (message has numbers).
+    - ``worker_id`` None, not ``wait``, no ``never_fits``: no routable worker serves the model.
+    """
+
+    worker_id: str | None
+    scores: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+    wait: bool = False
+    never_fits: str | None = None
+    filtered: dict[str, str] = field(default_factory=dict)  # worker -> why excluded
+    overlap_blocks: int = 0  # chosen worker's matched blocks
+    cached_tokens: int = 0  # predicted cached prompt tokens on the chosen worker
+    policy: str = ""
