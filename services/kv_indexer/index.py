@@ -5,102 +5,508 @@ simulator. Keys are canonical chained keys (services.common.keys), so a key iden
 prefix: if a worker holds key k_i of a prompt it is meant to hold k_0..k_i as well (engines
 evict leaves first), and :meth:`find_matches` counts, per worker, the leading run of keys held.
 
+Data structure (chosen for CPython speed and memory, see docs/kv-index.md):
+
+- ``_masks: dict[key, int]`` maps a block key to a bitmask of worker *slots* holding it
+  (any tier). With <= 8 workers every mask is a cached small int, so a stored key costs one
+  dict entry plus its int key (~80 bytes). Dict order is the LRU order: storing a key moves
+  it to the end, pruning takes from the front.
+- ``_tiers: dict[key, int]`` is sparse: 3 bits per slot (gpu=1, cpu=2, disk=4) for keys where
+  some holder has a tier set other than {gpu}. A key absent there is on GPU for every holder.
+- Workers get small slot numbers. Clearing a worker is O(1): its slot leaves ``_live`` (every
+  query masks with it) and is scrubbed from the dict incrementally by :meth:`maintain` (or at
+  once when the index is small); the slot is reused only after it has been scrubbed.
+
 Invariants:
-- ``len(index)`` equals the number of (worker, block) pairs stored;
+- ``len(index)`` equals the number of live (worker, block) pairs stored;
 - ``find_matches(keys)[w]`` is the largest n such that w holds keys[0..n-1] (0 omitted);
-- removing a worker removes every pair of that worker.
+- removing a worker removes every pair of that worker (immediately for every query);
+- with ``max_blocks`` set, ``len(index) <= max_blocks`` after every call: when a store goes
+  over, the least-recently-stored keys are pruned (with all their holders) down to
+  ``max_blocks - max_blocks // 64`` and counted in ``evicted_pairs``; with ``record_evictions``
+  the pruned keys are kept in ``evicted`` until the owner takes them (to publish them).
 
 API (stable; the implementation may change for speed and memory):
     apply_stored(worker, keys, tier) -> pairs added
     apply_removed(worker, keys, tier) -> pairs removed
     clear_worker(worker) -> pairs removed
     find_matches(keys) -> {worker: matched_blocks}
-    tiers_of(worker, key) / workers()
+    match_prompt(token_ids, block_size, seed) -> {worker: matched_blocks}  (lazy hashing)
+    find_matches_by_tier(keys) -> {worker: (matched, gpu, cpu, disk)}
+    tier_of(worker, key) / tiers_of(worker, key) / workers() / blocks_of(worker) / holds()
+    export_state() / PrefixIndex.from_state(state)  (snapshots)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from services.common.keys import tokens_to_bytes
+
+_xxh3 = xxhash.xxh3_64_intdigest  # the primitive of services.common.keys, bound for the hot loop
+
+TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
+TIER_BIT: dict[str, int] = {"gpu": 1, "cpu": 2, "disk": 4}
+_M64 = (1 << 64) - 1
+SYNC_SCRUB_KEYS = 50_000  # clear_worker scrubs at once below this many keys
+
+
+def _bits(mask: int) -> Iterable[int]:
+    """Slot numbers of the set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+@dataclass
+class IndexState:
+    """A consistent copy of an index as flat arrays (what a snapshot carries).
+
+    ``slots[i]`` is the worker in slot i ("" = free); ``counts[i]`` its pairs; ``keys`` and
+    ``masks`` are parallel (masks as 64-bit words, least significant word first);
+    ``tier_keys`` / ``tier_values`` likewise for the sparse tier map (``tier_values`` holds
+    Python ints, 3 bits per slot). Arrays are numpy uint64 arrays or plain lists.
+    """
+
+    slots: list[str]
+    counts: list[int]
+    keys: object
+    masks: list[object]
+    tier_keys: object = None
+    tier_values: list[int] = field(default_factory=list)
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
-        # key -> {worker: tier}
-        self._blocks: dict[int, dict[str, str]] = {}
-        # worker -> its keys (for fast worker removal)
-        self._by_worker: dict[str, set[int]] = {}
+    def __init__(self, max_blocks: int | None = None, record_evictions: bool = False) -> None:
+        if max_blocks is not None and max_blocks <= 0:
+            raise ValueError("max_blocks must be > 0 (or None for no cap)")
+        self.max_blocks = max_blocks
+        self.record_evictions = record_evictions
+        self._masks: dict[int, int] = {}
+        self._tiers: dict[int, int] = {}
+        self._slot_of: dict[str, int] = {}
+        self._names: list[str | None] = []  # slot -> worker (None: free or dirty)
+        self._counts: list[int] = []  # slot -> live pairs
+        self._free: list[int] = []  # clean, reusable slots
+        self._live = 0  # bits of slots in use
+        self._dirty = 0  # bits of cleared slots not yet scrubbed from the dict
         self._pairs = 0
+        self._scrub_keys: list[int] | None = None
+        self._scrub_pos = 0
+        self._scrub_mask = 0
+        self.evicted_pairs = 0
+        self.evicted: list[int] = []
 
+    # ------------------------------------------------------------------ introspection
     def __len__(self) -> int:
         return self._pairs
 
+    @property
+    def num_keys(self) -> int:
+        """Distinct keys in the dict (including ones awaiting scrub)."""
+        return len(self._masks)
+
     def workers(self) -> set[str]:
-        return {w for w, ks in self._by_worker.items() if ks}
+        return {w for w, s in self._slot_of.items() if self._counts[s]}
 
     def blocks_of(self, worker: str) -> int:
-        return len(self._by_worker.get(worker, ()))
+        s = self._slot_of.get(worker)
+        return 0 if s is None else self._counts[s]
 
+    def holds(self, worker: str, key: int) -> bool:
+        s = self._slot_of.get(worker)
+        return s is not None and bool(self._masks.get(key, 0) >> s & 1)
+
+    def tiers_of(self, worker: str, key: int) -> tuple[str, ...]:
+        """Every tier ``worker`` holds ``key`` on (empty if it does not hold it)."""
+        s = self._slot_of.get(worker)
+        if s is None or not self._masks.get(key, 0) >> s & 1:
+            return ()
+        cur = self._tiers.get(key, 0) >> (3 * s) & 7 or 1
+        return tuple(t for t in TIERS if cur & TIER_BIT[t])
+
+    def tier_of(self, worker: str, key: int) -> str | None:
+        """The fastest tier ``worker`` holds ``key`` on (gpu > cpu > disk), or None."""
+        tiers = self.tiers_of(worker, key)
+        return tiers[0] if tiers else None
+
+    # ------------------------------------------------------------------ slots
+    def _slot(self, worker: str) -> int:
+        s = self._slot_of.get(worker)
+        if s is not None:
+            return s
+        if self._free:
+            self._free.sort()
+            s = self._free.pop(0)
+            self._names[s] = worker
+            self._counts[s] = 0
+        else:
+            s = len(self._names)
+            self._names.append(worker)
+            self._counts.append(0)
+        self._slot_of[worker] = s
+        self._live |= 1 << s
+        return s
+
+    # ------------------------------------------------------------------ mutation
     def apply_stored(self, worker: str, keys: Iterable[int], tier: str = "gpu") -> int:
+        """Record that ``worker`` stored ``keys`` on ``tier``; returns new pairs."""
+        s = self._slot(worker)
+        bit = 1 << s
+        d = self._masks
+        pop = d.pop
         added = 0
-        mine = self._by_worker.setdefault(worker, set())
-        for k in keys:
-            holders = self._blocks.get(k)
-            if holders is None:
-                holders = self._blocks[k] = {}
-            if worker not in holders:
-                added += 1
-                mine.add(k)
-            holders[worker] = tier
+        tiers = self._tiers
+        if tier == "gpu":
+            if not tiers:
+                for k in keys:
+                    m = pop(k, 0)
+                    if not m & bit:
+                        added += 1
+                        m |= bit
+                    d[k] = m
+            else:
+                sh = 3 * s
+                for k in keys:
+                    m = pop(k, 0)
+                    if not m & bit:
+                        added += 1
+                        m |= bit
+                        t = tiers.get(k)
+                        if t is not None and t >> sh & 7:  # stale bits: new pair is gpu only
+                            t &= ~(7 << sh)
+                            if t:
+                                tiers[k] = t
+                            else:
+                                del tiers[k]
+                    else:
+                        t = tiers.get(k)
+                        if t is not None:
+                            cur = t >> sh & 7
+                            if cur and not cur & 1:
+                                tiers[k] = t | (1 << sh)
+                    d[k] = m
+        else:
+            tb = TIER_BIT[tier]
+            sh = 3 * s
+            clear = ~(7 << sh)
+            for k in keys:
+                m = pop(k, 0)
+                t = tiers.get(k, 0)
+                if not m & bit:
+                    added += 1
+                    m |= bit
+                    t = (t & clear) | (tb << sh)
+                else:
+                    cur = t >> sh & 7 or 1
+                    t = (t & clear) | ((cur | tb) << sh)
+                d[k] = m
+                tiers[k] = t
+        self._counts[s] += added
         self._pairs += added
+        if self.max_blocks is not None and self._pairs > self.max_blocks:
+            self._prune()
         return added
 
     def apply_removed(self, worker: str, keys: Iterable[int], tier: str | None = None) -> int:
-        removed = 0
-        mine = self._by_worker.get(worker)
-        if not mine:
+        """Record that ``worker`` dropped ``keys`` (from ``tier`` only, or from every tier)."""
+        s = self._slot_of.get(worker)
+        if s is None:
             return 0
+        bit = 1 << s
+        nbit = ~bit
+        d = self._masks
+        tiers = self._tiers
+        sh = 3 * s
+        clear = ~(7 << sh)
+        tb = TIER_BIT[tier] if tier is not None else 7
+        removed = 0
         for k in keys:
-            holders = self._blocks.get(k)
-            if holders is None or worker not in holders:
+            m = d.get(k)
+            if m is None or not m & bit:
                 continue
-            if tier is not None and holders[worker] != tier:
+            t = tiers.get(k) if tiers else None
+            if t is not None:
+                cur = t >> sh & 7 or 1
+                if not cur & tb:
+                    continue
+                cur &= ~tb
+                t &= clear
+                if cur:  # still held on another tier
+                    if cur != 1:
+                        t |= cur << sh
+                    if t:
+                        tiers[k] = t
+                    else:
+                        del tiers[k]
+                    continue
+                if t:
+                    tiers[k] = t
+                else:
+                    del tiers[k]
+            elif not tb & 1:  # held on gpu only, asked to drop another tier
                 continue
-            del holders[worker]
-            if not holders:
-                del self._blocks[k]
-            mine.discard(k)
+            m &= nbit
+            if m:
+                d[k] = m
+            else:
+                del d[k]
             removed += 1
+        self._counts[s] -= removed
+        self._pairs -= removed
+        return removed
+
+    def remove_keys(self, keys: Iterable[int]) -> int:
+        """Drop ``keys`` from every worker (what pruning does); returns pairs removed."""
+        d = self._masks
+        tiers = self._tiers
+        live = self._live
+        counts = self._counts
+        removed = 0
+        for k in keys:
+            m = d.pop(k, None)
+            if m is None:
+                continue
+            if tiers:
+                tiers.pop(k, None)
+            m &= live
+            if m:
+                for s in _bits(m):
+                    counts[s] -= 1
+                removed += m.bit_count()
         self._pairs -= removed
         return removed
 
     def clear_worker(self, worker: str) -> int:
-        mine = self._by_worker.pop(worker, None)
-        if not mine:
+        """Drop every pair of ``worker`` (O(1) now; the dict is scrubbed later)."""
+        s = self._slot_of.pop(worker, None)
+        if s is None:
             return 0
-        for k in mine:
-            holders = self._blocks.get(k)
-            if holders is not None:
-                holders.pop(worker, None)
-                if not holders:
-                    del self._blocks[k]
-        self._pairs -= len(mine)
-        return len(mine)
+        n = self._counts[s]
+        self._counts[s] = 0
+        self._pairs -= n
+        self._names[s] = None
+        bit = 1 << s
+        self._live &= ~bit
+        self._dirty |= bit
+        if len(self._masks) <= SYNC_SCRUB_KEYS:
+            while self.maintain(1 << 30):
+                pass
+        return n
 
-    def tier_of(self, worker: str, key: int) -> str | None:
-        holders = self._blocks.get(key)
-        return None if holders is None else holders.get(worker)
+    def maintain(self, budget: int = 65_536) -> bool:
+        """Scrub cleared slots from up to ``budget`` keys; True while work remains."""
+        if self._scrub_keys is None:
+            if not self._dirty:
+                return False
+            self._scrub_mask = self._dirty
+            self._scrub_keys = list(self._masks)
+            self._scrub_pos = 0
+        keys = self._scrub_keys
+        end = min(self._scrub_pos + budget, len(keys))
+        dead = self._scrub_mask
+        keep = ~dead
+        tkeep = 0
+        for s in _bits(dead):
+            tkeep |= 7 << (3 * s)
+        tkeep = ~tkeep
+        d = self._masks
+        tiers = self._tiers
+        for i in range(self._scrub_pos, end):
+            k = keys[i]
+            m = d.get(k)
+            if m is None or not m & dead:
+                continue
+            m &= keep
+            if m:
+                d[k] = m
+            else:
+                del d[k]
+            if tiers:
+                t = tiers.get(k)
+                if t is not None:
+                    t &= tkeep
+                    if t and m:
+                        tiers[k] = t
+                    else:
+                        del tiers[k]
+        self._scrub_pos = end
+        if end < len(keys):
+            return True
+        for s in _bits(dead):
+            self._free.append(s)
+        self._dirty &= ~dead
+        self._scrub_keys = None
+        self._scrub_mask = 0
+        return bool(self._dirty)
 
+    def _prune(self) -> None:
+        """Drop least-recently-stored keys until ``len <= max_blocks - max_blocks // 64``."""
+        assert self.max_blocks is not None
+        target = self.max_blocks - self.max_blocks // 64
+        d = self._masks
+        live = self._live
+        victims: list[int] = []
+        pairs = self._pairs
+        for k, m in d.items():
+            if pairs <= target:
+                break
+            victims.append(k)
+            pairs -= (m & live).bit_count()
+        removed = self.remove_keys(victims)
+        self.evicted_pairs += removed
+        if self.record_evictions:
+            self.evicted.extend(victims)
+
+    def take_evicted(self) -> list[int]:
+        out, self.evicted = self.evicted, []
+        return out
+
+    # ------------------------------------------------------------------ queries
     def find_matches(self, keys: Sequence[int]) -> dict[str, int]:
         """Per worker, how many leading keys of ``keys`` it holds (workers with 0 omitted)."""
+        active = self._live
+        if not active:
+            return {}
+        get = self._masks.get
+        names = self._names
         result: dict[str, int] = {}
-        active: set[str] | None = None
-        for depth, k in enumerate(keys):
-            holders = self._blocks.get(k)
-            if not holders:
-                break
-            active = set(holders) if active is None else active.intersection(holders)
-            if not active:
-                break
-            for w in active:
-                result[w] = depth + 1
+        depth = 0
+        for k in keys:
+            m = get(k, 0) & active
+            if m != active:
+                if depth:
+                    gone = active ^ m
+                    while gone:
+                        low = gone & -gone
+                        result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
+                        gone ^= low
+                active = m
+                if not m:
+                    return result
+            depth += 1
+        if depth:
+            while active:
+                low = active & -active
+                result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
+                active ^= low
         return result
+
+    def match_prompt(
+        self, token_ids: Sequence[int], block_size: int, seed: int = 0
+    ) -> dict[str, int]:
+        """``find_matches(block_keys(token_ids, block_size, seed))``, hashing lazily: stops at
+        the first block no worker holds (so a miss costs one hash, not the whole prompt)."""
+        n = len(token_ids) // block_size
+        active = self._live
+        if n <= 0 or not active:
+            return {}
+        data = memoryview(tokens_to_bytes(token_ids))
+        step = block_size * 4
+        get = self._masks.get
+        names = self._names
+        result: dict[str, int] = {}
+        h = seed
+        off = 0
+        depth = 0
+        end = n * step
+        while off < end:
+            h = _xxh3(data[off : off + step], h)
+            off += step
+            m = get(h, 0) & active
+            if m != active:
+                if depth:
+                    gone = active ^ m
+                    while gone:
+                        low = gone & -gone
+                        result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
+                        gone ^= low
+                active = m
+                if not m:
+                    return result
+            depth += 1
+        while active:
+            low = active & -active
+            result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
+            active ^= low
+        return result
+
+    def find_matches_by_tier(self, keys: Sequence[int]) -> dict[str, tuple[int, int, int, int]]:
+        """Per worker: (matched blocks, of which on gpu, on cpu, on disk) — a block on several
+        tiers counts once, on its fastest tier."""
+        out: dict[str, tuple[int, int, int, int]] = {}
+        tiers = self._tiers
+        for w, n in self.find_matches(keys).items():
+            sh = 3 * self._slot_of[w]
+            g = c = dk = 0
+            for k in keys[:n]:
+                cur = tiers.get(k, 0) >> sh & 7 or 1 if tiers else 1
+                if cur & 1:
+                    g += 1
+                elif cur & 2:
+                    c += 1
+                else:
+                    dk += 1
+            out[w] = (n, g, c, dk)
+        return out
+
+    # ------------------------------------------------------------------ snapshots
+    def export_state(self) -> IndexState:
+        """Flat arrays of the whole index (scrubs pending clears first)."""
+        import numpy as np
+
+        while self.maintain(1 << 30):
+            pass
+        d = self._masks
+        n = len(d)
+        nwords = max(1, (len(self._names) + 63) // 64)
+        keys = np.fromiter(d.keys(), dtype=np.uint64, count=n)
+        if nwords == 1:
+            masks = [np.fromiter(d.values(), dtype=np.uint64, count=n)]
+        else:
+            masks = [
+                np.fromiter(((m >> (64 * w)) & _M64 for m in d.values()), np.uint64, count=n)
+                for w in range(nwords)
+            ]
+        tiers = self._tiers
+        return IndexState(
+            slots=[w or "" for w in self._names],
+            counts=list(self._counts),
+            keys=keys,
+            masks=masks,
+            tier_keys=np.fromiter(tiers.keys(), dtype=np.uint64, count=len(tiers)),
+            tier_values=list(tiers.values()),
+        )
+
+    @classmethod
+    def from_state(
+        cls, state: IndexState, max_blocks: int | None = None, record_evictions: bool = False
+    ) -> PrefixIndex:
+        """Rebuild an index from :meth:`export_state` output (slot numbers are kept)."""
+        idx = cls(max_blocks=max_blocks, record_evictions=record_evictions)
+        keys = state.keys.tolist() if hasattr(state.keys, "tolist") else list(state.keys)
+        words = [w.tolist() if hasattr(w, "tolist") else list(w) for w in state.masks]
+        if len(words) == 1:
+            masks = words[0]
+        else:
+            masks = [sum(ws[i] << (64 * i) for i in range(len(ws))) for ws in zip(*words)]
+        idx._masks = dict(zip(keys, masks, strict=True))
+        if state.tier_keys is not None and len(state.tier_values):
+            tk = state.tier_keys
+            tk = tk.tolist() if hasattr(tk, "tolist") else list(tk)
+            idx._tiers = dict(zip(tk, state.tier_values, strict=True))
+        idx._names = [w or None for w in state.slots]
+        idx._counts = [int(c) for c in state.counts]
+        for s, w in enumerate(idx._names):
+            if w:
+                idx._slot_of[w] = s
+                idx._live |= 1 << s
+            else:
+                idx._counts[s] = 0
+                idx._free.append(s)
+        idx._pairs = sum(idx._counts)
+        return idx

@@ -1,0 +1,174 @@
+"""PrefixIndex against a naive reference model: matches, tiers, lazy clears, LRU cap, snapshots."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.common.keys import block_keys, block_seed
+from services.kv_indexer import index as index_mod
+from services.kv_indexer.index import TIER_BIT, PrefixIndex
+
+
+class Model:
+    """worker -> key -> set of tiers; the obviously-correct version of the index."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, dict[int, set[str]]] = {}
+
+    def stored(self, w: str, keys: list[int], tier: str) -> None:
+        mine = self.held.setdefault(w, {})
+        for k in keys:
+            mine.setdefault(k, set()).add(tier)
+
+    def removed(self, w: str, keys: list[int], tier: str | None) -> None:
+        mine = self.held.get(w, {})
+        for k in keys:
+            tiers = mine.get(k)
+            if tiers is None:
+                continue
+            if tier is None:
+                del mine[k]
+            elif tier in tiers:
+                tiers.discard(tier)
+                if not tiers:
+                    del mine[k]
+
+    def clear(self, w: str) -> None:
+        self.held.pop(w, None)
+
+    def pairs(self) -> int:
+        return sum(len(m) for m in self.held.values())
+
+    def matches(self, keys: list[int]) -> dict[str, int]:
+        out = {}
+        for w, mine in self.held.items():
+            n = 0
+            while n < len(keys) and keys[n] in mine:
+                n += 1
+            if n:
+                out[w] = n
+        return out
+
+
+def _chains(rng: random.Random, n: int) -> list[list[int]]:
+    chains = []
+    for _ in range(n):
+        base = rng.choice(chains) if chains and rng.random() < 0.5 else []
+        cut = rng.randrange(len(base) + 1) if base else 0
+        extra = [rng.randrange(1000) for _ in range(16 * rng.randrange(1, 6))]
+        keys = block_keys(extra, 16, seed=len(chains))
+        if base and cut:
+            keys = base[:cut] + block_keys(extra, 16, parent_key=base[cut - 1])
+        chains.append(keys)
+    return chains
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_ops_match_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(index_mod, "SYNC_SCRUB_KEYS", 10)  # exercise the lazy scrub path
+    rng = random.Random(seed)
+    idx, ref = PrefixIndex(), Model()
+    chains = _chains(rng, 40)
+    workers = [f"w{i}" for i in range(11)]  # more than 8: masks beyond the small-int cache
+    for step in range(1500):
+        w = rng.choice(workers)
+        chain = rng.choice(chains)
+        r = rng.random()
+        if r < 0.5:
+            n = rng.randrange(1, len(chain) + 1)
+            tier = rng.choice(["gpu", "gpu", "cpu", "disk"])
+            idx.apply_stored(w, chain[:n], tier)
+            ref.stored(w, chain[:n], tier)
+        elif r < 0.8:
+            n = rng.randrange(len(chain))
+            tier = rng.choice([None, "gpu", "cpu", "disk"])
+            got = idx.apply_removed(w, chain[n:], tier)
+            before = ref.pairs()
+            ref.removed(w, chain[n:], tier)
+            assert got == before - ref.pairs()
+        elif r < 0.85:
+            assert idx.clear_worker(w) == len(ref.held.get(w, {}))
+            ref.clear(w)
+        elif r < 0.9:
+            idx.maintain(rng.randrange(1, 50))
+        q = rng.choice(chains)
+        assert idx.find_matches(q) == ref.matches(q), step
+        assert len(idx) == ref.pairs()
+    for w in workers:
+        assert idx.blocks_of(w) == len(ref.held.get(w, {}))
+        for k, tiers in ref.held.get(w, {}).items():
+            assert set(idx.tiers_of(w, k)) == tiers
+    assert idx.workers() == {w for w, m in ref.held.items() if m}
+    while idx.maintain(7):
+        pass
+    # after scrubbing, no key survives without a live holder
+    assert all(m for m in idx._masks.values())
+
+
+def test_match_prompt_equals_find_matches_of_keys() -> None:
+    rng = random.Random(5)
+    seed = block_seed(7, lora="ad")
+    toks = [rng.randrange(50_000) for _ in range(4096 + 5)]
+    keys = block_keys(toks, 16, seed)
+    idx = PrefixIndex()
+    idx.apply_stored("a", keys)
+    idx.apply_stored("b", keys[:100])
+    idx.apply_stored("c", keys[1:50])  # holds no leading run
+    assert idx.match_prompt(toks, 16, seed) == idx.find_matches(keys) == {"a": 256, "b": 100}
+    assert idx.match_prompt(toks, 16, 0) == {}  # another seed: another key space
+    assert idx.match_prompt(toks[:15], 16, seed) == {}
+
+
+def test_tiers_by_block() -> None:
+    keys = block_keys(list(range(64)), 16)
+    idx = PrefixIndex()
+    idx.apply_stored("a", keys[:2])
+    idx.apply_stored("a", keys[2:], "cpu")
+    idx.apply_stored("a", keys[3:], "disk")
+    assert idx.find_matches_by_tier(keys) == {"a": (4, 2, 2, 0)}  # cpu+disk counts as cpu
+    assert idx.tier_of("a", keys[3]) == "cpu" and idx.tiers_of("a", keys[3]) == ("cpu", "disk")
+    assert idx.apply_removed("a", keys[3:], "cpu") == 0  # still on disk
+    assert idx.tier_of("a", keys[3]) == "disk"
+    assert idx.apply_removed("a", keys[3:], "disk") == 1
+    assert idx.find_matches(keys) == {"a": 3}
+    assert TIER_BIT["gpu"] == 1
+
+
+def test_lru_cap_prunes_least_recently_stored() -> None:
+    idx = PrefixIndex(max_blocks=640, record_evictions=True)
+    chains = [block_keys([c] * 160, 16, seed=c) for c in range(100)]  # 10 keys each
+    for c in chains[:64]:
+        idx.apply_stored("a", c)
+    assert len(idx) == 640 and idx.evicted_pairs == 0
+    idx.apply_stored("a", chains[0])  # refresh chain 0: now most recent
+    idx.apply_stored("b", chains[64])  # over the cap -> prune 10 + 640 // 64 oldest
+    assert len(idx) <= 640 - 640 // 64
+    assert idx.evicted_pairs == 650 - len(idx)
+    evicted = idx.take_evicted()
+    assert evicted[:10] == chains[1] and chains[0][0] not in evicted
+    assert idx.find_matches(chains[0]) == {"a": 10}
+    assert idx.find_matches(chains[1]) == {}
+    for c in chains[65:]:
+        idx.apply_stored("c", c)
+        assert len(idx) <= 640
+
+
+def test_snapshot_round_trip_keeps_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(index_mod, "SYNC_SCRUB_KEYS", 0)
+    rng = random.Random(9)
+    idx = PrefixIndex()
+    chains = _chains(rng, 30)
+    for i in range(70):  # 70 slots: masks need two 64-bit words
+        for c in rng.sample(chains, 3):
+            idx.apply_stored(f"w{i}", c, rng.choice(["gpu", "cpu"]))
+    idx.clear_worker("w3")  # a dirty slot: export scrubs it
+    state = idx.export_state()
+    copy = PrefixIndex.from_state(state)
+    assert len(copy) == len(idx) and copy.workers() == idx.workers()
+    for c in chains:
+        assert copy.find_matches(c) == idx.find_matches(c)
+        assert copy.find_matches_by_tier(c) == idx.find_matches_by_tier(c)
+    copy.apply_stored("new", chains[0])  # reuses the free slot of w3
+    assert copy.find_matches(chains[0])["new"] == len(chains[0])
