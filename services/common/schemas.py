@@ -180,6 +180,8 @@ class RouterLoad(Message):
     ts: float
     seq: NonNeg = 0
     inflight: dict[str, NonNeg] = {}
+    # uncached prompt tokens of those requests still before their first token (queued prefill)
+    pending_prefill: dict[str, NonNeg] = {}
 
 
 class RouterOutcome(Message):
@@ -242,6 +244,103 @@ class Alert(Message):
     details: dict[str, Any] = {}
     ts: float = 0.0
     alert_id: str | None = None  # set by the alert manager
+
+
+# --------------------------------------------------------------------------- KV index plane
+# The indexer publishes ordered IndexDelta messages (kv.index.delta) and answers
+# SnapshotRequest (kv.index.snapshot) with one or more SnapshotChunk replies sent to the
+# request's reply subject; KvQuery -> KvQueryReply on kv.query. See docs/kv-index.md.
+
+
+class IndexStored(Struct, tag="stored", tag_field="op", kw_only=True):
+    worker_id: str
+    keys: list[U64]
+    tier: Tier = "gpu"
+
+
+class IndexRemoved(Struct, tag="removed", tag_field="op", kw_only=True):
+    worker_id: str
+    keys: list[U64]
+    tier: Tier | None = None  # None: every tier
+
+
+class IndexCleared(Struct, tag="cleared", tag_field="op", kw_only=True):
+    worker_id: str
+
+
+class IndexEvicted(Struct, tag="evicted", tag_field="op", kw_only=True):
+    """Keys pruned by the indexer's memory cap: dropped for every worker."""
+
+    keys: list[U64]
+
+
+IndexOp = IndexStored | IndexRemoved | IndexCleared | IndexEvicted
+
+
+class IndexDelta(Message):
+    """Index changes in apply order. ``seq`` increases by one per delta within an ``epoch``
+    (one epoch per indexer process); a replica that sees a gap or a new epoch re-snapshots."""
+
+    epoch: str
+    seq: NonNeg
+    ts: float
+    ops: list[IndexOp]
+
+
+class SnapshotRequest(Message):
+    replica_id: str = ""
+    max_chunk_bytes: Pos | None = None
+
+
+class SnapshotChunk(Message):
+    """One part of a snapshot taken right after delta ``delta_seq`` of ``epoch``.
+
+    ``keys`` is little-endian uint64 packed; ``masks`` one packed uint64 array per 64 worker
+    slots (bit i of word w: slot 64*w+i holds the key); ``slots`` names the worker of each
+    slot ("" = free) and ``counts`` its pairs. Tier data (sparse, 3 bits per slot: gpu=1,
+    cpu=2, disk=4) rides in ``tier_keys`` (packed) and ``tier_values`` (bytes of each int,
+    little-endian). Rows ``row_start..`` of the key table; chunks ``chunk`` of ``chunks``.
+    """
+
+    epoch: str
+    snapshot_id: str
+    delta_seq: int
+    chunk: NonNeg
+    chunks: Pos
+    slots: list[str]
+    counts: list[NonNeg]
+    row_start: NonNeg
+    keys: bytes
+    masks: list[bytes]
+    tier_keys: bytes = b""
+    tier_values: list[bytes] = []
+    error: str | None = None
+
+
+class KvQuery(Message):
+    """Which workers hold this prompt's prefix: give ``token_ids`` (keys are derived with
+    ``block_size`` — default the indexer's — and the cluster seed, ``lora`` and ``salt``) or
+    canonical ``keys`` directly."""
+
+    token_ids: list[NonNeg] | None = None
+    keys: list[U64] | None = None
+    block_size: Pos | None = None
+    lora: str | None = None
+    salt: str | None = None
+
+
+class KvQueryMatch(Struct, kw_only=True):
+    worker_id: str
+    matched_blocks: NonNeg
+    gpu_blocks: NonNeg = 0
+    cpu_blocks: NonNeg = 0
+    disk_blocks: NonNeg = 0
+
+
+class KvQueryReply(Message):
+    blocks: NonNeg = 0  # keys considered
+    matches: list[KvQueryMatch] = []
+    error: str | None = None
 
 
 # --------------------------------------------------------------------------- codec

@@ -52,6 +52,7 @@ TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 TIER_BIT: dict[str, int] = {"gpu": 1, "cpu": 2, "disk": 4}
 _M64 = (1 << 64) - 1
 SYNC_SCRUB_KEYS = 50_000  # clear_worker scrubs at once below this many keys
+AUTO_SCRUB_KEYS = 2_048  # keys scrubbed per apply_stored while a cleared slot is pending
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -208,6 +209,8 @@ class PrefixIndex:
                 tiers[k] = t
         self._counts[s] += added
         self._pairs += added
+        if self._dirty:  # amortised scrub of cleared workers, so owners need not call maintain
+            self.maintain(AUTO_SCRUB_KEYS)
         if self.max_blocks is not None and self._pairs > self.max_blocks:
             self._prune()
         return added
