@@ -1,0 +1,229 @@
+"""Benchmark and simulation reports: results JSON, a Markdown table and PNG plots, written under
+``bench/results/<name>/``. The same format for ``kvgate bench`` and ``kvgate simulate``.
+
+A report is a dict::
+
+    {"name", "kind": "bench"|"simulate", "created", "config": {...},
+     "workload": Workload.summary() + {"infinite_cache_hit_rate"},
+     "runs": [{"label", "router", "summary": metrics.summarize(...)}, ...],
+     "comparisons": {...}}
+
+Only I/O here is writing the files; everything else is pure formatting.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+BASELINES = ("round_robin", "prefix", "sglang-router", "vllm-router")
+
+
+def _get(d: dict[str, Any], *path: str) -> Any:
+    for p in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(p)
+    return d
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def comparisons(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each run's TTFT and hit rate relative to the baselines present in the report (ratios < 1
+    mean lower TTFT than the baseline), and its hit rate relative to the infinite-cache bound."""
+    runs = {r["label"]: r["summary"] for r in report.get("runs", [])}
+    bound = _get(report, "workload", "infinite_cache_hit_rate")
+    out: dict[str, dict[str, Any]] = {}
+    for label, s in runs.items():
+        row: dict[str, Any] = {
+            "hit_rate_vs_bound": _ratio(s.get("hit_rate"), bound),
+        }
+        for base in BASELINES:
+            b = runs.get(base)
+            if b is None or base == label:
+                continue
+            row[f"ttft_p50_vs_{base}"] = _ratio(_get(s, "ttft_s", "p50"), _get(b, "ttft_s", "p50"))
+            row[f"ttft_p99_vs_{base}"] = _ratio(_get(s, "ttft_s", "p99"), _get(b, "ttft_s", "p99"))
+            row[f"hit_rate_minus_{base}"] = (
+                s["hit_rate"] - b["hit_rate"]
+                if s.get("hit_rate") is not None and b.get("hit_rate") is not None
+                else None
+            )
+        out[label] = row
+    return out
+
+
+def _fmt(x: Any, scale: float = 1.0, digits: int = 1, pct: bool = False) -> str:
+    if x is None:
+        return "–"
+    if pct:
+        return f"{100 * x:.{digits}f}%"
+    return f"{x * scale:.{digits}f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The results as a Markdown document: one table row per run, then the ratios."""
+    w = report.get("workload", {})
+    lines = [
+        f"# {report.get('name', 'benchmark')} ({report.get('kind', 'bench')})",
+        "",
+        f"Workload `{w.get('name')}`: {w.get('requests')} requests, "
+        f"mean prompt {w.get('mean_prompt_tokens', 0):.0f} tokens, "
+        f"infinite-cache hit-rate bound {_fmt(w.get('infinite_cache_hit_rate'), pct=True)}; "
+        f"params `{json.dumps(w.get('params', {}), sort_keys=True)}`.",
+        "",
+        f"Config: `{json.dumps(report.get('config', {}), sort_keys=True)}`",
+        "",
+        "| run | ok | err | t/o | rej | TTFT p50 ms | TTFT p95 ms | TTFT p99 ms | ITL p50 ms "
+        "| ITL p99 ms | e2e p50 s | req/s | out tok/s | hit rate | hit (usage) | workers used "
+        "| share min–max (×fair) | max in-flight |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in report.get("runs", []):
+        s = run["summary"]
+        peak = max((v["max_inflight"] for v in s.get("per_worker", {}).values()), default=None)
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{run['label']}`",
+                    str(s["completed"]),
+                    str(s["errors"]),
+                    str(s["timeouts"]),
+                    str(s["rejected"]),
+                    _fmt(_get(s, "ttft_s", "p50"), 1000),
+                    _fmt(_get(s, "ttft_s", "p95"), 1000),
+                    _fmt(_get(s, "ttft_s", "p99"), 1000),
+                    _fmt(_get(s, "itl_s", "p50"), 1000, 2),
+                    _fmt(_get(s, "itl_s", "p99"), 1000, 2),
+                    _fmt(_get(s, "e2e_s", "p50"), 1, 2),
+                    _fmt(s["request_throughput"], 1, 2),
+                    _fmt(s["output_token_throughput"], 1, 0),
+                    _fmt(s.get("hit_rate"), pct=True),
+                    _fmt(s.get("hit_rate_reported"), pct=True),
+                    str(s.get("workers_used")),
+                    f"{_fmt(s.get('fair_ratio_min'), 1, 2)}–{_fmt(s.get('fair_ratio_max'), 1, 2)}",
+                    str(peak if peak is not None else "–"),
+                ]
+            )
+            + " |"
+        )
+    comp = report.get("comparisons") or comparisons(report)
+    keys = sorted({k for row in comp.values() for k in row})
+    if keys:
+        lines += ["", "Ratios (TTFT: this run ÷ baseline; hit rate: this run − baseline):", ""]
+        lines.append("| run | " + " | ".join(keys) + " |")
+        lines.append("|---|" + "---:|" * len(keys))
+        for label, row in comp.items():
+            cells = []
+            for k in keys:
+                v = row.get(k)
+                cells.append("–" if v is None else (f"{v:+.3f}" if "minus" in k else f"{v:.3f}"))
+            lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(report: dict[str, Any], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report.get("runs", [])
+    files: list[str] = []
+    if not runs:
+        return files
+
+    # TTFT CDF per run
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        xs = run["summary"].get("ttft_sorted") or []
+        if xs:
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step([x * 1000 for x in xs], ys, where="post", label=run["label"])
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_title(f"TTFT CDF — {report.get('name')}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "ttft_cdf.png", dpi=110)
+    plt.close(fig)
+    files.append("ttft_cdf.png")
+
+    # per-worker in-flight over time, one panel per run
+    n = len(runs)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    for i, run in enumerate(runs):
+        ax = axes[i // cols][i % cols]
+        ser = run["summary"].get("inflight_series", {})
+        width = ser.get("bin_s", 0.0)
+        workers = ser.get("workers", {})
+        for w, ys in sorted(workers.items()):
+            ax.plot([(j + 0.5) * width for j in range(len(ys))], ys, lw=0.9, label=w)
+        ax.set_title(run["label"], fontsize=9)
+        ax.set_xlabel("time (s)", fontsize=8)
+        ax.set_ylabel("in-flight", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if len(workers) <= 16:
+            ax.legend(fontsize=5, ncol=2)
+    for j in range(n, rows * cols):
+        axes[j // cols][j % cols].axis("off")
+    fig.suptitle(f"per-worker in-flight requests — {report.get('name')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_dir / "worker_load.png", dpi=110)
+    plt.close(fig)
+    files.append("worker_load.png")
+
+    # hit rate per run, against the infinite-cache bound
+    fig, ax = plt.subplots(figsize=(max(5, 1.0 * n + 2), 4))
+    labels = [r["label"] for r in runs]
+    vals = [100 * (r["summary"].get("hit_rate") or 0.0) for r in runs]
+    ax.bar(labels, vals, color="tab:blue")
+    bound = _get(report, "workload", "infinite_cache_hit_rate")
+    if bound is not None:
+        ax.axhline(100 * bound, color="tab:red", ls="--", label="infinite-cache bound")
+        ax.legend(fontsize=8)
+    ax.set_ylabel("prefix-cache hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"hit rate (workers' own counters) — {report.get('name')}")
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "hit_rate.png", dpi=110)
+    plt.close(fig)
+    files.append("hit_rate.png")
+    return files
+
+
+def new_report(name: str, kind: str, config: dict[str, Any], workload: dict[str, Any]) -> dict:
+    return {
+        "name": name,
+        "kind": kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": config,
+        "workload": workload,
+        "runs": [],
+    }
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path, plots: bool = True) -> list[Path]:
+    """Write results.json, results.md and (unless ``plots`` is False) the PNG plots."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report["comparisons"] = comparisons(report)
+    (out / "results.json").write_text(json.dumps(report, indent=1, sort_keys=False))
+    (out / "results.md").write_text(markdown(report))
+    files = [out / "results.json", out / "results.md"]
+    if plots:
+        files += [out / f for f in _plots(report, out)]
+    return files
