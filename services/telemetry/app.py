@@ -1,0 +1,509 @@
+"""The telemetry agent: discovery, scraping, NVML sampling, publishing, detection (the I/O shell).
+
+Every ``interval_s`` (100 ms by default) the agent
+1. samples all GPUs through :mod:`services.telemetry.nvml` (in a worker thread),
+2. starts one scrape of ``/metrics`` per target that has none in flight (concurrent, bounded
+   by ``max_concurrency``, each with ``scrape_timeout_s``),
+3. publishes one :class:`WorkerLoad` per finished scrape on ``telemetry.<worker>``, stamped
+   with the time it was measured and carrying the worker's GPUs.
+
+Every ``detect_interval_s`` it evaluates the detectors over each worker's recent samples and
+sends alert transitions with :func:`raise_alert` (retried while NATS is away).
+
+Invariants:
+- A failed or timed-out scrape is published as ``stale=True`` with the error text and None
+  engine values (never zeros); GPU readings, which do not depend on the engine, are kept.
+- A target never has two scrapes in flight; a slow target does not delay the others.
+- No NVML or no GPUs: one log line at start, engine metrics only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from nats.aio.msg import Msg
+
+from services.common.bus import Bus
+from services.common.logging import RateLimiter, get_logger
+from services.common.schemas import Alert, GpuSample, RouterOutcome, WorkerHeartbeat, WorkerLoad
+from services.common.streams import ensure_alert_streams, raise_alert
+
+from . import exporter, procmap
+from .detectors import DetectorSet, Observation, build_rules
+from .engines import EngineReading, parse_metrics
+from .nvml import GpuCollector, open_collector
+from .targets import GpuAssignment, Target, assign_gpus, metrics_url
+
+log = get_logger("telemetry")
+
+
+@dataclass
+class AgentConfig:
+    interval_s: float = 0.1
+    scrape_timeout_s: float = 1.0
+    max_concurrency: int = 128
+    max_body_bytes: int = 8 << 20
+    detect_interval_s: float = 1.0
+    clear_s: float = 5.0
+    forget_after_s: float = 60.0
+    mapping_refresh_s: float = 10.0
+    gpu_slow_every: int = 10
+    static_targets: dict[str, Target] = field(default_factory=dict)
+    gpu_map: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    pid_map: dict[str, int] = field(default_factory=dict)
+    detectors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    typical_prompt_tokens: float = 0.0  # > 0: configured, overrides observation
+    max_new_tokens: float = 0.0
+    min_observed_requests: int = 8
+    use_nvml: bool = True
+
+
+@dataclass
+class _Worker:
+    target: Target
+    inflight: bool = False
+    window: deque[Observation] = field(default_factory=deque)
+    last: WorkerLoad | None = None
+    hit_base: tuple[float, float, float] | None = None  # (ts, queries, hits)
+    hit_rate: float | None = None
+    prompt_obs: deque[int] = field(default_factory=lambda: deque(maxlen=256))
+    new_obs: deque[int] = field(default_factory=lambda: deque(maxlen=256))
+    pids: set[int] = field(default_factory=set)
+
+
+class Agent:
+    def __init__(self, bus: Bus, config: AgentConfig, nvml_lib: Any = None) -> None:
+        self.bus = bus
+        self.cfg = config
+        self._nvml_lib = nvml_lib
+        self.detectors = DetectorSet(build_rules(config.detectors), clear_s=config.clear_s)
+        self.history_s = max(self.detectors.history_s, 2.0) * 1.25
+        self.workers: dict[str, _Worker] = {}
+        self.kv_events: dict[str, int] = {}
+        self.gpu: GpuCollector | None = None
+        self.nvml_reason = "not started"
+        self.gpu_samples: list[GpuSample] = []
+        self.assignment = GpuAssignment()
+        self._session: aiohttp.ClientSession | None = None
+        self._sem = asyncio.Semaphore(config.max_concurrency)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pending_alerts: deque[Alert] = deque(maxlen=10_000)
+        self._subs: list[Any] = []
+        self._err_log = RateLimiter(60.0)
+        self._gpu_busy = False
+        self.ticks = 0
+        self.published = 0
+        self.alerts_sent: list[Alert] = []  # last transitions (bounded), for /health and tests
+        self._collector = exporter.TelemetryCollector(self._gpu_rows, self.latest_loads)
+        for t in config.static_targets.values():
+            self.workers[t.worker_id] = _Worker(target=t)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self.cfg.use_nvml:
+            self.gpu, self.nvml_reason = await asyncio.to_thread(
+                open_collector, self._nvml_lib, self.cfg.gpu_slow_every
+            )
+        else:
+            self.nvml_reason = "GPU collection disabled (--no-nvml); engine metrics only"
+        if self.gpu is None:
+            log.warning("no GPU telemetry", reason=self.nvml_reason)
+        else:
+            self.nvml_reason = ""
+            log.info("NVML ready", gpus=len(self.gpu.devices))
+        exporter.register(self._collector)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.cfg.max_concurrency, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(total=self.cfg.scrape_timeout_s),
+            auto_decompress=True,
+        )
+        s = self.bus.subjects
+        await ensure_alert_streams(self.bus)
+        self._subs.append(
+            await self.bus.subscribe(s.heartbeat_all, WorkerHeartbeat, self._on_heartbeat)
+        )
+        self._subs.append(await self.bus.client.subscribe(s.kv_events_all, cb=self._on_kv_event))
+        self._subs.append(
+            await self.bus.subscribe(s.router_outcomes, RouterOutcome, self._on_outcome)
+        )
+        self._spawn(self._tick_loop(), "telemetry-tick")
+        self._spawn(self._detect_loop(), "telemetry-detect")
+        self._spawn(self._mapping_loop(), "telemetry-mapping")
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self._session is not None:
+            await self._session.close()
+        exporter.unregister(self._collector)
+        if self.gpu is not None:
+            await asyncio.to_thread(self.gpu.close)
+            self.gpu = None
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ bus inputs
+    async def _on_heartbeat(self, hb: WorkerHeartbeat, _raw: Msg) -> None:
+        w = self.workers.get(hb.worker_id)
+        if w is None:
+            try:
+                url = metrics_url(hb.url)
+            except ValueError as exc:
+                self._log_once(
+                    ("hb-url", hb.worker_id),
+                    "bad heartbeat url",
+                    worker=hb.worker_id,
+                    error=str(exc),
+                )
+                return
+            w = self.workers[hb.worker_id] = _Worker(
+                target=Target(worker_id=hb.worker_id, url=url, engine=_engine_name(hb.engine))
+            )
+            log.info("worker discovered", worker=hb.worker_id, url=url, engine=hb.engine)
+        t = w.target
+        if not t.static:
+            with contextlib.suppress(ValueError):
+                t.url = metrics_url(hb.url)
+            t.engine = _engine_name(hb.engine) or t.engine
+        t.capacity = hb.capacity
+        t.kv_events_declared = hb.kv_events
+        t.last_heartbeat = time.time()
+
+    async def _on_kv_event(self, msg: Msg) -> None:
+        worker = msg.subject.rsplit(".", 1)[-1]
+        self.kv_events[worker] = self.kv_events.get(worker, 0) + 1
+
+    async def _on_outcome(self, o: RouterOutcome, _raw: Msg) -> None:
+        if not o.worker_id or o.status != "ok":
+            return
+        w = self.workers.get(o.worker_id)
+        if w is not None:
+            w.prompt_obs.append(o.prompt_tokens)
+            w.new_obs.append(o.completion_tokens)
+
+    # ------------------------------------------------------------------ sampling
+    async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.cfg.interval_s
+        next_at = loop.time()
+        while True:
+            self.ticks += 1
+            if self.gpu is not None and not self._gpu_busy:
+                self._spawn(self._sample_gpus(), "gpu-sample")
+            for w in self.workers.values():
+                if not w.inflight:
+                    w.inflight = True
+                    self._spawn(self._scrape(w), "scrape")
+            next_at += interval
+            delay = next_at - loop.time()
+            if delay < 0:  # fell behind (overloaded host): skip missed ticks, do not burst
+                next_at = loop.time()
+                delay = 0
+            await asyncio.sleep(delay)
+
+    async def _sample_gpus(self) -> None:
+        self._gpu_busy = True
+        try:
+            assert self.gpu is not None
+            self.gpu_samples = await asyncio.to_thread(self.gpu.sample)
+        except Exception as exc:  # a broken driver must not kill the loop
+            self._log_once("gpu-sample", "GPU sampling failed", error=repr(exc))
+        finally:
+            self._gpu_busy = False
+
+    def _gpus_for(self, worker: str) -> list[GpuSample]:
+        gpus = self.assignment.gpus_of(worker)
+        if not gpus:
+            return []
+        wanted = set(gpus)
+        return [g for g in self.gpu_samples if g.index in wanted]
+
+    async def _fetch(self, url: str) -> str:
+        assert self._session is not None
+        async with self._sem, self._session.get(url) as resp:
+            if resp.status != 200:
+                raise _ScrapeError("http", f"HTTP {resp.status} from {url}")
+            body = await resp.content.read(self.cfg.max_body_bytes + 1)
+            if len(body) > self.cfg.max_body_bytes:
+                raise _ScrapeError(
+                    "too_large", f"metrics body over {self.cfg.max_body_bytes} bytes"
+                )
+            return body.decode("utf-8", errors="replace")
+
+    async def _scrape(self, w: _Worker) -> None:
+        t = w.target
+        started = time.time()
+        t0 = time.perf_counter()
+        try:
+            text = await self._fetch(t.url)
+            reading = parse_metrics(text, t.engine)
+            load = self._load_from(w, reading, started)
+            typ = self._typicals(w, reading)
+            exporter.SCRAPES.labels("ok").inc()
+        except asyncio.CancelledError:
+            w.inflight = False
+            raise
+        except Exception as exc:
+            reason, text = _classify(exc)
+            exporter.SCRAPES.labels("error").inc()
+            exporter.SCRAPE_ERRORS.labels(t.worker_id, reason).inc()
+            self._log_once(
+                ("scrape", t.worker_id, reason),
+                "scrape failed",
+                worker=t.worker_id,
+                url=t.url,
+                error=text,
+            )
+            typ = (None, None)
+            load = WorkerLoad(
+                worker_id=t.worker_id,
+                ts=started,
+                source=t.engine or "unknown",
+                stale=True,
+                error=text[:500],
+                gpus=self._gpus_for(t.worker_id),
+            )
+        finally:
+            exporter.SCRAPE_SECONDS.observe(time.perf_counter() - t0)
+        w.inflight = False
+        w.last = load
+        self._remember(w, load, typ)
+        try:
+            await self.bus.publish(self.bus.subjects.telemetry(t.worker_id), load)
+            self.published += 1
+        except Exception as exc:
+            exporter.PUBLISH_ERRORS.inc()
+            self._log_once("publish", "telemetry publish failed", error=repr(exc))
+
+    def _typicals(self, w: _Worker, r: EngineReading) -> tuple[float | None, float | None]:
+        cfg = self.cfg
+        prompt: float | None = cfg.typical_prompt_tokens or None
+        new: float | None = cfg.max_new_tokens or None
+        if prompt is None:
+            if r.prompt_tokens_count and r.prompt_tokens_count >= cfg.min_observed_requests:
+                prompt = (r.prompt_tokens_sum or 0.0) / r.prompt_tokens_count
+            elif len(w.prompt_obs) >= cfg.min_observed_requests:
+                prompt = sum(w.prompt_obs) / len(w.prompt_obs)
+        if new is None:
+            if r.max_tokens_count and r.max_tokens_count >= cfg.min_observed_requests:
+                new = (r.max_tokens_sum or 0.0) / r.max_tokens_count
+            elif len(w.new_obs) >= cfg.min_observed_requests:
+                new = sum(w.new_obs) / len(w.new_obs)
+        return prompt, new
+
+    def _load_from(self, w: _Worker, r: EngineReading, ts: float) -> WorkerLoad:
+        cap = w.target.capacity
+        max_batch = r.max_batch if r.max_batch is not None else (cap.max_num_seqs if cap else None)
+        tpb = r.tokens_per_block or (cap.block_size if cap else None)
+        cap_tokens = r.kv_capacity_tokens
+        blocks_total = r.kv_blocks_total
+        if cap_tokens is None and cap is not None:
+            cap_tokens = cap.num_gpu_blocks * cap.block_size
+            blocks_total = blocks_total or cap.num_gpu_blocks
+        hit = r.cache_hit_rate
+        if hit is None and r.prefix_cache_queries is not None and r.prefix_cache_hits is not None:
+            hit = self._hit_rate(w, ts, r.prefix_cache_queries, r.prefix_cache_hits)
+        gpus = r.gpus + self._gpus_for(w.target.worker_id)
+        return WorkerLoad(
+            worker_id=w.target.worker_id,
+            ts=ts,
+            source=r.source,
+            running=r.running,
+            waiting=r.waiting,
+            scheduled=r.scheduled,
+            max_batch=max_batch,
+            kv_usage=r.kv_usage,
+            kv_blocks_total=blocks_total,
+            kv_blocks_free=r.kv_blocks_free,
+            tokens_per_block=tpb,
+            prefix_cache_queries=r.prefix_cache_queries,
+            prefix_cache_hits=r.prefix_cache_hits,
+            gpus=gpus,
+            kv_capacity_tokens=cap_tokens,
+            cache_hit_rate=hit,
+            prefix_caching=r.prefix_caching,
+        )
+
+    def _hit_rate(self, w: _Worker, ts: float, q: float, h: float) -> float | None:
+        base = w.hit_base
+        if base is None or q < base[1] or h < base[2]:  # first sight or counter reset
+            w.hit_base = (ts, q, h)
+            return w.hit_rate
+        if ts - base[0] >= 1.0:
+            dq = q - base[1]
+            if dq > 0:
+                w.hit_rate = min(1.0, max(0.0, (h - base[2]) / dq))
+            w.hit_base = (ts, q, h)
+        return w.hit_rate
+
+    def _remember(
+        self, w: _Worker, load: WorkerLoad, typ: tuple[float | None, float | None]
+    ) -> None:
+        o = Observation(
+            ts=load.ts,
+            stale=load.stale,
+            error=load.error,
+            source=load.source,
+            running=load.running,
+            waiting=load.waiting,
+            scheduled=load.scheduled,
+            max_batch=load.max_batch,
+            kv_usage=load.kv_usage,
+            kv_capacity_tokens=load.kv_capacity_tokens,
+            tokens_per_block=load.tokens_per_block,
+            prefix_caching=load.prefix_caching,
+            prefix_cache_queries=load.prefix_cache_queries,
+            kv_events=self.kv_events.get(w.target.worker_id, 0),
+            typical_prompt_tokens=typ[0],
+            typical_new_tokens=typ[1],
+            gpus=tuple(load.gpus),
+            url=w.target.url,
+        )
+        win = w.window
+        win.append(o)
+        horizon = o.ts - self.history_s
+        while win and win[0].ts < horizon:
+            win.popleft()
+
+    # ------------------------------------------------------------------ detection
+    async def _detect_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.detect_interval_s)
+            await self.detect_once(time.time())
+
+    async def detect_once(self, now: float) -> list[Alert]:
+        out: list[Alert] = []
+        for wid, w in list(self.workers.items()):
+            t = w.target
+            if (
+                not t.static
+                and t.last_heartbeat
+                and now - t.last_heartbeat > self.cfg.forget_after_s
+            ):
+                log.info("worker forgotten (no heartbeat)", worker=wid)
+                del self.workers[wid]
+                out.extend(self.detectors.book.forget(wid, now))
+                continue
+            if w.window:
+                out.extend(self.detectors.evaluate(wid, w.window, now))
+        self._pending_alerts.extend(out)
+        await self._flush_alerts()
+        return out
+
+    async def _flush_alerts(self) -> None:
+        while self._pending_alerts:
+            alert = self._pending_alerts[0]
+            try:
+                await raise_alert(self.bus, alert)
+            except Exception as exc:
+                exporter.ALERT_SEND_ERRORS.inc()
+                self._log_once("alert-send", "alert send failed, will retry", error=repr(exc))
+                return
+            self._pending_alerts.popleft()
+            exporter.ALERTS.labels(alert.kind, alert.state).inc()
+            self.alerts_sent.append(alert)
+            del self.alerts_sent[:-100]
+            log.warning(
+                "alert " + alert.state,
+                kind=alert.kind,
+                worker=alert.worker_id,
+                summary=alert.summary,
+                remedy=alert.remedy,
+            )
+
+    # ------------------------------------------------------------------ GPU mapping
+    async def _mapping_loop(self) -> None:
+        while True:
+            if self.gpu is not None:
+                try:
+                    await self.refresh_mapping()
+                except Exception as exc:
+                    self._log_once("mapping", "GPU mapping refresh failed", error=repr(exc))
+            await asyncio.sleep(self.cfg.mapping_refresh_s)
+
+    async def refresh_mapping(self) -> None:
+        workers = list(self.workers)
+        need_pids = [w for w in workers if w not in self.cfg.gpu_map]
+        gpu_pids: dict[int, set[int]] = {}
+        worker_pids: dict[str, set[int]] = {}
+        if need_pids and self.gpu is not None:
+            gpu_pids = await asyncio.to_thread(self.gpu.running_pids)
+            worker_pids = await asyncio.to_thread(self._worker_pids, need_pids)
+        self.assignment = assign_gpus(workers, self.cfg.gpu_map, worker_pids, gpu_pids)
+
+    def _worker_pids(self, workers: list[str]) -> dict[str, set[int]]:
+        out: dict[str, set[int]] = {}
+        for wid in workers:
+            base: set[int] = set()
+            if wid in self.cfg.pid_map:
+                base = {self.cfg.pid_map[wid]}
+            else:
+                w = self.workers.get(wid)
+                if w is None:
+                    continue
+                parts = urlsplit(w.target.url)
+                if parts.hostname in ("127.0.0.1", "localhost", "::1") and parts.port:
+                    base = procmap.listening_pids(parts.port)
+            out[wid] = procmap.with_descendants(base)
+        return out
+
+    # ------------------------------------------------------------------ views
+    def latest_loads(self) -> dict[str, WorkerLoad]:
+        return {wid: w.last for wid, w in self.workers.items() if w.last is not None}
+
+    def _gpu_rows(self) -> Iterable[tuple[GpuSample, list[str]]]:
+        for g in self.gpu_samples:
+            yield g, self.assignment.workers_of(g.index)
+
+    def _log_once(self, key: Any, event: str, **kw: Any) -> None:
+        if self._err_log.allow(key):
+            log.warning(event, suppressed=self._err_log.take_suppressed(key), **kw)
+
+
+class _ScrapeError(Exception):
+    def __init__(self, reason: str, text: str) -> None:
+        super().__init__(text)
+        self.reason = reason
+
+
+def _classify(exc: BaseException) -> tuple[str, str]:
+    if isinstance(exc, _ScrapeError):
+        return exc.reason, str(exc)
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return "timeout", "scrape timed out"
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectionError):
+        return "connect", f"cannot connect: {exc}"
+    if isinstance(exc, aiohttp.ClientError):
+        return "http", f"HTTP error: {exc!r}"
+    if isinstance(exc, ValueError):
+        return "parse", f"unreadable metrics: {exc}"
+    return "error", repr(exc)
+
+
+def _engine_name(engine: str | None) -> str | None:
+    if not engine:
+        return None
+    low = engine.lower()
+    if low in ("trt", "trtllm", "tensorrt-llm", "tensorrt_llm", "triton"):
+        return "trtllm"
+    if low in ("vllm", "sglang", "sim"):
+        return low
+    return None

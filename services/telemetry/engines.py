@@ -1,0 +1,252 @@
+"""Engine ``/metrics`` text -> one normalised :class:`EngineReading` (pure, no I/O).
+
+Engines and the names read (verified against each project's documentation / examples):
+
+- vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc`` (older: ``vllm:gpu_cache_usage_perc``),
+  ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (older:
+  ``vllm:gpu_prefix_cache_*``), ``vllm:cache_config_info`` labels (``block_size``,
+  ``num_gpu_blocks``, ``enable_prefix_caching``), and the ``_sum`` / ``_count`` of the
+  ``vllm:request_prompt_tokens`` and ``vllm:request_params_max_tokens`` histograms (typical
+  prompt and requested max new tokens).
+- SGLang: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
+  ``sglang:cache_hit_rate``, ``sglang:max_total_num_tokens``, ``sglang:max_running_requests``.
+- Triton TensorRT-LLM backend: ``nv_trt_llm_request_metrics{request_type=active|scheduled|
+  max|waiting|context}`` and ``nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max|free|
+  used|tokens_per|fraction}`` (pre-24.x: ``..._statistics``).
+- kvgate's simulated worker: the vLLM names plus ``sim:gpu_sm_util_percent``,
+  ``sim:gpu_mem_util_percent``, ``sim:gpu_mem_used_bytes``, ``sim:gpu_mem_total_bytes``,
+  ``sim:gpu_mem_bw_util_percent`` (optional ``gpu`` label).
+
+Invariants:
+- Only lines of the families above reach prometheus-client's parser: a regex selects them
+  from the (often 50-100 kB, histogram-heavy) exposition first, which is most of the saving.
+- A value the engine did not expose stays ``None``; nothing is defaulted to 0.
+- Several label sets of one gauge (data-parallel ranks, models) are summed for counts and
+  averaged for fractions.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common.schemas import GpuSample
+
+ENGINES = ("vllm", "sglang", "trtllm", "sim")
+
+_WANTED = (
+    r"vllm:num_requests_running",
+    r"vllm:num_requests_waiting",
+    r"vllm:kv_cache_usage_perc",
+    r"vllm:gpu_cache_usage_perc",
+    r"vllm:(?:gpu_)?prefix_cache_(?:queries|hits)(?:_total)?",
+    r"vllm:cache_config_info",
+    r"vllm:request_prompt_tokens_(?:sum|count)",
+    r"vllm:request_params_max_tokens_(?:sum|count)",
+    r"sglang:num_running_reqs",
+    r"sglang:num_queue_reqs",
+    r"sglang:token_usage",
+    r"sglang:cache_hit_rate",
+    r"sglang:max_total_num_tokens",
+    r"sglang:max_running_requests",
+    r"nv_trt_llm_request_(?:metrics|statistics)",
+    r"nv_trt_llm_kv_cache_block_(?:metrics|statistics)",
+    r"sim:gpu_[a-z_]+",
+)
+# a sample line starts with one of the wanted names followed by '{' or whitespace
+_LINE_RE = re.compile(r"^(?:" + "|".join(_WANTED) + r")(?:\{[^\n]*|[ \t][^\n]*)$", re.MULTILINE)
+
+
+@dataclass
+class EngineReading:
+    """What one scrape said, normalised across engines (None = not exposed)."""
+
+    source: str = "vllm"
+    running: int | None = None
+    waiting: int | None = None
+    scheduled: int | None = None
+    max_batch: int | None = None
+    kv_usage: float | None = None
+    kv_blocks_total: int | None = None
+    kv_blocks_free: int | None = None
+    tokens_per_block: int | None = None
+    kv_capacity_tokens: int | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    cache_hit_rate: float | None = None  # only when the engine reports a rate itself (SGLang)
+    prefix_caching: bool | None = None
+    prompt_tokens_sum: float | None = None
+    prompt_tokens_count: float | None = None
+    max_tokens_sum: float | None = None
+    max_tokens_count: float | None = None
+    gpus: list[GpuSample] = field(default_factory=list)
+
+
+def select_lines(text: str) -> str:
+    """The sample lines of the families we read (everything else is skipped unparsed)."""
+    return "\n".join(_LINE_RE.findall(text))
+
+
+def _as_bool(text: str | None) -> bool | None:
+    if text is None:
+        return None
+    low = text.strip().lower()
+    if low in {"true", "1", "yes"}:
+        return True
+    if low in {"false", "0", "no"}:
+        return False
+    return None
+
+
+def _as_int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(float(text))
+    except ValueError:
+        return None
+
+
+class _Acc:
+    """Sums and means of the samples seen per name (several label sets per gauge)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def total(self, *keys: str) -> float | None:
+        for k in keys:
+            if k in self.sums:
+                return self.sums[k]
+        return None
+
+    def mean(self, *keys: str) -> float | None:
+        for k in keys:
+            if k in self.sums:
+                return self.sums[k] / self.counts[k]
+        return None
+
+
+def _int(v: float | None) -> int | None:
+    return None if v is None else max(0, int(round(v)))
+
+
+def _frac(v: float | None) -> float | None:
+    return None if v is None else min(1.0, max(0.0, v))
+
+
+def parse_metrics(text: str, engine: str | None = None) -> EngineReading:
+    """Normalise one exposition. ``engine`` (vllm|sglang|trtllm|sim) is detected if None.
+
+    Raises ValueError when the text holds none of the known families (wrong URL, unknown
+    engine) so the caller reports the scrape as failed rather than publishing empties.
+    """
+    selected = select_lines(text)
+    acc = _Acc()
+    info: dict[str, str] = {}
+    gpus: dict[int, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(selected):
+        for s in fam.samples:
+            name, labels, value = s.name, s.labels, float(s.value)
+            if name.startswith("nv_trt_llm_request_"):
+                acc.add("trt:req:" + labels.get("request_type", ""), value)
+            elif name.startswith("nv_trt_llm_kv_cache_block_"):
+                acc.add("trt:kv:" + labels.get("kv_cache_block_type", ""), value)
+            elif name == "vllm:cache_config_info":
+                info.update(labels)
+            elif name.startswith("sim:gpu_"):
+                idx = _as_int(labels.get("gpu")) or 0
+                gpus.setdefault(idx, {})[name] = value
+            else:
+                acc.add(name.removesuffix("_total"), value)
+    if not acc.sums and not info and not gpus:
+        raise ValueError("no vLLM, SGLang, TensorRT-LLM or sim metrics in the response")
+    if engine is None:
+        if any(k.startswith("trt:") for k in acc.sums):
+            engine = "trtllm"
+        elif any(k.startswith("sglang:") for k in acc.sums):
+            engine = "sglang"
+        elif gpus:
+            engine = "sim"
+        else:
+            engine = "vllm"
+    r = EngineReading(source=engine)
+    if engine == "trtllm":
+        _trtllm(r, acc)
+    elif engine == "sglang":
+        _sglang(r, acc)
+    else:
+        _vllm(r, acc, info)
+    r.gpus = [_sim_gpu(i, g) for i, g in sorted(gpus.items())]
+    return r
+
+
+def _vllm(r: EngineReading, acc: _Acc, info: dict[str, str]) -> None:
+    r.running = _int(acc.total("vllm:num_requests_running"))
+    r.waiting = _int(acc.total("vllm:num_requests_waiting"))
+    r.kv_usage = _frac(acc.mean("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
+    r.prefix_cache_queries = acc.total("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
+    r.prefix_cache_hits = acc.total("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+    r.prompt_tokens_sum = acc.total("vllm:request_prompt_tokens_sum")
+    r.prompt_tokens_count = acc.total("vllm:request_prompt_tokens_count")
+    r.max_tokens_sum = acc.total("vllm:request_params_max_tokens_sum")
+    r.max_tokens_count = acc.total("vllm:request_params_max_tokens_count")
+    r.tokens_per_block = _as_int(info.get("block_size"))
+    r.kv_blocks_total = _as_int(info.get("num_gpu_blocks"))
+    r.prefix_caching = _as_bool(info.get("enable_prefix_caching"))
+    if r.kv_blocks_total is not None and r.tokens_per_block is not None:
+        r.kv_capacity_tokens = r.kv_blocks_total * r.tokens_per_block
+        if r.kv_usage is not None:
+            r.kv_blocks_free = max(0, int(round(r.kv_blocks_total * (1.0 - r.kv_usage))))
+
+
+def _sglang(r: EngineReading, acc: _Acc) -> None:
+    r.running = _int(acc.total("sglang:num_running_reqs"))
+    r.waiting = _int(acc.total("sglang:num_queue_reqs"))
+    r.kv_usage = _frac(acc.mean("sglang:token_usage"))
+    r.cache_hit_rate = _frac(acc.mean("sglang:cache_hit_rate"))
+    r.kv_capacity_tokens = _int(acc.total("sglang:max_total_num_tokens"))
+    r.max_batch = _int(acc.total("sglang:max_running_requests"))
+    if r.cache_hit_rate is not None:
+        r.prefix_caching = True  # the radix cache reports a hit rate only when it is on
+
+
+def _trtllm(r: EngineReading, acc: _Acc) -> None:
+    r.running = _int(acc.total("trt:req:active"))
+    r.scheduled = _int(acc.total("trt:req:scheduled"))
+    r.max_batch = _int(acc.total("trt:req:max"))
+    r.waiting = _int(acc.total("trt:req:waiting"))
+    total = _int(acc.total("trt:kv:max"))
+    free = _int(acc.total("trt:kv:free"))
+    used = _int(acc.total("trt:kv:used"))
+    tpb = _int(acc.mean("trt:kv:tokens_per"))
+    r.kv_blocks_total, r.kv_blocks_free, r.tokens_per_block = total, free, tpb
+    if total:
+        if used is None and free is not None:
+            used = total - free
+        if used is not None:
+            r.kv_usage = _frac(used / total)
+        if tpb:
+            r.kv_capacity_tokens = total * tpb
+
+
+def _sim_gpu(index: int, g: dict[str, float]) -> GpuSample:
+    used = g.get("sim:gpu_mem_used_bytes")
+    total = g.get("sim:gpu_mem_total_bytes")
+    return GpuSample(
+        index=index,
+        name="simulated",
+        sm_util_pct=g.get("sim:gpu_sm_util_percent"),
+        mem_util_pct=g.get("sim:gpu_mem_util_percent"),
+        mem_used_bytes=None if used is None else int(used),
+        mem_total_bytes=None if total is None else int(total),
+        mem_free_bytes=None if used is None or total is None else max(0, int(total - used)),
+        mem_bw_util_pct=g.get("sim:gpu_mem_bw_util_percent"),
+    )
