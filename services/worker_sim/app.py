@@ -1,84 +1,178 @@
-"""Simulated worker skeleton: OpenAI-compatible answers and heartbeats on the bus."""
+"""``kvgate sim-worker``'s process: N simulated workers sharing one event loop and one NATS
+connection. Worker i listens on ``port + i`` (ZMQ on ``zmq_port + 2*i``, replay ``+ 1``) and is
+called ``<worker_id>-<i>`` (just ``<worker_id>`` when N = 1).
+
+Invariant: HTTP serving never waits for NATS. The bus connects in the background (a few
+seconds are given at start so the first KV batches are not lost); until it does, KV batches are
+dropped and counted, heartbeats are skipped, and kvdump requests cannot arrive.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
-
-from aiohttp import web
+import contextlib
+import json
+from typing import Any
 
 from services.common.bus import Bus
-from services.common.schemas import WorkerCapacity, WorkerHeartbeat
-from services.common.service import start_http
-from services.common.subjects import Subjects
+from services.common.logging import get_logger
+from services.common.streams import ensure_kv_events_stream
+from services.common.subjects import Subjects, check_token
+from services.common.tokenizer import load_tokenizer
+from services.worker_sim.engine import DEFAULT_OUTPUT_VOCAB, EngineConfig
+from services.worker_sim.faults import Faults
+from services.worker_sim.worker import SimWorker, WorkerSettings
+
+log = get_logger("sim-worker")
+
+_ENGINE_FIELDS = (
+    "block_size",
+    "num_gpu_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "hash_seed",
+    "seed",
+    "step_overhead_s",
+    "prefill_token_s",
+    "prefill_attn_s",
+    "decode_seq_s",
+    "decode_kv_token_s",
+    "gpu_mem_total_bytes",
+)
 
 
-def make_app(worker_id: str, model: str) -> web.Application:
-    async def health(_r: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "worker_id": worker_id})
-
-    async def models(_r: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "kvgate"}]}
-        )
-
-    async def chat(r: web.Request) -> web.Response:
-        body = await r.json()
-        text = f"hello from {worker_id}"
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.get("model", model),
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
-            },
-            headers={"x-kvgate-served-by": worker_id},
-        )
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat)
-    return app
+def output_vocab(tokenizer: Any) -> tuple[int, ...]:
+    """Token ids the engine generates: lowercase words for a HuggingFace tokenizer, letters and
+    spaces for the byte-level one."""
+    if getattr(tokenizer, "name", "bytes") == "bytes":
+        return DEFAULT_OUTPUT_VOCAB
+    words = "the of and to in is that for it as with was on be by at this are from or an".split()
+    ids: list[int] = []
+    for w in words:
+        ids.extend(tokenizer.encode(" " + w))
+    return tuple(ids) or DEFAULT_OUTPUT_VOCAB
 
 
-async def serve(st, stop: asyncio.Event) -> None:
+def engine_config_from(st: Any, tokenizer: Any) -> EngineConfig:
+    kwargs = {f: getattr(st, f) for f in _ENGINE_FIELDS if getattr(st, f, None) is not None}
+    return EngineConfig(**kwargs, output_vocab=output_vocab(tokenizer))
+
+
+def fault_patch_from(st: Any) -> dict[str, Any]:
+    """Faults given as flags (applied to the workers named by --fault-workers)."""
+    patch: dict[str, Any] = {}
+    if getattr(st, "faults", ""):
+        patch.update(json.loads(st.faults))
+    if getattr(st, "fault_hang", False):
+        patch["hang"] = True
+    if getattr(st, "fault_slow", 1.0) != 1.0:
+        patch["slow_factor"] = st.fault_slow
+    for name in ("drop_kv", "dup_kv", "reject"):
+        v = getattr(st, f"fault_{name}", 0.0)
+        if v:
+            patch[name] = v
+    Faults().update(patch)  # validate early: a bad flag is a clear startup error
+    return patch
+
+
+def worker_ids(base: str, count: int) -> list[str]:
+    check_token(base, "worker id")
+    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+
+
+def _selected(spec: str, i: int, wid: str) -> bool:
+    if not spec or spec == "all":
+        return True
+    items = {s.strip() for s in spec.split(",") if s.strip()}
+    return str(i) in items or wid in items
+
+
+async def _connect_bus(bus: Bus, workers: list[SimWorker], first_wait_s: float) -> None:
+    try:
+        await bus.connect(max_wait_s=first_wait_s)
+    except ConnectionError:
+        log.warning("NATS not reachable; serving HTTP, dropping KV events until it is")
+        await bus.connect()  # retries forever with backoff
+    while True:
+        try:
+            await ensure_kv_events_stream(bus)
+            break
+        except Exception as exc:  # JetStream not ready yet
+            log.warning("cannot set up the KV events stream, retrying", error=repr(exc))
+            await asyncio.sleep(1.0)
+    for w in workers:
+        await w.attach_bus()
+
+
+async def _heartbeats(bus: Bus, workers: list[SimWorker], interval: float) -> None:
+    while True:
+        if bus.is_connected:
+            for w in workers:
+                if w.beating:
+                    with contextlib.suppress(Exception):
+                        await bus.publish(bus.subjects.heartbeat(w.worker_id), w.heartbeat())
+                    await w.attach_bus()  # after a restart (crash fault) re-subscribe
+        await asyncio.sleep(interval)
+
+
+async def serve(st: Any, stop: asyncio.Event) -> None:
+    tokenizer = load_tokenizer(st.tokenizer)
+    config = engine_config_from(st, tokenizer)
+    patch = fault_patch_from(st)
+    loras = tuple(x.strip() for x in st.lora_modules.split(",") if x.strip())
     bus = Bus(st.nats_url, "sim-worker", Subjects(st.subject_prefix))
-    await bus.connect()
-    runners, beats = [], []
-    for i in range(st.count):
-        wid = st.worker_id if st.count == 1 else f"{st.worker_id}-{i}"
-        port = st.port + i
-        runners.append(await start_http(make_app(wid, st.model), st.host, port))
-        hb = WorkerHeartbeat(
+    workers: list[SimWorker] = []
+    for i, wid in enumerate(worker_ids(st.worker_id, st.count)):
+        ws = WorkerSettings(
             worker_id=wid,
-            instance_id=uuid.uuid4().hex[:12],
-            url=f"http://{st.host}:{port}",
+            host=st.host,
+            port=st.port + i,
             model=st.model,
-            capacity=WorkerCapacity(
-                block_size=16, num_gpu_blocks=4096, max_num_seqs=64, max_model_len=8192
-            ),
+            loras=loras,
+            speedup=st.speedup,
+            default_max_tokens=st.default_max_tokens,
+            strict_model=st.strict_model,
+            heartbeat_interval=st.heartbeat_interval,
+            zmq_port=(st.zmq_port + 2 * i) if st.zmq_port else 0,
+            zmq_replay_port=(st.zmq_port + 2 * i + 1) if st.zmq_port and st.zmq_replay else 0,
+            zmq_host=st.zmq_host,
+            zmq_topic=st.zmq_topic,
+            zmq_event_form=st.zmq_event_form,
+            zmq_hash=st.zmq_hash,
+            zmq_replay_topic_frame=st.zmq_replay_topic_frame,
+            faults=patch if patch and _selected(st.fault_workers, i, wid) else {},
+            fault_seed=i,
         )
-        beats.append(hb)
-
-    async def heartbeat() -> None:
-        while True:
-            for hb in beats:
-                hb.ts = time.time()
-                await bus.publish(bus.subjects.heartbeat(hb.worker_id), hb)
-            await asyncio.sleep(st.heartbeat_interval)
-
-    bus.spawn(heartbeat(), "heartbeat")
+        workers.append(SimWorker(ws, config, tokenizer, bus))
+    connect = asyncio.create_task(_connect_bus(bus, workers, first_wait_s=3.0))
+    with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+        await asyncio.wait_for(asyncio.shield(connect), timeout=3.5)
+    for w in workers:
+        await w.start()
+    crash_after = st.fault_crash_after
+    crash_tasks = []
+    if crash_after > 0:
+        for i, w in enumerate(workers):
+            if _selected(st.fault_workers, i, w.worker_id):
+                crash_tasks.append(asyncio.create_task(_crash_later(w, crash_after, st)))
+    beats = asyncio.create_task(_heartbeats(bus, workers, st.heartbeat_interval))
+    log.info(
+        "sim workers up",
+        count=len(workers),
+        first=workers[0].url if workers else None,
+        speedup=st.speedup,
+        kv_blocks=config.num_gpu_blocks,
+    )
     await stop.wait()
+    for t in [beats, connect, *crash_tasks]:
+        t.cancel()
+    for w in workers:
+        await w.close()
     await bus.close()
-    for r in runners:
-        await r.cleanup()
+
+
+async def _crash_later(w: SimWorker, after_s: float, st: Any) -> None:
+    await asyncio.sleep(after_s)  # the fault's schedule, not a synchronisation
+    restart = st.fault_restart_after if st.fault_restart_after >= 0 else None
+    await w.crash(restart)

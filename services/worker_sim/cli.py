@@ -1,4 +1,4 @@
-"""``kvgate sim-worker``: simulated inference worker(s). (Skeleton; the engine model lands with its issue.)"""
+"""``kvgate sim-worker``: simulated vLLM-like inference worker(s) (see docs/worker-sim.md)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,10 @@ import argparse
 
 from services.common import settings as S
 from services.common.service import run_service
+from services.worker_sim.engine import EngineConfig
+from services.worker_sim.zmq_wire import EVENT_FORMS, HASH_MODES
+
+_D = EngineConfig()
 
 OPTIONS = S.COMMON + (
     S.option("host", "127.0.0.1", "address to listen on", env="KVGATE_SIM_HOST"),
@@ -19,7 +23,163 @@ OPTIONS = S.COMMON + (
     ),
     S.option("model", "sim-llama-8b", "model name served", env="KVGATE_SIM_MODEL"),
     S.option(
+        "lora_modules",
+        "",
+        "comma-separated LoRA adapter names also served (each keys its own cache space)",
+        env="KVGATE_SIM_LORA_MODULES",
+    ),
+    S.option(
         "heartbeat_interval", 1.0, "seconds between heartbeats", env="KVGATE_SIM_HEARTBEAT_INTERVAL"
+    ),
+    S.option(
+        "tokenizer",
+        "",
+        "local HuggingFace tokenizer (directory or tokenizer.json); empty = byte-level",
+        env="KVGATE_SIM_TOKENIZER",
+    ),
+    S.option(
+        "speedup",
+        1.0,
+        "run the simulated clock this many times faster than real time",
+        env="KVGATE_SIM_SPEEDUP",
+    ),
+    S.option(
+        "default_max_tokens",
+        128,
+        "max_tokens when a request gives none",
+        env="KVGATE_SIM_DEFAULT_MAX_TOKENS",
+    ),
+    S.option(
+        "strict_model",
+        False,
+        "answer 404 for unknown model names (default: serve them as the base model)",
+        env="KVGATE_SIM_STRICT_MODEL",
+    ),
+    # capacity
+    S.option("block_size", _D.block_size, "KV block size (tokens)", env="KVGATE_SIM_BLOCK_SIZE"),
+    S.option(
+        "num_gpu_blocks",
+        _D.num_gpu_blocks,
+        "KV cache capacity in blocks (x block_size = tokens)",
+        env="KVGATE_SIM_NUM_GPU_BLOCKS",
+    ),
+    S.option("max_num_seqs", _D.max_num_seqs, "max batch size", env="KVGATE_SIM_MAX_NUM_SEQS"),
+    S.option(
+        "max_num_batched_tokens",
+        _D.max_num_batched_tokens,
+        "token budget of one step (chunked prefill)",
+        env="KVGATE_SIM_MAX_NUM_BATCHED_TOKENS",
+    ),
+    S.option(
+        "max_model_len",
+        _D.max_model_len,
+        "max prompt + completion tokens",
+        env="KVGATE_SIM_MAX_MODEL_LEN",
+    ),
+    S.HASH_SEED,
+    S.option("seed", 0, "seed of the generated tokens and fault dice", env="KVGATE_SIM_SEED"),
+    # step-time model
+    S.option(
+        "step_overhead_s",
+        _D.step_overhead_s,
+        "fixed cost of a step",
+        env="KVGATE_SIM_STEP_OVERHEAD_S",
+    ),
+    S.option(
+        "prefill_token_s",
+        _D.prefill_token_s,
+        "cost per uncached prompt token",
+        env="KVGATE_SIM_PREFILL_TOKEN_S",
+    ),
+    S.option(
+        "prefill_attn_s",
+        _D.prefill_attn_s,
+        "cost per (prompt token x context token) of prefill attention",
+        env="KVGATE_SIM_PREFILL_ATTN_S",
+    ),
+    S.option(
+        "decode_seq_s", _D.decode_seq_s, "cost per decoding sequence", env="KVGATE_SIM_DECODE_SEQ_S"
+    ),
+    S.option(
+        "decode_kv_token_s",
+        _D.decode_kv_token_s,
+        "cost per KV token read in decode",
+        env="KVGATE_SIM_DECODE_KV_TOKEN_S",
+    ),
+    S.option(
+        "gpu_mem_total_bytes",
+        _D.gpu_mem_total_bytes,
+        "simulated GPU memory",
+        env="KVGATE_SIM_GPU_MEM_TOTAL_BYTES",
+    ),
+    # ZMQ (vLLM wire format)
+    S.option(
+        "zmq_port",
+        0,
+        "publish KV events over ZMQ in vLLM's format: worker i PUB on port + 2i, replay "
+        "ROUTER on port + 2i + 1 (0 = off)",
+        env="KVGATE_SIM_ZMQ_PORT",
+    ),
+    S.option("zmq_host", "127.0.0.1", "ZMQ bind address", env="KVGATE_SIM_ZMQ_HOST"),
+    S.option("zmq_replay", True, "open the replay ROUTER socket", env="KVGATE_SIM_ZMQ_REPLAY"),
+    S.option(
+        "zmq_topic",
+        "kv@{worker}@{model}",
+        "ZMQ topic ({worker}, {model} substituted)",
+        env="KVGATE_SIM_ZMQ_TOPIC",
+    ),
+    S.option(
+        "zmq_event_form",
+        "map",
+        "event encoding: map (vLLM >= 0.24) or array (older, tag first)",
+        choices=list(EVENT_FORMS),
+        env="KVGATE_SIM_ZMQ_EVENT_FORM",
+    ),
+    S.option(
+        "zmq_hash",
+        "uint64",
+        "block hash type: uint64 (vLLM), int64 (SGLang) or bytes32",
+        choices=list(HASH_MODES),
+        env="KVGATE_SIM_ZMQ_HASH",
+    ),
+    S.option(
+        "zmq_replay_topic_frame",
+        False,
+        "replay replies carry a topic frame (vLLM >= 0.26 framing)",
+        env="KVGATE_SIM_ZMQ_REPLAY_TOPIC_FRAME",
+    ),
+    # faults
+    S.option(
+        "fault_workers",
+        "all",
+        "workers the fault flags apply to: 'all' or comma-separated indices / ids",
+        env="KVGATE_SIM_FAULT_WORKERS",
+    ),
+    S.option(
+        "faults", "", "faults as JSON (same fields as POST /admin/faults)", env="KVGATE_SIM_FAULTS"
+    ),
+    S.option("fault_hang", False, "start hung", env="KVGATE_SIM_FAULT_HANG"),
+    S.option("fault_slow", 1.0, "slow every step down by this factor", env="KVGATE_SIM_FAULT_SLOW"),
+    S.option(
+        "fault_drop_kv", 0.0, "fraction of KV batches dropped", env="KVGATE_SIM_FAULT_DROP_KV"
+    ),
+    S.option(
+        "fault_dup_kv", 0.0, "fraction of KV batches duplicated", env="KVGATE_SIM_FAULT_DUP_KV"
+    ),
+    S.option(
+        "fault_reject", 0.0, "fraction of requests answered 503", env="KVGATE_SIM_FAULT_REJECT"
+    ),
+    S.option(
+        "fault_crash_after",
+        0.0,
+        "crash after this many seconds (0 = never)",
+        env="KVGATE_SIM_FAULT_CRASH_AFTER",
+    ),
+    S.option(
+        "fault_restart_after",
+        -1.0,
+        "after a crash, come back as a new instance after this many seconds (-1 = stay down)",
+        env="KVGATE_SIM_FAULT_RESTART_AFTER",
     ),
 )
 

@@ -1,0 +1,441 @@
+"""The simulated engine core: a vLLM-like scheduler over a paged, prefix-cached KV cache, with
+a step-time model. Pure: no I/O, no asyncio, no wall clock. The caller owns time: it calls
+:meth:`Engine.step` with the current time and advances its clock by ``duration_s`` afterwards
+(the cluster simulator on a virtual clock, the live worker on real time).
+
+Scheduling (one call of :meth:`Engine.step` = one forward pass of the batch):
+
+1. Running requests first, in admission order: a decoding request takes 1 token of the step's
+   token budget (``max_num_batched_tokens``), a request still in prefill takes the rest of its
+   prompt up to the remaining budget (chunked prefill).
+2. Then the waiting queue, first come first served, while there are free sequence slots
+   (``max_num_seqs``) and budget. A request is admitted only when *all* the blocks it can ever
+   need, ``ceil((prompt + max_tokens) / block_size)`` minus the blocks found in the prefix cache,
+   fit in the free pool (TensorRT-LLM's guaranteed-no-evict policy, so nothing is ever preempted).
+   The head of the queue blocks the rest (FCFS), as in vLLM. This is what makes the seed-001
+   failure reproduce: with 2560 tokens of KV and requests of 2048 tokens, one runs, seven wait.
+3. The step's duration comes from :class:`EngineConfig`'s cost model (see :meth:`step_time`).
+4. After the step, full blocks of computed tokens (prompt and generated) are keyed with the
+   canonical chained keys and entered into the prefix cache; each new key is a BlockStored
+   event and each eviction a BlockRemoved event, in the order they happened.
+
+Invariants:
+- the same config, seed and sequence of calls give the same outputs (no randomness besides a
+  hash of (seed, prompt, position) that picks generated tokens);
+- a request's first generated token is emitted in the step that completes its prefill;
+- a finished request has produced exactly ``max_tokens`` tokens (there is no EOS).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import xxhash
+
+from services.common.keys import block_keys, block_seed, blocks_needed
+from services.common.schemas import BlockStored, KvEvent
+from services.worker_sim.kvcache import BlockPool, EventMeta
+
+# Generated tokens: lowercase ASCII letters and spaces (valid UTF-8 bytes, so the byte-level
+# tokenizer decodes them to readable text). A HuggingFace tokenizer's worker passes its own.
+DEFAULT_OUTPUT_VOCAB: tuple[int, ...] = tuple(range(ord("a"), ord("z") + 1)) + (32, 32, 32, 32)
+
+
+class AdmissionError(ValueError):
+    """The request can never run on this engine (too long for the model or the KV cache)."""
+
+
+@dataclass
+class EngineConfig:
+    """Capacity and cost model of one simulated engine.
+
+    Defaults resemble Llama-3-8B (bf16) served by vLLM on one H100 SXM 80 GB; the reasoning
+    behind each number is in docs/worker-sim.md.
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int = 27_000  # ~432k tokens of KV: (0.9 * 80 GB - 16 GB weights - 4 GB) / 2 MiB
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    hash_seed: int = 0
+    seed: int = 0
+    # step-time model (seconds)
+    step_overhead_s: float = 0.0065  # weights read once per forward pass + launch overhead
+    prefill_token_s: float = 4.0e-5  # per uncached prompt token (~25k tok/s of dense GEMM)
+    prefill_attn_s: float = 2.5e-9  # per (uncached token x context token) of attention
+    decode_seq_s: float = 3.0e-5  # per decoding sequence (GEMM rows, sampling)
+    decode_kv_token_s: float = 5.5e-8  # per KV token read by decode attention (128 KiB/token)
+    # GPU memory model (for the simulated GPU gauges)
+    gpu_mem_total_bytes: int = 85_520_809_984  # what NVML reports for an H100 SXM 80 GB
+    weights_bytes: int = 16_060_000_000  # 8.03e9 params x 2 bytes
+    activation_bytes: int = 4_000_000_000  # activations, CUDA graphs, allocator slack
+    kv_bytes_per_token: int = 131_072  # 32 layers x 8 KV heads x 128 dim x 2 (K,V) x 2 bytes
+    mem_bandwidth_bytes_s: float = 3.35e12  # HBM3 peak
+    output_vocab: tuple[int, ...] = DEFAULT_OUTPUT_VOCAB
+
+    def __post_init__(self) -> None:
+        for name in (
+            "block_size",
+            "num_gpu_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+        ):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not self.output_vocab:
+            raise ValueError("EngineConfig.output_vocab must not be empty")
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+
+@dataclass
+class SimRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    lora: str | None = None
+    arrival_time: float = 0.0
+
+
+@dataclass
+class FinishedRequest:
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "length" | "abort"
+    arrival_time: float = 0.0
+    first_token_time: float | None = None  # engine time at the end of the first token's step
+    finish_time: float = 0.0
+
+
+@dataclass
+class StepOutput:
+    duration_s: float
+    tokens: dict[str, list[int]]  # request_id -> token ids generated in this step
+    finished: list[FinishedRequest]
+    kv_events: list[KvEvent]
+    # parallel to kv_events: token ids and LoRA of each BlockStored (None for other events)
+    kv_event_meta: list[EventMeta | None] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # uncached prompt tokens computed in this step
+    num_decode_seqs: int = 0
+    kv_tokens_read: int = 0  # context tokens read by decode attention
+
+
+@dataclass
+class _Seq:
+    """A request inside the engine."""
+
+    req: SimRequest
+    keys: list[int]  # canonical keys of the prompt's full blocks
+    all_keys: list[int]  # keys of every full block so far (prompt, then generated)
+    seed: int  # chain seed (cluster seed + LoRA)
+    gen_seed: int  # seed of this request's generated tokens
+    tokens: list[int]  # prompt + generated so far
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache (cached hits + computed)
+    num_cached: int = 0  # prompt tokens served from the prefix cache at admission
+    num_registered: int = 0  # leading full blocks entered in the prefix cache
+    generated: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.prompt_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, worker_id: str = "sim") -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.pool = BlockPool(config.num_gpu_blocks, config.block_size)
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self._ids: set[str] = set()
+        self._aborted: list[FinishedRequest] = []
+        self.prefix_cache_queries = 0  # prompt tokens looked up (vLLM counts tokens)
+        self.prefix_cache_hits = 0  # prompt tokens found cached
+        self.num_steps = 0
+        self.num_finished = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ------------------------------------------------------------------ load
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.pool.usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached
+
+    def dump_cache(self) -> list[BlockStored]:
+        """Every cached block as BlockStored events (for an indexer's resync)."""
+        return self.pool.dump()
+
+    def reset_prefix_cache(self) -> list[KvEvent]:
+        """Forget all cached keys (an AllBlocksCleared event); returns the events."""
+        self.pool.clear()
+        return self.pool.take_events()[0]
+
+    # ------------------------------------------------------------------ requests
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise AdmissionError when such a request could never run here."""
+        c = self.config
+        if max_tokens <= 0:
+            raise AdmissionError(f"max_tokens must be > 0, got {max_tokens}")
+        if prompt_tokens <= 0:
+            raise AdmissionError("the prompt is empty")
+        if prompt_tokens + max_tokens > c.max_model_len:
+            raise AdmissionError(
+                f"This model's maximum context length is {c.max_model_len} tokens. However, you "
+                f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                f"completion."
+            )
+        need = blocks_needed(prompt_tokens, max_tokens, c.block_size)
+        if need > c.num_gpu_blocks:
+            raise AdmissionError(
+                f"the request needs {need} KV blocks ({prompt_tokens} prompt + {max_tokens} "
+                f"completion tokens, block size {c.block_size}) but the KV cache has only "
+                f"{c.num_gpu_blocks} blocks ({c.kv_capacity_tokens} tokens)"
+            )
+
+    def add_request(self, req: SimRequest, now: float = 0.0) -> None:
+        if req.request_id in self._ids:
+            raise AdmissionError(f"duplicate request id {req.request_id!r}")
+        self.check(len(req.prompt_token_ids), req.max_tokens)
+        c = self.config
+        seed = block_seed(c.hash_seed, req.lora)
+        keys = block_keys(req.prompt_token_ids, c.block_size, seed)
+        gen_seed = xxhash.xxh3_64_intdigest(
+            (keys[-1] if keys else 0).to_bytes(8, "little")
+            + bytes(
+                str(req.prompt_token_ids[len(keys) * c.block_size :]) + (req.lora or ""), "utf-8"
+            ),
+            seed=c.seed & 0xFFFFFFFFFFFFFFFF,
+        )
+        if not req.arrival_time:
+            req.arrival_time = now
+        seq = _Seq(
+            req=req,
+            keys=keys,
+            all_keys=list(keys),
+            seed=seed,
+            gen_seed=gen_seed,
+            tokens=list(req.prompt_token_ids),
+        )
+        self.waiting.append(seq)
+        self._ids.add(req.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request (client went away); it is reported as finished with reason "abort"
+        in the next step. Returns False when the id is unknown or already finished."""
+        if request_id not in self._ids:
+            return False
+        for i, s in enumerate(self.waiting):
+            if s.req.request_id == request_id:
+                del self.waiting[i]
+                self._finish_aborted(s)
+                return True
+        for i, s in enumerate(self.running):
+            if s.req.request_id == request_id:
+                del self.running[i]
+                self.pool.free(s.blocks)
+                s.blocks = []
+                self._finish_aborted(s)
+                return True
+        return False  # pragma: no cover - ids are removed when requests finish
+
+    def _finish_aborted(self, s: _Seq) -> None:
+        self._ids.discard(s.req.request_id)
+        self._aborted.append(
+            FinishedRequest(
+                request_id=s.req.request_id,
+                prompt_tokens=s.prompt_len,
+                cached_tokens=s.num_cached,
+                completion_tokens=s.generated,
+                finish_reason="abort",
+                arrival_time=s.req.arrival_time,
+                first_token_time=s.first_token_time,
+            )
+        )
+
+    # ------------------------------------------------------------------ the step
+    def step_time(
+        self, prefill_tokens: int, prefill_attn: int, decode_seqs: int, kv_read: int
+    ) -> float:
+        """Duration of one forward pass. ``prefill_attn`` is the sum over computed prompt
+        tokens of their context length (attention is quadratic in the prompt)."""
+        c = self.config
+        return (
+            c.step_overhead_s
+            + c.prefill_token_s * prefill_tokens
+            + c.prefill_attn_s * prefill_attn
+            + c.decode_seq_s * decode_seqs
+            + c.decode_kv_token_s * kv_read
+        )
+
+    def _try_admit(self, s: _Seq) -> bool:
+        c = self.config
+        prompt_len = s.prompt_len
+        # like vLLM, always compute at least the last prompt token (its logits are needed)
+        max_hit_blocks = (prompt_len - 1) // c.block_size
+        hit = self.pool.match_prefix(s.keys[:max_hit_blocks])
+        total = blocks_needed(prompt_len, s.req.max_tokens, c.block_size)
+        new = total - len(hit)
+        if not self.pool.can_allocate(hit, new):
+            return False
+        self.pool.touch(hit)
+        s.blocks = hit + self.pool.allocate(new)
+        s.num_cached = s.num_computed = len(hit) * c.block_size
+        s.num_registered = len(hit)
+        self.prefix_cache_queries += prompt_len
+        self.prefix_cache_hits += s.num_cached
+        self.prompt_tokens_total += prompt_len
+        return True
+
+    def step(self, now: float = 0.0) -> StepOutput | None:
+        """Run one forward pass starting at ``now``; None when there is nothing to do."""
+        if not self.has_work:
+            return None
+        c = self.config
+        budget = c.max_num_batched_tokens
+        scheduled: list[tuple[_Seq, int]] = []  # (seq, tokens computed this step)
+        for s in self.running:
+            if budget <= 0:
+                break
+            n = min(s.prompt_len - s.num_computed, budget) if s.in_prefill else 1
+            scheduled.append((s, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+            s = self.waiting[0]
+            if not self._try_admit(s):
+                break  # FCFS: the head waits for blocks, and so does everyone behind it
+            self.waiting.popleft()
+            self.running.append(s)
+            n = min(s.prompt_len - s.num_computed, budget)
+            scheduled.append((s, n))
+            budget -= n
+
+        prefill_tokens = prefill_attn = decode_seqs = kv_read = 0
+        for s, n in scheduled:
+            if s.in_prefill:
+                prefill_tokens += n
+                a, b = s.num_computed, s.num_computed + n  # positions a..b-1 attend to 0..p
+                prefill_attn += (a + b + 1) * n // 2
+            else:
+                decode_seqs += 1
+                kv_read += len(s.tokens)
+        duration = (
+            self.step_time(prefill_tokens, prefill_attn, decode_seqs, kv_read) if scheduled else 0.0
+        )
+        end = now + duration
+        tokens: dict[str, list[int]] = {}
+        finished: list[FinishedRequest] = self._aborted
+        self._aborted = []
+        for s, n in scheduled:
+            s.num_computed += n
+            if s.num_computed >= s.prompt_len:  # prefill done (this step or before): sample
+                tok = self._next_token(s)
+                s.tokens.append(tok)
+                s.generated += 1
+                tokens[s.req.request_id] = [tok]
+                if s.first_token_time is None:
+                    s.first_token_time = end
+            # KV now exists for num_computed tokens (the token just sampled gets its KV in the
+            # next step), so the full blocks among them can be shared
+            self._register_full_blocks(s)
+        self.generation_tokens_total += len(tokens)
+        still: list[_Seq] = []
+        for s in self.running:
+            if s.generated >= s.req.max_tokens:
+                self.pool.free(s.blocks)
+                s.blocks = []
+                self._ids.discard(s.req.request_id)
+                self.num_finished += 1
+                finished.append(
+                    FinishedRequest(
+                        request_id=s.req.request_id,
+                        prompt_tokens=s.prompt_len,
+                        cached_tokens=s.num_cached,
+                        completion_tokens=s.generated,
+                        finish_reason="length",
+                        arrival_time=s.req.arrival_time,
+                        first_token_time=s.first_token_time,
+                        finish_time=end,
+                    )
+                )
+            else:
+                still.append(s)
+        self.running = still
+        self.num_steps += 1
+        events, meta = self.pool.take_events()
+        return StepOutput(
+            duration_s=duration,
+            tokens=tokens,
+            finished=finished,
+            kv_events=events,
+            kv_event_meta=meta,
+            num_prefill_tokens=prefill_tokens,
+            num_decode_seqs=decode_seqs,
+            kv_tokens_read=kv_read,
+        )
+
+    def _next_token(self, s: _Seq) -> int:
+        vocab = self.config.output_vocab
+        h = xxhash.xxh3_64_intdigest(s.generated.to_bytes(8, "little"), seed=s.gen_seed)
+        return vocab[h % len(vocab)]
+
+    def _register_full_blocks(self, s: _Seq) -> None:
+        """Enter the full blocks among the computed tokens into the prefix cache. Keys of
+        generated blocks continue the prompt's chain (equal to keying the whole sequence)."""
+        bs = self.config.block_size
+        full = s.num_computed // bs
+        start = s.num_registered
+        if full <= start:
+            return
+        have = len(s.all_keys)
+        if full > have:
+            parent = s.all_keys[-1] if have else None
+            s.all_keys.extend(
+                block_keys(s.tokens[have * bs : full * bs], bs, s.seed, parent_key=parent)
+            )
+        parent_key = s.all_keys[start - 1] if start > 0 else None
+        self.pool.register(
+            s.blocks[start:full],
+            s.all_keys[start:full],
+            parent_key,
+            s.tokens[start * bs : full * bs],
+            s.req.lora,
+        )
+        s.num_registered = full

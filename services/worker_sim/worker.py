@@ -1,0 +1,608 @@
+"""One live simulated worker: the engine on real time, its OpenAI HTTP server, its bus and ZMQ
+publishers, its metrics and its faults. Several run in one process (see app.py).
+
+Timing: the engine loop runs a step, sleeps for ``duration * slow_factor / speedup`` wall
+seconds, then delivers the step's tokens (so the first token arrives after its prefill).
+When the loop falls behind (CPU contention) it catches up by up to ``MAX_LAG_S`` of wall time
+instead of drifting, and yields to the event loop at least every few steps.
+
+Invariants:
+- nothing on the engine path awaits the network: KV batches go to per-sink queues drained by
+  their own tasks; when NATS is down they are dropped and counted, and HTTP keeps serving;
+- KV batch ``seq`` increases by exactly one per batch per ``instance_id``, starting at 0 with an
+  ``AllBlocksCleared`` batch (a restarted worker starts empty); a batch dropped by a fault still
+  uses its seq; heartbeats carry ``kv_seq`` = the last seq handled (published or dropped);
+- a kvdump reply carries the latest assigned seq (it does not advance it) and the full cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.common.bus import Bus
+from services.common.logging import RateLimiter, get_logger
+from services.common.schemas import (
+    AllBlocksCleared,
+    KvDumpRequest,
+    KvEvent,
+    KvEventBatch,
+    WorkerCapacity,
+    WorkerHeartbeat,
+)
+from services.common.tokenizer import Tokenizer
+from services.worker_sim.engine import (
+    AdmissionError,
+    Engine,
+    EngineConfig,
+    FinishedRequest,
+    SimRequest,
+    StepOutput,
+)
+from services.worker_sim.faults import Faults
+from services.worker_sim.gpu import GpuGauges, GpuModel
+from services.worker_sim.kvcache import EventMeta
+from services.worker_sim.metrics import WorkerMetrics
+from services.worker_sim.openai_api import (
+    ApiError,
+    ParsedRequest,
+    chunk,
+    full_response,
+    parse_request,
+    usage,
+)
+from services.worker_sim.zmq_pub import ZmqPublisher
+from services.worker_sim.zmq_wire import encode_batch
+
+log = get_logger("sim-worker")
+MAX_LAG_S = 0.05
+YIELD_EVERY = 8
+SERVED_BY = "x-kvgate-served-by"
+
+
+@dataclass
+class WorkerSettings:
+    worker_id: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    model: str = "sim-llama-8b"
+    loras: tuple[str, ...] = ()
+    speedup: float = 1.0
+    default_max_tokens: int = 128
+    strict_model: bool = False
+    heartbeat_interval: float = 1.0
+    kv_queue_max: int = 10_000
+    # ZMQ (vLLM wire format); port 0 = off
+    zmq_port: int = 0
+    zmq_replay_port: int = 0
+    zmq_host: str = "127.0.0.1"
+    zmq_topic: str = "kv@{worker}@{model}"
+    zmq_event_form: str = "map"
+    zmq_hash: str = "uint64"
+    zmq_replay_topic_frame: bool = False
+    zmq_buffer_steps: int = 10_000
+    faults: dict[str, Any] = field(default_factory=dict)
+    fault_seed: int = 0
+
+
+class SimWorker:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine_config: EngineConfig,
+        tokenizer: Tokenizer,
+        bus: Bus | None = None,
+    ) -> None:
+        self.settings = settings
+        self.worker_id = settings.worker_id
+        self.engine_config = engine_config
+        self.tokenizer = tokenizer
+        self.bus = bus
+        self.url = f"http://{settings.host}:{settings.port}"
+        self.faults = Faults().update(settings.faults) if settings.faults else Faults()
+        self._rng = random.Random(f"{engine_config.seed}:{settings.fault_seed}:{self.worker_id}")
+        self.metrics = WorkerMetrics(lambda: self, settings.model, self.worker_id)
+        self.kv_published = 0
+        self.kv_dropped: dict[str, int] = {}
+        self.alive = False
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._dump_sub: Any = None
+        self._restart_task: asyncio.Task[None] | None = None
+        self._drop_log = RateLimiter(30.0)
+        self._lora_ids = {name: i + 1 for i, name in enumerate(settings.loras)}
+        self._new_instance()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _new_instance(self) -> None:
+        self.engine = Engine(self.engine_config, self.worker_id)
+        self.gpu = GpuModel(self.engine_config)
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.kv_seq = -1  # last assigned
+        self.kv_seq_done = -1  # last handled by the NATS sink (published or dropped)
+        self._kv_queue: asyncio.Queue[tuple[int, KvEventBatch, int]] = asyncio.Queue(
+            maxsize=self.settings.kv_queue_max
+        )
+        self._streams: dict[str, asyncio.Queue[tuple[str, Any]]] = {}
+        self._wake = asyncio.Event()
+        self._not_hung = asyncio.Event()
+        if not self.faults.hang:
+            self._not_hung.set()
+        self._busy_until = 0.0
+        self.zmq: ZmqPublisher | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        if s.zmq_port:
+            topic = s.zmq_topic.format(worker=self.worker_id, model=s.model, pod=self.worker_id)
+            self.zmq = ZmqPublisher(
+                f"tcp://{s.zmq_host}:{s.zmq_port}",
+                f"tcp://{s.zmq_host}:{s.zmq_replay_port}" if s.zmq_replay_port else None,
+                topic,
+                buffer_steps=s.zmq_buffer_steps,
+                replay_topic_frame=s.zmq_replay_topic_frame,
+            )
+            self.zmq.start()
+        self._tasks = [
+            asyncio.create_task(self._engine_loop(), name=f"engine:{self.worker_id}"),
+            asyncio.create_task(self._kv_sink(), name=f"kv-sink:{self.worker_id}"),
+        ]
+        self._emit_kv([AllBlocksCleared()], [None])  # seq 0: this instance starts empty
+        app = self.make_app()
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=0.5
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, s.host, s.port, reuse_address=True, shutdown_timeout=0.5)
+        await site.start()
+        self.alive = True
+        await self.attach_bus()
+        log.info("worker started", worker=self.worker_id, url=self.url, instance=self.instance_id)
+
+    async def attach_bus(self) -> None:
+        """Answer kvdump requests (call again after the bus connects)."""
+        if self.bus is None or not self.bus.is_connected or self._dump_sub is not None:
+            return
+        if not self.alive:
+            return
+        self._dump_sub = await self.bus.serve(
+            self.bus.subjects.kv_dump(self.worker_id), KvDumpRequest, self._on_kvdump
+        )
+
+    async def stop(self) -> None:
+        self.alive = False
+        if self._dump_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._dump_sub.unsubscribe()
+            self._dump_sub = None
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        for q in self._streams.values():
+            q.put_nowait(("crash", None))
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.zmq is not None:
+            await self.zmq.close()
+            self.zmq = None
+
+    async def close(self) -> None:
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+        await self.stop()
+
+    async def crash(self, restart_after_s: float | None) -> None:
+        log.warning(
+            "fault: worker crashing", worker=self.worker_id, restart_after_s=restart_after_s
+        )
+        await self.stop()
+        if restart_after_s is not None:
+            self._restart_task = asyncio.create_task(self._restart(restart_after_s))
+
+    async def _restart(self, delay: float) -> None:
+        await asyncio.sleep(delay)  # the fault's downtime, not a synchronisation
+        self.faults = Faults()
+        self._new_instance()
+        await self.start()
+
+    # ------------------------------------------------------------------ status
+    def capacity(self) -> WorkerCapacity:
+        c = self.engine_config
+        return WorkerCapacity(
+            block_size=c.block_size,
+            num_gpu_blocks=c.num_gpu_blocks,
+            max_num_seqs=c.max_num_seqs,
+            max_model_len=c.max_model_len,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+        )
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(
+            worker_id=self.worker_id,
+            instance_id=self.instance_id,
+            url=self.url,
+            model=self.settings.model,
+            capacity=self.capacity(),
+            engine="sim",
+            state="ready",
+            kv_seq=self.kv_seq_done,
+            kv_events=True,
+            ts=time.time(),
+        )
+
+    @property
+    def beating(self) -> bool:
+        """Heartbeats go out while the worker is up and not hung."""
+        return self.alive and not self.faults.hang
+
+    def gpu_gauges(self) -> GpuGauges:
+        return self.gpu.sample(time.monotonic(), self.engine)
+
+    def _count_drop(self, reason: str, n: int = 1) -> None:
+        self.kv_dropped[reason] = self.kv_dropped.get(reason, 0) + n
+        if self._drop_log.allow(reason):
+            log.warning(
+                "kv event batch dropped",
+                worker=self.worker_id,
+                reason=reason,
+                suppressed=self._drop_log.take_suppressed(reason),
+            )
+
+    # ------------------------------------------------------------------ engine loop
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        steps = 0
+        while True:
+            if not self.engine.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+            if not self._not_hung.is_set():
+                await self._not_hung.wait()
+            now = loop.time()
+            speed = self.settings.speedup
+            out = self.engine.step(now * speed)
+            if out is None:
+                continue
+            dur = out.duration_s * self.faults.slow_factor / speed
+            start = max(self._busy_until, now - MAX_LAG_S)
+            self._busy_until = start + dur
+            delay = self._busy_until - loop.time()
+            steps += 1
+            if delay > 0:
+                await asyncio.sleep(delay)  # the simulated GPU is computing this step
+                steps = 0
+            elif steps >= YIELD_EVERY:
+                await asyncio.sleep(0)
+                steps = 0
+            wall_end = time.monotonic()
+            self.gpu.record_step(wall_end - dur, wall_end, out)
+            self._deliver(out)
+            if out.kv_events:
+                self._emit_kv(out.kv_events, out.kv_event_meta)
+
+    def _deliver(self, out: StepOutput) -> None:
+        for rid, toks in out.tokens.items():
+            q = self._streams.get(rid)
+            if q is not None:
+                q.put_nowait(("tokens", toks))
+        for fin in out.finished:
+            q = self._streams.get(fin.request_id)
+            if q is not None:
+                q.put_nowait(("done", fin))
+
+    # ------------------------------------------------------------------ KV events
+    def _emit_kv(self, events: list[KvEvent], meta: list[EventMeta | None]) -> None:
+        self.kv_seq += 1
+        seq = self.kv_seq
+        copies = 1
+        if self.faults.drop_kv and self._rng.random() < self.faults.drop_kv:
+            copies = 0
+        elif self.faults.dup_kv and self._rng.random() < self.faults.dup_kv:
+            copies = 2
+        ts = time.time()
+        batch = KvEventBatch(
+            worker_id=self.worker_id, instance_id=self.instance_id, seq=seq, ts=ts, events=events
+        )
+        try:
+            self._kv_queue.put_nowait((seq, batch, copies))
+        except asyncio.QueueFull:
+            self._count_drop("queue_full")
+            self.kv_seq_done = max(self.kv_seq_done, seq)
+        if self.zmq is not None:
+            s = self.settings
+            payload = encode_batch(
+                ts,
+                events,
+                meta,
+                form=s.zmq_event_form,
+                hash_mode=s.zmq_hash,
+                lora_ids=self._lora_ids,
+            )
+            self.zmq.publish(payload, copies)
+
+    async def _kv_sink(self) -> None:
+        q = self._kv_queue
+        while True:
+            seq, batch, copies = await q.get()
+            bus = self.bus
+            if copies == 0:
+                self._count_drop("fault")
+            elif bus is None or not bus.is_connected:
+                self._count_drop("nats_down")
+            else:
+                subject = bus.subjects.kv_events(self.worker_id)
+                try:
+                    for _ in range(copies):
+                        await bus.js_publish(subject, batch, timeout=2.0)
+                    self.kv_published += 1
+                except Exception as exc:
+                    self._count_drop("nats_error")
+                    log.debug("kv publish failed", worker=self.worker_id, error=repr(exc))
+            self.kv_seq_done = max(self.kv_seq_done, seq)
+
+    async def _on_kvdump(self, req: KvDumpRequest) -> KvEventBatch:
+        events: list[KvEvent] = [AllBlocksCleared()]
+        events.extend(self.engine.dump_cache())
+        log.info(
+            "kv dump",
+            worker=self.worker_id,
+            reason=req.reason,
+            blocks=self.engine.num_cached_blocks,
+        )
+        return KvEventBatch(
+            worker_id=self.worker_id,
+            instance_id=self.instance_id,
+            seq=max(self.kv_seq, 0),
+            ts=time.time(),
+            events=events,
+        )
+
+    # ------------------------------------------------------------------ faults
+    async def apply_faults(self, patch: dict[str, Any]) -> None:
+        self.faults.update(patch)
+        if self.faults.hang:
+            self._not_hung.clear()
+        else:
+            self._not_hung.set()
+        if self.faults.crash:
+            asyncio.create_task(self.crash(self.faults.restart_after_s))
+
+    # ------------------------------------------------------------------ HTTP
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+
+        async def add_header(_req: web.Request, resp: web.StreamResponse) -> None:
+            resp.headers[SERVED_BY] = self.worker_id
+
+        app.on_response_prepare.append(add_header)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/admin/faults", self._get_faults)
+        app.router.add_post("/admin/faults", self._post_faults)
+        return app
+
+    def _status(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "status": "ok",
+            "worker_id": self.worker_id,
+            "instance_id": self.instance_id,
+            "model": self.settings.model,
+            "running": e.num_running,
+            "waiting": e.num_waiting,
+            "kv_usage": e.kv_usage,
+            "num_free_blocks": e.num_free_blocks,
+            "kv_seq": self.kv_seq,
+        }
+
+    async def _health(self, _r: web.Request) -> web.Response:
+        if self.faults.hang:
+            await self._not_hung.wait()
+        return web.json_response(self._status())
+
+    async def _models(self, _r: web.Request) -> web.Response:
+        created = int(time.time())
+        c = self.engine_config
+        data = [
+            {
+                "id": self.settings.model,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvgate",
+                "root": self.settings.model,
+                "parent": None,
+                "max_model_len": c.max_model_len,
+            }
+        ]
+        for lora in self.settings.loras:
+            data.append(
+                {
+                    "id": lora,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "kvgate",
+                    "root": lora,
+                    "parent": self.settings.model,
+                    "max_model_len": c.max_model_len,
+                }
+            )
+        return web.json_response({"object": "list", "data": data})
+
+    async def _metrics(self, _r: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    async def _get_faults(self, _r: web.Request) -> web.Response:
+        return web.json_response({"worker_id": self.worker_id, "faults": self.faults.to_dict()})
+
+    async def _post_faults(self, r: web.Request) -> web.Response:
+        try:
+            patch = await r.json()
+            await self.apply_faults(patch)
+        except (ValueError, json.JSONDecodeError) as exc:
+            return _error(ApiError(400, str(exc)))
+        log.warning("faults set", worker=self.worker_id, faults=self.faults.to_dict())
+        return web.json_response({"worker_id": self.worker_id, "faults": self.faults.to_dict()})
+
+    async def _tokenize(self, r: web.Request) -> web.Response:
+        try:
+            body = await _json_body(r)
+            if "messages" in body:
+                kind = "chat"
+            elif "prompt" in body:
+                kind = "completion"
+            else:
+                raise ApiError(400, "'prompt' or 'messages' is required")
+            p = parse_request(kind, {**body, "max_tokens": 1}, self.tokenizer, self.settings.model)
+        except ApiError as exc:
+            return _error(exc)
+        ids = self.tokenizer.encode(p.prompt)
+        return web.json_response(
+            {"tokens": ids, "count": len(ids), "max_model_len": self.engine_config.max_model_len}
+        )
+
+    async def _completions(self, r: web.Request) -> web.StreamResponse:
+        return await self._generate(r, "completion")
+
+    async def _chat(self, r: web.Request) -> web.StreamResponse:
+        return await self._generate(r, "chat")
+
+    async def _generate(self, r: web.Request, kind: str) -> web.StreamResponse:
+        t0 = time.monotonic()
+        try:
+            body = await _json_body(r)
+            s = self.settings
+            p = parse_request(
+                kind,  # type: ignore[arg-type]
+                body,
+                self.tokenizer,
+                s.model,
+                s.loras,
+                s.default_max_tokens,
+                s.strict_model,
+            )
+            if self.faults.reject and self._rng.random() < self.faults.reject:
+                raise ApiError(503, "the worker is overloaded (injected fault)")
+            ids = self.tokenizer.encode(p.prompt)
+            try:
+                self.engine.check(len(ids), p.max_tokens)
+            except AdmissionError as exc:
+                raise ApiError(400, str(exc), "max_tokens") from None
+        except ApiError as exc:
+            return _error(exc)
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        rid = prefix + uuid.uuid4().hex
+        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._streams[rid] = q
+        loop = asyncio.get_running_loop()
+        self.engine.add_request(
+            SimRequest(rid, ids, p.max_tokens, p.lora, loop.time() * self.settings.speedup),
+            loop.time() * self.settings.speedup,
+        )
+        self._wake.set()
+        done = False
+        try:
+            if p.stream:
+                resp = await self._stream(r, p, rid, q, t0)
+            else:
+                resp = await self._collect(p, rid, q, t0)
+            done = True
+            return resp
+        finally:
+            self._streams.pop(rid, None)
+            if not done:
+                self.engine.abort(rid)
+
+    def _observe_ttft(self, t0: float) -> None:
+        self.metrics.ttft.observe(time.monotonic() - t0)
+        self.metrics.ttft_sim.observe((time.monotonic() - t0) * self.settings.speedup)
+
+    async def _collect(
+        self, p: ParsedRequest, rid: str, q: asyncio.Queue[tuple[str, Any]], t0: float
+    ) -> web.Response:
+        out: list[int] = []
+        while True:
+            kind, val = await q.get()
+            if kind == "tokens":
+                if not out:
+                    self._observe_ttft(t0)
+                out.extend(val)
+            elif kind == "done":
+                fin: FinishedRequest = val
+                text = self.tokenizer.decode(out)
+                use = usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
+                return web.json_response(full_response(p, rid, text, fin.finish_reason, use))
+            else:  # crash
+                raise ConnectionResetError("worker crashed")
+
+    async def _stream(
+        self,
+        r: web.Request,
+        p: ParsedRequest,
+        rid: str,
+        q: asyncio.Queue[tuple[str, Any]],
+        t0: float,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(r)
+        created = int(time.time())
+
+        async def send(obj: dict[str, Any]) -> None:
+            await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+        first = True
+        if p.kind == "chat":
+            await send(chunk(p, rid, created, "", role=True))
+        while True:
+            kind, val = await q.get()
+            if kind == "tokens":
+                if first:
+                    self._observe_ttft(t0)
+                    first = False
+                await send(chunk(p, rid, created, self.tokenizer.decode(val)))
+            elif kind == "done":
+                fin: FinishedRequest = val
+                await send(chunk(p, rid, created, None, finish_reason=fin.finish_reason))
+                if p.include_usage:
+                    use = usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
+                    await send(chunk(p, rid, created, None, use=use))
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            else:  # crash: cut the stream
+                raise ConnectionResetError("worker crashed")
+
+
+async def _json_body(r: web.Request) -> dict[str, Any]:
+    try:
+        body = await r.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _error(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
