@@ -1,0 +1,260 @@
+"""compose.yaml, checked without a Docker engine.
+
+- it validates against the Compose Specification JSON schema (the copy check-jsonschema
+  vendors, so nothing is downloaded), and the validator does reject a broken file;
+- .env.example supplies every variable, and the secrets only from the environment;
+- every service's command answers ``--help`` in the installed package;
+- every KVGATE_* variable a service sets is one its command reads, with a valid value;
+- ports, bind addresses and health-check URLs agree with the services' defaults;
+- start order: health checks behind every ``service_healthy``, the API after migrations.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common import settings as S
+from tests.test_deploy_helpers import (
+    COMPOSE,
+    ENV_EXAMPLE,
+    ROOT,
+    TEST_SECRETS,
+    InterpolationError,
+    command_env_vars,
+    command_of,
+    compose_files,
+    environment_of,
+    health_url,
+    import_all_commands,
+    interpolate_tree,
+    kvgate_services,
+    load_compose,
+    read_env_file,
+    referenced_variables,
+)
+
+# What each long-running kvgate service is, independently of compose.yaml: the command, the
+# variable holding its HTTP port, the port the docs and `kvgate up` use, its health path.
+SERVICES = {
+    "kv-indexer": ("indexer", "KVGATE_INDEXER_PORT", 8082, "/health"),
+    "telemetry": ("telemetry", "KVGATE_TELEMETRY_PORT", 8083, "/health"),
+    "router": ("router", "KVGATE_ROUTER_PORT", 8080, "/health"),
+    "api": ("api", "KVGATE_API_PORT", 8081, "/api/v1/health"),
+    "sim": ("sim-worker", "KVGATE_SIM_PORT", 8100, "/health"),
+}
+HOST_VARS = {
+    "kv-indexer": "KVGATE_INDEXER_HOST",
+    "telemetry": "KVGATE_TELEMETRY_HOST",
+    "router": "KVGATE_ROUTER_HOST",
+    "api": "KVGATE_API_HOST",
+    "sim": "KVGATE_SIM_HOST",
+}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_compose()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _all_options_loaded() -> None:
+    import_all_commands()
+
+
+def _check_jsonschema(*files: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "check_jsonschema",
+            "--builtin-schema",
+            "vendor.compose-spec",
+            *map(str, files),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_compose_files_validate_against_the_compose_specification() -> None:
+    result = _check_jsonschema(*compose_files())
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_schema_check_rejects_a_broken_compose_file(tmp_path: Path) -> None:
+    """The validation above is not vacuous: a misspelt condition and an unknown key fail."""
+    text = COMPOSE.read_text()
+    assert "condition: service_completed_successfully" in text
+    bad_condition = tmp_path / "bad-condition.yaml"
+    bad_condition.write_text(
+        text.replace("condition: service_completed_successfully", "condition: service_done")
+    )
+    bad_key = tmp_path / "bad-key.yaml"
+    bad_key.write_text(text.replace("  init: true\n", "  init: true\n  replica: 2\n", 1))
+    for bad in (bad_condition, bad_key):
+        result = _check_jsonschema(bad)
+        assert result.returncode == 1, f"{bad.name} passed validation:\n{result.stdout}"
+        assert "services" in result.stdout
+
+
+def test_env_example_documents_every_variable_and_secrets_are_required() -> None:
+    example = read_env_file(ENV_EXAMPLE)
+    for path in compose_files():
+        used = referenced_variables(path.read_text())
+        assert used <= set(example), f"{path.name}: not in .env.example: {used - set(example)}"
+    # the secrets have no value in .env.example and nowhere else: compose must refuse to start
+    for secret in TEST_SECRETS:
+        assert example[secret] == "", f"{secret} has a value in .env.example"
+        with pytest.raises(InterpolationError, match=secret):
+            load_compose(env={**example, **{k: v for k, v in TEST_SECRETS.items() if k != secret}})
+
+
+def test_no_secret_is_written_in_the_compose_files() -> None:
+    for path in compose_files():
+        raw = yaml.safe_load(path.read_text())
+        for name, svc in raw.get("services", {}).items():
+            for key, value in environment_of(svc).items():
+                if re.search(r"PASSWORD|TOKEN|SECRET", key):
+                    assert re.fullmatch(r"\$\{[A-Z0-9_]+:\?[^}]+\}", value), (
+                        f"{path.name}:{name}: {key} must come from a required variable"
+                    )
+                if "://" in value and "@" in value:  # credentials inside a URL
+                    userinfo = value.split("://", 1)[1].split("@", 1)[0]
+                    if ":" in userinfo:
+                        assert re.search(r":\$\{[A-Z0-9_]+:\?", userinfo), (
+                            f"{path.name}:{name}: {key} has a literal password"
+                        )
+
+
+def test_every_command_answers_help_in_the_installed_package() -> None:
+    commands = {
+        tuple(command_of(svc))
+        for path in compose_files()
+        for svc in kvgate_services(load_compose(path)).values()
+    }
+    assert {c[0] for c in commands} >= {"migrate", "indexer", "telemetry", "router", "api"}
+    assert "sim-worker" in {c[0] for c in commands}
+    kvgate = Path(sys.executable).parent / "kvgate"
+    procs = {
+        cmd: subprocess.Popen(
+            [str(kvgate), *cmd, "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for cmd in commands
+    }
+    for cmd, proc in procs.items():
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, f"kvgate {' '.join(cmd)} --help failed: {err.decode()}"
+        assert out.decode().startswith(f"usage: kvgate {cmd[0]}"), out.decode()[:200]
+
+
+def test_every_kvgate_variable_is_read_by_the_service_command() -> None:
+    checked = 0
+    for path in compose_files():
+        for name, svc in kvgate_services(load_compose(path)).items():
+            command = command_of(svc)[0]
+            reads = command_env_vars(command)
+            for var, value in environment_of(svc).items():
+                assert var.startswith("KVGATE_"), f"{path.name}:{name}: stray variable {var}"
+                assert var in S.ALL_OPTIONS, f"{path.name}:{name}: {var} is no kvgate setting"
+                assert var in reads, f"{path.name}:{name}: `kvgate {command}` ignores {var}"
+                opt = S.ALL_OPTIONS[var]
+                resolved = S.resolve(None, [opt], environ={var: value})  # SystemExit if invalid
+                assert getattr(resolved, opt.name) is not None
+                checked += 1
+    assert checked >= 15
+
+
+def test_ports_hosts_and_health_checks_match_the_services(compose: dict) -> None:
+    services = kvgate_services(compose)
+    for name, (command, port_var, port, path) in SERVICES.items():
+        svc = services[name]
+        assert command_of(svc)[0] == command
+        assert S.ALL_OPTIONS[port_var].default == port, f"{port_var} default changed"
+        env = environment_of(svc)
+        effective = int(env.get(port_var, port))
+        assert effective == port, f"{name} listens on {effective}, documented {port}"
+        host, hc_port, hc_path = health_url(svc)
+        assert (hc_port, hc_path) == (port, path), f"{name} health check"
+        bind = env.get(HOST_VARS[name])
+        if name == "sim":
+            # workers announce http://<host>:<port> in heartbeats: it must be the container's
+            # name on the compose network, which the health check also uses
+            assert bind == svc.get("hostname") == host == "sim"
+        else:
+            assert bind == "0.0.0.0", f"{name} must listen on all interfaces in its container"
+            assert host == "127.0.0.1"
+    # published ports reach the services' container ports
+    assert any(str(p).endswith(":8081") for p in compose["services"]["api"]["ports"])
+    assert any(str(p).endswith(":8080") for p in compose["services"]["gateway"]["ports"])
+    assert "ports" not in services["router"], "router replicas are reached through the gateway"
+    # the router count is configurable and defaults to more than one
+    assert int(compose["services"]["router"]["deploy"]["replicas"]) >= 2
+
+
+def test_gateway_balances_over_every_router_replica_on_the_router_port(compose: dict) -> None:
+    cfg = (ROOT / "deploy" / "haproxy.cfg").read_text()
+    router_port = SERVICES["router"][2]
+    assert re.search(rf"^\s*server-template\s+\S+\s+\d+\s+router:{router_port}\b", cfg, re.M)
+    assert re.search(rf"^\s*option httpchk GET {SERVICES['router'][3]}\s*$", cfg, re.M)
+    assert re.search(r"^\s*bind :8080\s*$", cfg, re.M)
+    gateway = compose["services"]["gateway"]
+    _, port, path = health_url(gateway)
+    assert re.search(rf"^\s*bind :{port}\s*$", cfg, re.M) and path in cfg
+    mounts = [str(v) for v in gateway["volumes"]]
+    assert any(m.startswith("./deploy/haproxy.cfg:") for m in mounts)
+
+
+def test_start_order_and_restart_policies(compose: dict) -> None:
+    services = compose["services"]
+    for name, svc in services.items():
+        for dep, spec in (svc.get("depends_on") or {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{name} waits for {dep}'s health"
+        if name != "migrate":
+            assert svc.get("restart") in {"unless-stopped", "always"}, name
+            assert "healthcheck" in svc, f"{name} has no health check"
+    assert services["migrate"]["restart"] == "no"
+    assert command_of(services["migrate"])[:1] == ["migrate"]
+    api_deps = services["api"]["depends_on"]
+    assert api_deps["migrate"]["condition"] == "service_completed_successfully"
+    assert api_deps["postgres"]["condition"] == "service_healthy"
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name in ("kv-indexer", "telemetry", "router", "api", "sim"):
+        assert services[name]["depends_on"]["nats"]["condition"] == "service_healthy", name
+    assert services["sim"]["profiles"] == ["sim"]
+    # every kvgate service talks to the compose NATS and Postgres by service name
+    for name, svc in kvgate_services(compose).items():
+        env = environment_of(svc)
+        if name != "migrate":  # migrations need only the database
+            assert env["KVGATE_NATS_URL"] == "nats://nats:4222", name
+        if "KVGATE_DATABASE_URL" in env:
+            assert "@postgres:5432/" in env["KVGATE_DATABASE_URL"], name
+
+
+def test_infrastructure_health_checks_and_volumes(compose: dict) -> None:
+    nats, pg = compose["services"]["nats"], compose["services"]["postgres"]
+    _, port, path = health_url(nats)
+    conf = (ROOT / "deploy" / "nats.conf").read_text()
+    assert re.search(rf"^http_port:\s*{port}\s*$", conf, re.M)
+    assert path.startswith("/healthz") and "js-enabled-only=true" in path
+    store = re.search(r"store_dir:\s*(\S+)", conf).group(1)
+    data_mount = next(str(v) for v in nats["volumes"] if str(v).startswith("nats-data:"))
+    assert store.startswith(data_mount.split(":")[1]), "JetStream must store on the volume"
+    assert pg["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
+    assert any(str(v).startswith("pg-data:/var/lib/postgresql/data") for v in pg["volumes"])
+    assert set(compose["volumes"]) >= {"nats-data", "pg-data"}
+
+
+def test_raw_file_interpolates_without_a_dotenv_only_for_secrets() -> None:
+    """With only the secrets exported (no .env at all), every other variable has a default."""
+    doc = interpolate_tree(yaml.safe_load(COMPOSE.read_text()), dict(TEST_SECRETS))
+    assert doc["services"]["router"]["deploy"]["replicas"] == "2"
+    assert doc["services"]["kv-indexer"]["image"] == "kvgate:latest"

@@ -1,0 +1,221 @@
+"""Helpers shared by the deployment tests (compose.yaml, Dockerfile, docs/deploy.md), and
+tests of the helpers themselves.
+
+There is no Docker engine on the development machines, so the deployment files are checked
+the way Compose reads them: YAML (merge keys resolved), then ``${VAR...}`` interpolation from
+the environment / ``.env`` file, then the commands and settings the kvgate image will run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose.yaml"
+ENV_EXAMPLE = ROOT / ".env.example"
+
+# Secrets .env.example leaves empty on purpose; tests supply throwaway values.
+TEST_SECRETS = {
+    "POSTGRES_PASSWORD": "pw0123456789abcdef",
+    "KVGATE_API_ADMIN_TOKEN": "tok-" + "a" * 32,
+}
+
+
+class InterpolationError(ValueError):
+    """A required variable (``${VAR:?msg}``) is missing, or the syntax is invalid."""
+
+
+_VAR = re.compile(
+    r"\$(?:(?P<escaped>\$)"
+    r"|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
+    r"|(?P<named>[A-Za-z_][A-Za-z0-9_]*)"
+    r"|(?P<invalid>))"
+)
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable interpolation: ``$$``, ``$VAR``, ``${VAR}``, ``${VAR:-default}``,
+    ``${VAR-default}``, ``${VAR:?error}``, ``${VAR?error}``, ``${VAR:+alt}``, ``${VAR+alt}``."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group("escaped") is not None:
+            return "$"
+        if m.group("named") is not None:
+            return env.get(m.group("named"), "")
+        name = m.group("braced")
+        if name is None:
+            raise InterpolationError(f"invalid interpolation in {text!r}")
+        op, arg = m.group("op"), m.group("arg") or ""
+        value = env.get(name)
+        unset_or_empty = value is None or (op is not None and op.startswith(":") and value == "")
+        if op is None:
+            return value or ""
+        if op.endswith("-"):
+            return arg if unset_or_empty else value
+        if op.endswith("?"):
+            if unset_or_empty:
+                raise InterpolationError(f"required variable {name} is missing a value: {arg}")
+            return value
+        return "" if unset_or_empty else arg  # ':+' / '+'
+
+    return _VAR.sub(sub, text)
+
+
+def interpolate_tree(node: Any, env: dict[str, str]) -> Any:
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, dict):
+        return {k: interpolate_tree(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [interpolate_tree(v, env) for v in node]
+    return node
+
+
+def referenced_variables(text: str) -> set[str]:
+    """Names of the variables a compose file interpolates (``$$`` escapes excluded)."""
+    names = set()
+    for m in _VAR.finditer(text):
+        name = m.group("braced") or m.group("named")
+        if name:
+            names.add(name)
+    return names
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """A Compose ``.env`` file: KEY=VALUE lines; '#' comments; optional quotes."""
+    env: dict[str, str] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise ValueError(f"{path}: not KEY=VALUE: {raw!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        env[key.strip()] = value
+    return env
+
+
+def load_compose(path: Path = COMPOSE, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The compose file as Compose sees it, interpolated with ``.env.example`` + test secrets
+    (or ``env``)."""
+    if env is None:
+        env = {**read_env_file(ENV_EXAMPLE), **TEST_SECRETS}
+    return interpolate_tree(yaml.safe_load(path.read_text()), env)
+
+
+def compose_files() -> list[Path]:
+    """compose.yaml and the override files under deploy/."""
+    return [COMPOSE, *sorted((ROOT / "deploy").glob("compose.*.yaml"))]
+
+
+def kvgate_services(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Services that run the kvgate image (everything but NATS, Postgres and the gateway)."""
+    out = {}
+    for name, svc in doc.get("services", {}).items():
+        image = str(svc.get("image", ""))
+        if "build" in svc or image.startswith("kvgate"):
+            out[name] = svc
+    return out
+
+
+def command_of(svc: dict[str, Any]) -> list[str]:
+    cmd = svc.get("command")
+    assert isinstance(cmd, list) and cmd, f"command must be a non-empty list, got {cmd!r}"
+    return [str(c) for c in cmd]
+
+
+def environment_of(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def import_all_commands() -> None:
+    """Import every command module so ALL_OPTIONS holds every option the code declares."""
+    from services.cli import COMMANDS
+
+    for module_name, _ in COMMANDS.values():
+        importlib.import_module(module_name)
+
+
+def command_env_vars(command: str) -> set[str]:
+    """Environment variables the ``kvgate <command>`` reads: those of its module's OPTIONS and
+    those its parser (and sub-parsers) name in their help, which ``settings.add_options``
+    writes as ``[env KVGATE_...; default ...]``."""
+    from services.cli import COMMANDS, build_parser
+
+    module = importlib.import_module(COMMANDS[command][0])
+    found = {opt.env_var for opt in getattr(module, "OPTIONS", ())}
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+            elif action.help:
+                found.update(re.findall(r"\[env (KVGATE_[A-Z0-9_]+)", action.help))
+
+    walk(build_parser(command))
+    return found
+
+
+_URL = re.compile(r"https?://(?P<host>[A-Za-z0-9_.\-]+):(?P<port>\d+)(?P<path>/[^'\"\s]*)")
+
+
+def health_url(svc: dict[str, Any]) -> tuple[str, int, str]:
+    """(host, port, path) of the URL a service's health check requests."""
+    test = svc["healthcheck"]["test"]
+    text = " ".join(test) if isinstance(test, list) else test
+    m = _URL.search(text)
+    assert m, f"no URL in health check {test!r}"
+    return m.group("host"), int(m.group("port")), m.group("path")
+
+
+# ------------------------------------------------------------------------------ self-tests
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "expected"),
+    [
+        ("a${X}b", {"X": "1"}, "a1b"),
+        ("$X/$$Y", {"X": "1"}, "1/$Y"),
+        ("${X:-d}", {"X": ""}, "d"),
+        ("${X-d}", {"X": ""}, ""),
+        ("${X-d}", {}, "d"),
+        ("${X:?need X}", {"X": "v"}, "v"),
+        ("${X:+alt}", {"X": "v"}, "alt"),
+        ("${X:+alt}", {}, ""),
+        ("${MISSING}", {}, ""),
+    ],
+)
+def test_interpolate_follows_compose_rules(text: str, env: dict[str, str], expected: str) -> None:
+    assert interpolate(text, env) == expected
+
+
+def test_interpolate_refuses_a_missing_required_variable() -> None:
+    with pytest.raises(InterpolationError, match="need X"):
+        interpolate("${X:?need X}", {"X": ""})
+    with pytest.raises(InterpolationError, match="need X"):
+        interpolate("${X?need X}", {})
+
+
+def test_read_env_file_parses_values_comments_and_quotes(tmp_path: Path) -> None:
+    p = tmp_path / ".env"
+    p.write_text("# c\nA=1\nB=\nC='x y'\n\n#D=4\n")
+    assert read_env_file(p) == {"A": "1", "B": "", "C": "x y"}
+
+
+def test_health_url_reads_host_port_and_path() -> None:
+    svc = {"healthcheck": {"test": ["CMD", "python", "-c", "u.urlopen('http://sim:8100/health')"]}}
+    assert health_url(svc) == ("sim", 8100, "/health")

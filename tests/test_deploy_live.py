@@ -1,0 +1,252 @@
+"""compose.yaml's services, run as compose would run them but without Docker.
+
+NATS runs from deploy/nats.conf (the real nats-server binary, only its ports and store
+directory changed), Postgres is the test server. Every kvgate service is started with its
+compose command and environment; only what Docker's network would provide differently is
+overridden: the NATS / Postgres addresses, the bind address (127.0.0.1) and the ports (free
+ones). The compose health-check URLs must answer, the routers must see the simulated
+workers, a chat completion must go through every router replica, and every service must
+stop cleanly on SIGTERM (what `docker compose stop` sends) within its grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.common.embedded import free_port
+from tests.test_deploy_compose import HOST_VARS, SERVICES
+from tests.test_deploy_helpers import (
+    ROOT,
+    command_of,
+    environment_of,
+    health_url,
+    load_compose,
+)
+
+NO_PROXY = {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+
+
+def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _free_run(n: int) -> int:
+    """A first port p such that p .. p+n-1 are all free on 127.0.0.1."""
+    for _ in range(200):
+        base = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports")
+
+
+@dataclass
+class NatsServer:
+    url: str
+    http_port: int
+
+
+@pytest.fixture(scope="module")
+def compose_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """nats-server with deploy/nats.conf: store_dir moved to a temp dir, ports free ones."""
+    base = tmp_path_factory.mktemp("compose-nats")
+    conf = (ROOT / "deploy" / "nats.conf").read_text()
+    conf, n = re.subn(r"store_dir:\s*\S+", f'store_dir: "{base / "js"}"', conf)
+    assert n == 1
+    (base / "nats.conf").write_text(conf)
+    port, http_port = free_port(), free_port()
+    server = Path(sys.executable).parent / "nats-server"
+    proc = subprocess.Popen(
+        [str(server), "-c", str(base / "nats.conf"), "-p", str(port), "-m", str(http_port)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(base / "nats.log", "wb"),  # noqa: SIM115 - closed with the process
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (base / "nats.log").read_text()
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", http_port), 0.2).close()
+                break
+            time.sleep(0.05)
+        yield NatsServer(f"nats://127.0.0.1:{port}", http_port)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_nats_config_is_valid_and_its_health_check_reports_jetstream(
+    compose_nats: NatsServer,
+) -> None:
+    server = Path(sys.executable).parent / "nats-server"
+    check = subprocess.run(
+        [str(server), "-t", "-c", str(ROOT / "deploy" / "nats.conf")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    _, _, path = health_url(load_compose()["services"]["nats"])
+    status, body = _get(f"http://127.0.0.1:{compose_nats.http_port}{path}")
+    assert status == 200 and json.loads(body)["status"] == "ok", body
+    status, body = _get(f"http://127.0.0.1:{compose_nats.http_port}/jsz")
+    jsz = json.loads(body)
+    assert status == 200 and jsz["config"]["max_storage"] >= 1 << 30, jsz.get("config")
+
+
+@dataclass
+class Running:
+    name: str
+    proc: subprocess.Popen
+    health: str
+    log: Path
+    port: int
+
+
+def _service_env(svc: dict, overrides: dict[str, str]) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVGATE_") and k.lower() not in {"http_proxy", "https_proxy"}
+    }
+    env.update(NO_PROXY)
+    env.update(environment_of(svc))
+    env.update(overrides)
+    env["KVGATE_LOG_FORMAT"] = "console"
+    return env
+
+
+def _logs(running: list[Running]) -> str:
+    return "\n".join(f"--- {r.name}\n{r.log.read_text()[-3000:]}" for r in running)
+
+
+@pytest.mark.slow
+def test_compose_services_come_up_route_and_stop_cleanly(
+    compose_nats: NatsServer, fresh_database_url: str, subject_prefix: str, tmp_path: Path
+) -> None:
+    compose = load_compose()
+    services = compose["services"]
+    common = {"KVGATE_NATS_URL": compose_nats.url, "KVGATE_SUBJECT_PREFIX": subject_prefix}
+
+    def overrides(name: str, port: int) -> dict[str, str]:
+        svc = services[name]
+        out = dict(common)
+        if "KVGATE_DATABASE_URL" in environment_of(svc):
+            out["KVGATE_DATABASE_URL"] = fresh_database_url
+        if name in SERVICES:
+            out[HOST_VARS[name]] = "127.0.0.1"
+            out[SERVICES[name][1]] = str(port)
+        return {k: v for k, v in out.items() if k in environment_of(svc) or k.endswith("_PORT")}
+
+    kvgate = [sys.executable, "-m", "services.cli"]
+    # the one-shot migrate service first (the API waits for it to complete successfully)
+    migrate = services["migrate"]
+    done = subprocess.run(
+        kvgate + command_of(migrate),
+        env=_service_env(migrate, overrides("migrate", 0)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    sim_count = int(environment_of(services["sim"])["KVGATE_SIM_COUNT"])
+    replicas = int(services["router"]["deploy"]["replicas"])
+    plan = [("sim", _free_run(sim_count))]
+    plan += [(name, free_port()) for name in ("kv-indexer", "telemetry", "api")]
+    plan += [("router", free_port()) for _ in range(replicas)]
+    running: list[Running] = []
+    try:
+        for i, (name, port) in enumerate(plan):
+            svc = services[name]
+            log = tmp_path / f"{i}-{name}.log"
+            proc = subprocess.Popen(
+                kvgate + command_of(svc),
+                env=_service_env(svc, overrides(name, port)),
+                stdout=open(log, "wb"),  # noqa: SIM115 - the child owns it
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+            _, _, path = health_url(svc)
+            running.append(Running(name, proc, f"http://127.0.0.1:{port}{path}", log, port))
+
+        deadline = time.monotonic() + 60
+        pending = list(running)
+        while pending and time.monotonic() < deadline:
+            for r in list(pending):
+                assert r.proc.poll() is None, f"{r.name} exited\n{_logs(running)}"
+                with contextlib.suppress(OSError):
+                    if _get(r.health, 1.0)[0] == 200:
+                        pending.remove(r)
+            time.sleep(0.1)
+        assert not pending, f"not healthy: {[r.name for r in pending]}\n{_logs(running)}"
+
+        routers = [r for r in running if r.name == "router"]
+        assert len(routers) == replicas >= 2
+        for r in routers:  # each replica learns every worker from the heartbeats
+            seen = 0
+            while time.monotonic() < deadline:
+                seen = int(json.loads(_get(r.health)[1]).get("workers", 0))
+                if seen >= sim_count:
+                    break
+                time.sleep(0.1)
+            assert seen >= sim_count, f"router on {r.port} sees {seen} workers\n{_logs(running)}"
+            body = json.dumps(
+                {
+                    "model": environment_of(services["sim"]).get(
+                        "KVGATE_SIM_MODEL", "sim-llama-8b"
+                    ),
+                    "messages": [{"role": "user", "content": "hello from compose"}],
+                    "max_tokens": 4,
+                }
+            ).encode()
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{r.port}/v1/chat/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            with opener.open(req, timeout=30) as resp:
+                answer = json.loads(resp.read())
+            assert resp.status == 200 and answer["choices"], answer
+    finally:
+        for r in running:
+            if r.proc.poll() is None:
+                r.proc.send_signal(signal.SIGTERM)
+        codes = {}
+        for r in running:
+            try:
+                codes[f"{r.name}:{r.port}"] = r.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                r.proc.kill()
+                codes[f"{r.name}:{r.port}"] = "killed"
+    assert all(c == 0 for c in codes.values()), f"{codes}\n{_logs(running)}"
