@@ -1,47 +1,129 @@
-"""``kvgate api``: the admin API (skeleton; the full service lands with its issue)."""
+"""``kvgate api``: the admin REST API (default), and ``kvgate api token create|list|revoke``.
+
+Examples::
+
+    kvgate api --port 8081                         # run the server
+    kvgate api token create --role admin --name ci # print a new token (shown once)
+    kvgate api token list
+    kvgate api token revoke 3
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 from services.common import settings as S
-from services.common.service import metrics_handler, run_service, start_http
 
+ADMIN_TOKEN = S.option(
+    "admin_token",
+    "",
+    "bootstrap admin token accepted without a database row (for compose); empty: none",
+    env="KVGATE_API_ADMIN_TOKEN",
+)
 OPTIONS = S.COMMON + (
     S.DATABASE_URL,
     S.option(
         "host", "127.0.0.1", "address of the HTTP (health, metrics) endpoint", env="KVGATE_API_HOST"
     ),
     S.option("port", 8081, "port of the HTTP (health, metrics) endpoint", env="KVGATE_API_PORT"),
+    ADMIN_TOKEN,
+    S.option(
+        "canary_eval_interval_s",
+        1.0,
+        "how often the canary evaluator looks at running canaries (seconds)",
+    ),
+    S.option(
+        "republish_s",
+        5.0,
+        "period of re-publishing worker controls and checking the policy stream (seconds)",
+        env="KVGATE_API_REPUBLISH_S",
+    ),
 )
+TOKEN_OPTIONS = (S.DATABASE_URL, S.LOG_LEVEL, S.LOG_FORMAT)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1]
     S.add_options(parser, OPTIONS)
+    sub = parser.add_subparsers(dest="action", metavar="{token}")
+    token = sub.add_parser("token", help="manage API tokens (stored hashed)")
+    tsub = token.add_subparsers(dest="token_action", metavar="{create,list,revoke}", required=True)
+    create = tsub.add_parser("create", help="create a token and print it (shown once)")
+    create.add_argument("--role", choices=["viewer", "admin"], required=True)
+    create.add_argument("--name", default="", help="label for the audit log")
+    tsub.add_parser("list", help="list tokens (never their secrets)")
+    revoke = tsub.add_parser("revoke", help="revoke a token by id")
+    revoke.add_argument("id", type=int)
+    for p in (create, tsub.choices["list"], revoke):
+        # SUPPRESS: a flag given before 'token' is not overwritten by the subparser's default
+        p.add_argument(
+            "--database-url",
+            dest="database_url",
+            default=argparse.SUPPRESS,
+            help=f"{S.DATABASE_URL.help} [env {S.DATABASE_URL.env_var}]",
+        )
 
 
-async def serve(st, stop: asyncio.Event) -> None:
-    from aiohttp import web
+async def _token(args: argparse.Namespace, database_url: str) -> int:
+    from services.api.db import Database, is_unavailable
+    from services.api.tokens import create_token, token_dict
 
-    from services.common.bus import Bus
-    from services.common.subjects import Subjects
+    db = Database(database_url)
+    try:
+        if args.token_action == "create":
+            token, record = await create_token(db, args.role, args.name)
+            print(token)
+            print(
+                f"(token id {record['id']}, role {record['role']}; store it now, it is not "
+                "shown again)",
+                file=sys.stderr,
+            )
+            return 0
+        from datetime import UTC, datetime
 
-    bus = Bus(st.nats_url, "api", Subjects(st.subject_prefix))
-    await bus.connect()
+        from sqlalchemy import select
 
-    async def health(_r: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        from services.api.models import ApiToken
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/api/v1/health", health)
-    app.router.add_get("/metrics", metrics_handler)
-    runner = await start_http(app, st.host, st.port)
-    await stop.wait()
-    await runner.cleanup()
-    await bus.close()
+        async with db.transaction() as s:
+            if args.token_action == "list":
+                for row in (await s.execute(select(ApiToken).order_by(ApiToken.id))).scalars():
+                    d = token_dict(row)
+                    state = "revoked" if d["revoked_at"] else "active"
+                    print(
+                        f"{d['id']:>5}  {d['role']:<6}  {state:<7}  {d['created_at']}  {d['name']}"
+                    )
+                return 0
+            row = (
+                await s.execute(select(ApiToken).where(ApiToken.id == args.id))
+            ).scalar_one_or_none()
+            if row is None:
+                print(f"no token with id {args.id}", file=sys.stderr)
+                return 1
+            row.revoked_at = row.revoked_at or datetime.now(UTC)
+            print(f"token {args.id} revoked")
+            return 0
+    except Exception as exc:
+        if is_unavailable(exc):
+            print(
+                f"kvgate api token: database unavailable ({exc.__class__.__name__}: "
+                f"{str(exc)[:200]}); did you run 'kvgate migrate'?",
+                file=sys.stderr,
+            )
+            return 1
+        raise
+    finally:
+        await db.close()
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "action", None) == "token":
+        st = S.resolve(args, TOKEN_OPTIONS)
+        return asyncio.run(_token(args, st.database_url))
+    from services.api.app import serve
+    from services.common.service import run_service
+
     return run_service("api", serve, S.resolve(args, OPTIONS))

@@ -1,0 +1,141 @@
+"""The admin API service: wiring of Postgres, NATS, background loops and HTTP (I/O shell).
+
+Background loops (each survives Postgres / NATS outages and resumes by itself):
+outcome collector + canary evaluator, alert manager, worker-control republisher, policy
+resync. None of them needs Postgres to be up when the API starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from services.api.alerting import AlertManager
+from services.api.canary.runner import EvaluatorLoop, OutcomeCollector
+from services.api.context import ApiContext
+from services.api.db import Database
+from services.api.framework import install
+from services.api.publisher import PolicyPublisher
+from services.api.routes import build_routes
+from services.api.tokens import TokenAuth
+from services.api.workers import ControlRepublisher, WorkerRegistry
+from services.common.bus import Bus
+from services.common.logging import RateLimiter, get_logger
+from services.common.service import metrics_handler
+from services.common.streams import ensure_policy_stream
+from services.common.subjects import Subjects
+
+log = get_logger("api")
+
+
+@dataclass
+class ApiConfig:
+    database_url: str
+    nats_url: str
+    subject_prefix: str = ""
+    admin_token: str = ""
+    eval_interval_s: float = 1.0
+    flush_interval_s: float = 0.5
+    republish_s: float = 5.0
+    name: str = "api"
+
+
+def policy_schemas() -> dict[str, dict[str, Any]]:
+    from services.router.policy import POLICY_SCHEMAS
+
+    return dict(POLICY_SCHEMAS)
+
+
+class ApiService:
+    """Owns the context and background loops of one API replica."""
+
+    def __init__(self, cfg: ApiConfig) -> None:
+        self.cfg = cfg
+        self.ctx: ApiContext | None = None
+        self.collector: OutcomeCollector | None = None
+        self.evaluator: EvaluatorLoop | None = None
+        self.alerts: AlertManager | None = None
+        self.controls: ControlRepublisher | None = None
+        self._resync: asyncio.Task[None] | None = None
+        self.app: web.Application | None = None
+
+    async def start(self) -> web.Application:
+        cfg = self.cfg
+        bus = Bus(cfg.nats_url, cfg.name, Subjects(cfg.subject_prefix))
+        await bus.connect()
+        db = Database(cfg.database_url)
+        publisher = PolicyPublisher(db, bus)
+        registry = WorkerRegistry()
+        self.ctx = ctx = ApiContext(
+            db=db,
+            bus=bus,
+            publisher=publisher,
+            auth=TokenAuth(db, cfg.admin_token),
+            registry=registry,
+            policy_schemas=policy_schemas(),
+        )
+        await registry.subscribe(bus)
+        await ensure_policy_stream(bus)
+        self.collector = OutcomeCollector(db, bus, flush_s=cfg.flush_interval_s)
+        await self.collector.start()
+        self.evaluator = EvaluatorLoop(db, publisher, tick_s=cfg.eval_interval_s, name=cfg.name)
+        self.evaluator.start()
+        self.alerts = AlertManager(db, bus)
+        await self.alerts.start()
+        self.controls = ControlRepublisher(db, bus, period_s=cfg.republish_s)
+        self.controls.start()
+        self._resync = asyncio.create_task(self._resync_loop(), name="policy-resync")
+        app = web.Application(client_max_size=1024 * 1024)
+        install(app, build_routes(ctx), ctx.auth.lookup)
+        app.router.add_get("/metrics", metrics_handler)
+        self.app = app
+        return app
+
+    async def _resync_loop(self) -> None:
+        assert self.ctx is not None
+        limiter = RateLimiter(60.0)
+        while True:
+            await asyncio.sleep(self.cfg.republish_s)
+            try:
+                await self.ctx.publisher.resync()
+            except Exception as exc:
+                if limiter.allow("resync"):
+                    log.warning("policy resync failed", error=repr(exc)[:200])
+
+    async def stop(self) -> None:
+        if self._resync is not None:
+            self._resync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resync
+        for part in (self.evaluator, self.controls, self.alerts, self.collector):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    await part.stop()
+        if self.ctx is not None:
+            await self.ctx.bus.close()
+            await self.ctx.db.close()
+
+
+async def serve(st, stop: asyncio.Event) -> None:
+    from services.common.service import start_http
+
+    service = ApiService(
+        ApiConfig(
+            database_url=st.database_url,
+            nats_url=st.nats_url,
+            subject_prefix=st.subject_prefix,
+            admin_token=st.admin_token,
+            eval_interval_s=st.canary_eval_interval_s,
+            republish_s=st.republish_s,
+        )
+    )
+    app = await service.start()
+    runner = await start_http(app, st.host, st.port)
+    log.info("admin api listening", url=f"http://{st.host}:{st.port}/api/v1")
+    await stop.wait()
+    await runner.cleanup()
+    await service.stop()

@@ -1,0 +1,139 @@
+"""Request bodies and parameters of the admin API, declared once as msgspec types.
+
+The same declarations validate requests (``msgspec.json.decode(..., type=...)``, unknown
+fields rejected, every field bounded) and produce the JSON Schemas in the OpenAPI document,
+so the document cannot drift from what the server accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+# ----------------------------------------------------------------------------- scalars
+Name = Annotated[
+    str,
+    Meta(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$",
+        description="lower-case letters, digits, '_' and '-'",
+    ),
+]
+WorkerId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]{1,128}$")]
+Kind = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]{1,128}$")]
+Uuid = Annotated[
+    str,
+    Meta(
+        min_length=36,
+        max_length=36,
+        pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$",
+    ),
+]
+Text = Annotated[str, Meta(max_length=2000)]
+Reason = Annotated[str, Meta(max_length=500)]
+Version = Annotated[int, Meta(ge=1, le=1_000_000)]
+Fraction = Annotated[float, Meta(gt=0.0, le=1.0)]
+Severity = Literal["info", "warning", "critical"]
+Role = Literal["viewer", "admin"]
+AlertState = Literal["firing", "acknowledged", "resolved"]
+CanaryState = Literal["running", "paused", "promoted", "rolled_back", "aborted"]
+Limit = Annotated[int, Meta(ge=1, le=1000)]
+Offset = Annotated[int, Meta(ge=0, le=1_000_000)]
+
+
+class Body(Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+# ----------------------------------------------------------------------------- policies
+class PolicySpec(Body, kw_only=True):
+    """A routing policy: one of the router's algorithms and its parameters."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64, description="algorithm name")]
+    params: Annotated[dict[str, Any], Meta(max_length=64)] = {}
+
+
+class PolicyCreate(Body, kw_only=True):
+    name: Name
+    description: Text = ""
+    spec: PolicySpec
+
+
+class PolicyUpdate(Body, kw_only=True):
+    """A new spec makes a new version (old versions are kept); description edits in place."""
+
+    description: Text | None = None
+    spec: PolicySpec | None = None
+
+
+class PolicyActivate(Body, kw_only=True):
+    version: Version | None = None  # default: the latest version
+
+
+# ----------------------------------------------------------------------------- canaries
+class CriteriaBody(Body, kw_only=True):
+    max_ttft_p95_ratio: Annotated[float, Meta(ge=1.0, le=100.0)] = 1.25
+    max_timeout_rate_delta: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.01
+    max_error_rate_delta: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.01
+    max_cache_hit_rate_drop: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.10
+    min_samples: Annotated[int, Meta(ge=1, le=10_000_000)] = 100
+
+
+class CanaryCreate(Body, kw_only=True):
+    policy: Name
+    version: Version | None = None  # default: the candidate's latest version
+    steps: Annotated[list[Fraction], Meta(min_length=1, max_length=20)] = msgspec.field(
+        default_factory=lambda: [0.05, 0.25, 0.5, 1.0]
+    )
+    step_duration_s: Annotated[float, Meta(ge=0.1, le=7 * 86400.0)] = 600.0
+    criteria: CriteriaBody = msgspec.field(default_factory=CriteriaBody)
+
+
+class CanaryPromote(Body, kw_only=True):
+    to: Literal["full", "next"] = "full"
+    reason: Reason = ""
+
+
+class ActionBody(Body, kw_only=True):
+    reason: Reason = ""
+
+
+# ----------------------------------------------------------------------------- alerts
+class SilenceCreate(Body, kw_only=True):
+    """Silence alerts matching every given field (none given: all alerts) for a period."""
+
+    duration_s: Annotated[float, Meta(ge=1.0, le=30 * 86400.0)]
+    fingerprint: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    kind: Kind | None = None
+    worker_id: WorkerId | None = None
+    severity: Severity | None = None
+    comment: Reason = ""
+
+
+class AlertSilence(Body, kw_only=True):
+    duration_s: Annotated[float, Meta(ge=1.0, le=30 * 86400.0)]
+    comment: Reason = ""
+
+
+# ----------------------------------------------------------------------------- tokens
+class TokenCreate(Body, kw_only=True):
+    role: Role
+    name: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_.@\- ]*$")] = ""
+
+
+ALL_BODIES: tuple[type, ...] = (
+    PolicySpec,
+    PolicyCreate,
+    PolicyUpdate,
+    PolicyActivate,
+    CriteriaBody,
+    CanaryCreate,
+    CanaryPromote,
+    ActionBody,
+    SilenceCreate,
+    AlertSilence,
+    TokenCreate,
+)

@@ -1,0 +1,23 @@
+"""Everything a request handler may use, in one object (built by services.api.app)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.api.db import Database
+from services.api.publisher import PolicyPublisher
+from services.api.tokens import TokenAuth
+from services.api.workers import WorkerRegistry
+from services.common.bus import Bus
+
+
+@dataclass
+class ApiContext:
+    db: Database
+    bus: Bus
+    publisher: PolicyPublisher
+    auth: TokenAuth
+    registry: WorkerRegistry
+    policy_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    background: list[Any] = field(default_factory=list)  # things with async stop()
