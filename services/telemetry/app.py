@@ -387,7 +387,10 @@ class Agent:
     async def _detect_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.detect_interval_s)
-            await self.detect_once(time.time())
+            try:
+                await self.detect_once(time.time())
+            except Exception as exc:  # a detector bug must not stop detection for good
+                self._log_once("detect", "detector evaluation failed", error=repr(exc))
 
     async def detect_once(self, now: float) -> list[Alert]:
         out: list[Alert] = []
@@ -403,7 +406,7 @@ class Agent:
                 out.extend(self.detectors.book.forget(wid, now))
                 continue
             if w.window:
-                out.extend(self.detectors.evaluate(wid, w.window, now))
+                out.extend(self.detectors.evaluate(wid, list(w.window), now))
         self._pending_alerts.extend(out)
         await self._flush_alerts()
         return out

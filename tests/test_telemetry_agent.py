@@ -1,0 +1,286 @@
+"""The telemetry agent against real NATS, engine-like HTTP endpoints, and a fake NVML library
+substituted at the module boundary (``sys.modules["pynvml"]``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+
+from services.common.bus import Bus
+from services.common.schemas import Alert, WorkerCapacity, WorkerHeartbeat, WorkerLoad
+from services.telemetry import fake_nvml
+from services.telemetry.app import Agent, AgentConfig
+from services.telemetry.targets import parse_targets
+from tests.telemetry_util import endpoint, trtllm_text, vllm_text
+
+GiB = 2**30
+
+
+async def next_matching(q: asyncio.Queue, pred: Callable, timeout: float = 10.0):
+    """Next queued item satisfying ``pred`` (event-driven; deadline only as a failure bound)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise AssertionError("no matching message before the deadline")
+        item = await asyncio.wait_for(q.get(), left)
+        if pred(item):
+            return item
+
+
+async def collect(bus: Bus, subject: str, typ) -> asyncio.Queue:
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def on(msg, _raw) -> None:
+        q.put_nowait(msg)
+
+    await bus.subscribe(subject, typ, on)
+    return q
+
+
+@pytest.fixture
+def fake_pynvml(monkeypatch):
+    """Two fake H100s, injected where the agent imports NVML from."""
+    gpus = [
+        fake_nvml.FakeGpu(
+            sm_util=87,
+            mem_util=41,
+            mem_used=71 * GiB,
+            temperature=63,
+            power_mw=512_345,
+            sm_clock=1755,
+            mem_clock=2619,
+        ),
+        fake_nvml.FakeGpu(sm_util=3, mem_util=1, mem_used=2 * GiB),
+    ]
+    mod = fake_nvml.make_module(gpus)
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    return mod
+
+
+async def start_agent(bus: Bus, **kw) -> Agent:
+    cfg = AgentConfig(**{"interval_s": 0.05, "scrape_timeout_s": 0.5, **kw})
+    agent = Agent(bus, cfg)
+    await agent.start()
+    return agent
+
+
+async def test_publishes_engine_and_nvml_values_then_stale_never_zeros(
+    bus: Bus, fake_pynvml
+) -> None:
+    async with endpoint(
+        vllm_text(3, 5, 0.42, blocks=160, block_size=16, queries=100, hits=40)
+    ) as ep:
+        q = await collect(bus, bus.subjects.telemetry("w-a"), WorkerLoad)
+        agent = await start_agent(
+            bus, static_targets=parse_targets(f"w-a={ep.url}@vllm"), gpu_map={"w-a": (1, 0)}
+        )
+        try:
+            load = await next_matching(q, lambda m: not m.stale and len(m.gpus) == 2)
+            assert (load.running, load.waiting, load.source) == (3, 5, "vllm")
+            assert load.kv_usage == pytest.approx(0.42)
+            assert (load.kv_capacity_tokens, load.tokens_per_block) == (2560, 16)
+            assert abs(load.ts - time.time()) < 5
+            g0 = next(g for g in load.gpus if g.index == 0)
+            assert g0.sm_util_pct == 87 and g0.mem_bw_util_pct == 41
+            assert g0.mem_used_bytes == 71 * GiB and g0.mem_total_bytes == 80 * GiB
+            assert g0.mem_free_bytes == 9 * GiB
+            assert g0.mem_util_pct == pytest.approx(100 * 71 / 80)
+            assert g0.uuid == "GPU-fake-0000" and g0.name.startswith("NVIDIA")
+
+            # PCIe counters move: the published rate is derived from them
+            fake_pynvml.devices[0].pcie_rx_total += 10 * 2**20
+            load = await next_matching(
+                q, lambda m: any((g.pcie_rx_bytes_s or 0) > 0 for g in m.gpus)
+            )
+            rx = next(g for g in load.gpus if g.index == 0).pcie_rx_bytes_s
+            assert rx > 0
+            # the slower fields arrive too (read every gpu_slow_every samples)
+            assert g0.temperature_c == 63 and g0.power_w == pytest.approx(512.345)
+            assert g0.sm_clock_mhz == 1755 and g0.xid_errors == 0 and g0.ecc_errors == 0
+
+            # the engine fails: stale with the error, values None (not 0), GPUs still real
+            ep.status = 500
+            stale = await next_matching(q, lambda m: m.stale)
+            assert stale.error and "HTTP 500" in stale.error
+            assert stale.running is None and stale.waiting is None and stale.kv_usage is None
+            assert {g.index for g in stale.gpus} == {0, 1}
+            # and it recovers by itself
+            ep.status = 200
+            ep.text = vllm_text(1, 0, 0.1)
+            back = await next_matching(q, lambda m: not m.stale and m.running == 1)
+            assert back.waiting == 0
+
+            # Prometheus view of the agent
+            text = generate_latest(REGISTRY).decode()
+            assert 'gpu_utilization_percent{gpu="0",worker="w-a"} 87.0' in text
+            assert 'gpu_memory_used_bytes{gpu="0",worker="w-a"}' in text
+            assert 'kvgate_telemetry_scrape_errors_total{reason="http",worker="w-a"}' in text
+        finally:
+            await agent.stop()
+
+
+async def test_connection_refused_and_timeout_are_stale(bus: Bus, unused_port: int) -> None:
+    from aiohttp import web
+
+    from services.common.embedded import free_port
+    from services.common.service import start_http
+
+    release = asyncio.Event()
+
+    async def slow(_r):
+        await release.wait()
+        return web.Response(text=vllm_text(1, 0, 0.1))
+
+    app = web.Application()
+    app.router.add_get("/metrics", slow)
+    slow_port = free_port()
+    runner = await start_http(app, "127.0.0.1", slow_port)
+    qa = await collect(bus, bus.subjects.telemetry("down"), WorkerLoad)
+    qb = await collect(bus, bus.subjects.telemetry("slow"), WorkerLoad)
+    agent = await start_agent(
+        bus,
+        use_nvml=False,
+        scrape_timeout_s=0.2,
+        static_targets=parse_targets(
+            f"down=http://127.0.0.1:{unused_port}; slow=http://127.0.0.1:{slow_port}@vllm"
+        ),
+    )
+    try:
+        a = await next_matching(qa, lambda m: m.stale)
+        assert "cannot connect" in a.error and a.running is None and a.gpus == []
+        b = await next_matching(qb, lambda m: m.stale)
+        assert "timed out" in b.error
+        assert agent.nvml_reason.startswith("GPU collection disabled")
+    finally:
+        release.set()
+        await agent.stop()
+        await runner.cleanup()
+
+
+async def test_no_nvml_library_means_engine_metrics_only(bus: Bus, monkeypatch) -> None:
+    monkeypatch.setitem(
+        sys.modules,
+        "pynvml",
+        fake_nvml.make_module([], init_error=fake_nvml.NVML_ERROR_LIBRARY_NOT_FOUND),
+    )
+    async with endpoint(vllm_text(2, 0, 0.2)) as ep:
+        q = await collect(bus, bus.subjects.telemetry("w"), WorkerLoad)
+        agent = await start_agent(bus, static_targets=parse_targets(f"w={ep.url}"))
+        try:
+            assert agent.gpu is None and "NVML unavailable" in agent.nvml_reason
+            load = await next_matching(q, lambda m: not m.stale)
+            assert load.running == 2 and load.gpus == []
+        finally:
+            await agent.stop()
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml.make_module([]))
+    agent = await start_agent(bus)
+    try:
+        assert agent.gpu is None and "no GPU devices" in agent.nvml_reason
+    finally:
+        await agent.stop()
+
+
+async def test_gpu_mapped_by_engine_pid_from_nvml_process_list(bus: Bus, fake_pynvml) -> None:
+    """The endpoint is served by this process: its pid listens on the port, and fake GPU 1
+    runs this pid, so the worker gets GPU 1 with no --gpu-map."""
+    fake_pynvml.devices[1].pids = [os.getpid()]
+    async with endpoint(vllm_text(1, 0, 0.1)) as ep:
+        q = await collect(bus, bus.subjects.telemetry("p"), WorkerLoad)
+        agent = await start_agent(bus, static_targets=parse_targets(f"p={ep.url}"))
+        try:
+            await agent.refresh_mapping()
+            assert agent.assignment.gpus_of("p") == [1]
+            load = await next_matching(q, lambda m: len(m.gpus) == 1)
+            assert load.gpus[0].index == 1 and load.gpus[0].sm_util_pct == 3
+        finally:
+            await agent.stop()
+
+
+async def test_heartbeat_discovery_uses_capacity(bus: Bus) -> None:
+    async with endpoint(vllm_text(4, 0, 0.3).replace("vllm:cache_config_info", "x_info")) as ep:
+        q = await collect(bus, bus.subjects.telemetry("hb-1"), WorkerLoad)
+        agent = await start_agent(bus, use_nvml=False)
+        try:
+            hb = WorkerHeartbeat(
+                worker_id="hb-1",
+                instance_id=uuid.uuid4().hex[:8],
+                url=ep.url,
+                model="m",
+                capacity=WorkerCapacity(
+                    block_size=16, num_gpu_blocks=160, max_num_seqs=64, max_model_len=4096
+                ),
+                engine="sim",
+            )
+            await bus.publish(bus.subjects.heartbeat("hb-1"), hb)
+            load = await next_matching(q, lambda m: not m.stale)
+            assert load.source == "sim" and load.running == 4
+            assert load.max_batch == 64 and load.kv_capacity_tokens == 2560
+        finally:
+            await agent.stop()
+
+
+async def test_seed_001_trtllm_raises_kv_starved_alert_then_resolves(bus: Bus) -> None:
+    """8 active, 1 scheduled, KV blocks nearly all used: alert with the TRT-LLM remedy,
+    read back from NATS; once the batch schedules again the alert resolves."""
+    alerts = await collect(bus, bus.subjects.alert_signal("telemetry"), Alert)
+    async with endpoint(trtllm_text(8, 1, max_batch=64, used=39, total=40, tpb=64)) as ep:
+        agent = await start_agent(
+            bus,
+            use_nvml=False,
+            static_targets=parse_targets(f"trt-0={ep.url}@trtllm"),
+            detect_interval_s=0.1,
+            clear_s=0.3,
+            detectors={"kv_starved": {"window_s": 0.6}},
+        )
+        try:
+            a = await next_matching(alerts, lambda m: m.kind == "kv_starved")
+            assert a.state == "firing" and a.fingerprint == "kv_starved:trt-0"
+            assert a.source == "telemetry" and a.worker_id == "trt-0"
+            assert "8 active but only 1 scheduled" in a.summary
+            assert "max_tokens_in_paged_kv_cache" in a.remedy
+            assert a.details["kv_capacity_tokens"] == 2560
+            # stored durably in the alert-signals stream for the alert manager
+            info = await bus.js.stream_info(bus.subjects.alert_signals_stream)
+            assert info.state.messages >= 1
+            ep.text = trtllm_text(8, 8, max_batch=64, used=20, total=40, tpb=64)
+            r = await next_matching(alerts, lambda m: m.kind == "kv_starved")
+            assert r.state == "resolved"
+            assert [x for x in agent.alerts_sent if x.kind == "kv_starved"][-2:] == [a, r]
+        finally:
+            await agent.stop()
+
+
+async def test_xid_error_and_kv_event_counting(bus: Bus, fake_pynvml) -> None:
+    alerts = await collect(bus, bus.subjects.alert_signal("telemetry"), Alert)
+    async with endpoint(vllm_text(1, 0, 0.1)) as ep:
+        q = await collect(bus, bus.subjects.telemetry("x"), WorkerLoad)
+        agent = await start_agent(
+            bus,
+            static_targets=parse_targets(f"x={ep.url}"),
+            gpu_map={"x": (0,)},
+            detect_interval_s=0.1,
+        )
+        try:
+            fake_pynvml.inject_xid(0, 79)
+            load = await next_matching(q, lambda m: m.gpus and m.gpus[0].xid_errors == 1)
+            assert load.gpus[0].last_xid == 79
+            a = await next_matching(alerts, lambda m: m.kind == "xid_error")
+            assert a.severity == "critical" and "XID 79" in a.summary
+            await bus.publish_raw(bus.subjects.kv_events("x"), b"\x80")
+            await bus.client.flush()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while agent.kv_events.get("x", 0) < 1 and loop.time() < deadline:
+                await asyncio.sleep(0.01)  # no event to await: poll the counter with a deadline
+            assert agent.kv_events["x"] == 1
+        finally:
+            await agent.stop()
