@@ -1,4 +1,4 @@
-"""``kvgate indexer``: the KV indexer (skeleton; the full service lands with its issue)."""
+"""``kvgate indexer``: KV events -> global prefix index; deltas, snapshots, queries, debug HTTP."""
 
 from __future__ import annotations
 
@@ -6,17 +6,52 @@ import argparse
 import asyncio
 
 from services.common import settings as S
-from services.common.service import metrics_handler, run_service, start_http
+from services.common.service import run_service, start_http
 
 OPTIONS = S.COMMON + (
+    S.HASH_SEED,
     S.option(
         "host",
         "127.0.0.1",
-        "address of the HTTP (health, metrics) endpoint",
+        "address of the HTTP (health, metrics, debug) endpoint",
         env="KVGATE_INDEXER_HOST",
     ),
     S.option(
-        "port", 8082, "port of the HTTP (health, metrics) endpoint", env="KVGATE_INDEXER_PORT"
+        "port",
+        8082,
+        "port of the HTTP (health, metrics, debug) endpoint",
+        env="KVGATE_INDEXER_PORT",
+    ),
+    S.option(
+        "max_blocks",
+        2_000_000,
+        "memory cap: most (worker, block) pairs kept; least-recently-stored are pruned "
+        "(0 = no cap; ~100 bytes per pair)",
+        env="KVGATE_INDEXER_MAX_BLOCKS",
+    ),
+    S.option(
+        "heartbeat_timeout",
+        3.0,
+        "seconds without a heartbeat before a worker and all its blocks are dropped",
+        env="KVGATE_INDEXER_HEARTBEAT_TIMEOUT",
+    ),
+    S.option(
+        "tail_grace",
+        2.0,
+        "seconds a heartbeat's kv_seq may run ahead of the applied events before a resync",
+        env="KVGATE_INDEXER_TAIL_GRACE",
+    ),
+    S.option(
+        "block_size",
+        16,
+        "block size for kv.query / debug queries given as token ids without one",
+        env="KVGATE_INDEXER_BLOCK_SIZE",
+    ),
+    S.option(
+        "dump_timeout",
+        5.0,
+        "seconds to wait for a worker's full dump when resyncing it",
+        env="KVGATE_INDEXER_DUMP_TIMEOUT",
     ),
 )
 
@@ -26,24 +61,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(st, stop: asyncio.Event) -> None:
-    from aiohttp import web
-
     from services.common.bus import Bus
     from services.common.subjects import Subjects
+    from services.kv_indexer.app import IndexerService
 
     bus = Bus(st.nats_url, "indexer", Subjects(st.subject_prefix))
     await bus.connect()
-
-    async def health(_r: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_handler)
-    runner = await start_http(app, st.host, st.port)
-    await stop.wait()
-    await runner.cleanup()
-    await bus.close()
+    svc = IndexerService(
+        bus,
+        max_blocks=st.max_blocks or None,
+        heartbeat_timeout_s=st.heartbeat_timeout,
+        tail_grace_s=st.tail_grace,
+        hash_seed=st.hash_seed,
+        default_block_size=st.block_size,
+        dump_timeout_s=st.dump_timeout,
+    )
+    await svc.start()
+    runner = await start_http(svc.make_app(), st.host, st.port)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await svc.stop()
+        await bus.close()
 
 
 def main(args: argparse.Namespace) -> int:

@@ -489,27 +489,41 @@ class PrefixIndex:
     def from_state(
         cls, state: IndexState, max_blocks: int | None = None, record_evictions: bool = False
     ) -> PrefixIndex:
-        """Rebuild an index from :meth:`export_state` output (slot numbers are kept)."""
+        """A new index holding :meth:`export_state` output (slot numbers are kept)."""
         idx = cls(max_blocks=max_blocks, record_evictions=record_evictions)
+        idx.load_state(state)
+        return idx
+
+    def load_state(self, state: IndexState) -> None:
+        """Replace this index's content, in place, with :meth:`export_state` output."""
         keys = state.keys.tolist() if hasattr(state.keys, "tolist") else list(state.keys)
         words = [w.tolist() if hasattr(w, "tolist") else list(w) for w in state.masks]
         if len(words) == 1:
             masks = words[0]
         else:
-            masks = [sum(ws[i] << (64 * i) for i in range(len(ws))) for ws in zip(*words)]
-        idx._masks = dict(zip(keys, masks, strict=True))
+            masks = [
+                sum(ws[i] << (64 * i) for i in range(len(ws))) for ws in zip(*words, strict=True)
+            ]
+        self._masks = dict(zip(keys, masks, strict=True))
+        self._tiers = {}
         if state.tier_keys is not None and len(state.tier_values):
             tk = state.tier_keys
             tk = tk.tolist() if hasattr(tk, "tolist") else list(tk)
-            idx._tiers = dict(zip(tk, state.tier_values, strict=True))
-        idx._names = [w or None for w in state.slots]
-        idx._counts = [int(c) for c in state.counts]
-        for s, w in enumerate(idx._names):
+            self._tiers = dict(zip(tk, state.tier_values, strict=True))
+        self._names = [w or None for w in state.slots]
+        self._counts = [int(c) for c in state.counts]
+        self._slot_of = {}
+        self._free = []
+        self._live = 0
+        self._dirty = 0
+        self._scrub_keys = None
+        self._scrub_mask = 0
+        self.evicted = []
+        for s, w in enumerate(self._names):
             if w:
-                idx._slot_of[w] = s
-                idx._live |= 1 << s
+                self._slot_of[w] = s
+                self._live |= 1 << s
             else:
-                idx._counts[s] = 0
-                idx._free.append(s)
-        idx._pairs = sum(idx._counts)
-        return idx
+                self._counts[s] = 0
+                self._free.append(s)
+        self._pairs = sum(self._counts)

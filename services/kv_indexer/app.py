@@ -1,0 +1,423 @@
+"""The kv_indexer service shell: NATS in and out, timers, HTTP. The logic is in core.py.
+
+- KV events: durable JetStream pull consumer on KV_EVENTS (ack-all after each fetched batch is
+  applied and its deltas are queued), so a restart resumes where it stopped; a restarted
+  indexer rebuilds each worker's blocks by resyncing (full dump) as heartbeats show it.
+- Heartbeats ``workers.heartbeat.*`` register workers; a timer expires them and spots gaps.
+- Resyncs: ``workers.kvdump.<worker>`` request/reply, counted.
+- Deltas: ordered IndexDelta on ``kv.index.delta`` (one publisher task keeps the order);
+  snapshots: SnapshotRequest on ``kv.index.snapshot`` answered with SnapshotChunk messages.
+- Queries: ``kv.query`` (KvQuery -> KvQueryReply); HTTP /health, /metrics, /debug/workers,
+  /debug/query.
+
+Invariant: nothing that arrives from the bus can stop the service: every decode and handler
+failure is counted (``kvgate_indexer_bad_input_total{reason}``) and logged at most once per
+worker per minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import nats.errors
+from aiohttp import web
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.common.bus import Bus
+from services.common.logging import RateLimiter, get_logger
+from services.common.schemas import (
+    IndexDelta,
+    IndexOp,
+    KvDumpRequest,
+    KvEventBatch,
+    KvQuery,
+    KvQueryReply,
+    SchemaError,
+    SnapshotChunk,
+    SnapshotRequest,
+    WorkerHeartbeat,
+    decode,
+    encode,
+    now,
+    to_builtins,
+)
+from services.common.streams import ensure_kv_events_stream
+from services.kv_indexer.core import IndexerCore, decode_batch
+from services.kv_indexer.snapshot import state_to_chunks
+
+log = get_logger("kv_indexer")
+
+BAD_INPUT = Counter(
+    "kvgate_indexer_bad_input_total", "KV inputs dropped or flagged, by reason", ["reason"]
+)
+BATCHES = Counter("kvgate_indexer_batches_total", "KV event batches received")
+BLOCKS = Gauge("kvgate_indexer_blocks", "Stored (worker, block) pairs in the index")
+KEYS = Gauge("kvgate_indexer_keys", "Distinct block keys in the index")
+WORKERS = Gauge("kvgate_indexer_workers", "Workers registered by heartbeat")
+EVICTED = Counter("kvgate_indexer_evicted_blocks_total", "Pairs pruned by the memory cap")
+RESYNCS = Counter("kvgate_indexer_resyncs_total", "Worker resyncs (full dumps)", ["result"])
+GAPS = Counter("kvgate_indexer_seq_gaps_total", "Sequence gaps seen (batch or heartbeat tail)")
+DUPLICATES = Counter("kvgate_indexer_duplicate_batches_total", "Batches skipped as duplicates")
+EXPIRED = Counter("kvgate_indexer_workers_expired_total", "Workers dropped: heartbeats stopped")
+RESTARTS = Counter("kvgate_indexer_worker_restarts_total", "New instance ids seen")
+DELTAS = Counter("kvgate_indexer_deltas_total", "Index deltas published")
+SNAPSHOTS = Counter("kvgate_indexer_snapshots_total", "Snapshots served")
+QUERIES = Counter("kvgate_indexer_queries_total", "kv.query requests answered")
+APPLY_SECONDS = Histogram(
+    "kvgate_indexer_fetch_apply_seconds",
+    "Time to apply one fetched batch of stream messages",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+
+MAX_DELTA_KEYS = 50_000  # keeps one delta well under 1 MB of msgpack
+
+
+def split_ops(ops: list[IndexOp], max_keys: int = MAX_DELTA_KEYS) -> list[list[IndexOp]]:
+    """Cut ops into groups of at most ~max_keys keys (a big op is cut too), order kept."""
+    groups: list[list[IndexOp]] = []
+    cur: list[IndexOp] = []
+    n = 0
+    for op in ops:
+        keys = getattr(op, "keys", None)
+        if keys is not None and len(keys) > max_keys:
+            for i in range(0, len(keys), max_keys):
+                part = msgspec.structs.replace(op, keys=keys[i : i + max_keys])
+                if cur:
+                    groups.append(cur)
+                groups.append([part])
+                cur, n = [], 0
+            continue
+        k = len(keys) if keys is not None else 1
+        if n + k > max_keys and cur:
+            groups.append(cur)
+            cur, n = [], 0
+        cur.append(op)
+        n += k
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+class IndexerService:
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        max_blocks: int | None = 2_000_000,
+        heartbeat_timeout_s: float = 3.0,
+        tail_grace_s: float = 2.0,
+        hash_seed: int = 0,
+        default_block_size: int = 16,
+        dump_timeout_s: float = 5.0,
+        tick_s: float = 0.1,
+        durable: str | None = None,
+    ) -> None:
+        self.bus = bus
+        self._log = RateLimiter(60.0)
+        self.core = IndexerCore(
+            max_blocks=max_blocks,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            tail_grace_s=tail_grace_s,
+            hash_seed=hash_seed,
+            default_block_size=default_block_size,
+            on_bad=self._on_bad,
+        )
+        self.epoch = uuid.uuid4().hex[:12]
+        self.delta_seq = -1
+        self.dump_timeout_s = dump_timeout_s
+        self.tick_s = tick_s
+        self.durable = durable or bus.subjects.durable("KV_INDEXER")
+        self._out: asyncio.Queue[tuple[str, bytes, str | None]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._subs: list[Any] = []
+        self._counted: dict[str, int] = {}
+        self.consuming = asyncio.Event()
+
+    # ------------------------------------------------------------------ bad input
+    def _on_bad(self, reason: str, worker: str | None, detail: str) -> None:
+        BAD_INPUT.labels(reason).inc()
+        key = worker  # at most one line per worker per minute (the count says the rest)
+        if self._log.allow(key):
+            log.warning(
+                "bad kv input",
+                reason=reason,
+                worker_id=worker,
+                detail=detail[:300],
+                suppressed=self._log.take_suppressed(key),
+            )
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        s = self.bus.subjects
+        nc = self.bus.client
+        await ensure_kv_events_stream(self.bus)
+        self._tasks.append(asyncio.create_task(self._publisher(), name="indexer-publish"))
+        self._subs.append(await nc.subscribe(s.heartbeat_all, cb=self._on_heartbeat))
+        self._subs.append(await nc.subscribe(s.kv_index_snapshot, cb=self._on_snapshot))
+        self._subs.append(await nc.subscribe(s.kv_query, cb=self._on_query))
+        self._tasks.append(asyncio.create_task(self._consume(), name="indexer-consume"))
+        self._tasks.append(asyncio.create_task(self._ticker(), name="indexer-tick"))
+        log.info("indexer started", epoch=self.epoch, durable=self.durable)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        self._flush()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._out.join(), timeout=2.0)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+
+    # ------------------------------------------------------------------ output
+    def _flush(self) -> None:
+        """Journal -> numbered deltas, queued in order (no await between take and enqueue)."""
+        ops = self.core.take_ops()
+        if not ops:
+            return
+        subject = self.bus.subjects.kv_index_delta
+        ts = now()
+        for group in split_ops(ops):
+            self.delta_seq += 1
+            delta = IndexDelta(epoch=self.epoch, seq=self.delta_seq, ts=ts, ops=group)
+            self._out.put_nowait((subject, encode(delta), None))
+
+    async def _publisher(self) -> None:
+        nc = self.bus.client
+        while True:
+            subject, data, reply = await self._out.get()
+            try:
+                await nc.publish(subject, data, reply=reply or "")
+                if subject == self.bus.subjects.kv_index_delta:
+                    DELTAS.inc()
+            except Exception as exc:  # disconnected: replicas will see a gap and re-snapshot
+                if self._log.allow(("publish", subject)):
+                    log.warning("publish failed", subject=subject, error=repr(exc))
+            finally:
+                self._out.task_done()
+
+    # ------------------------------------------------------------------ inputs
+    async def _on_heartbeat(self, msg: Any) -> None:
+        try:
+            hb = decode(WorkerHeartbeat, msg.data)
+        except SchemaError as exc:
+            self.core.bad("invalid_heartbeat", msg.subject.rsplit(".", 1)[-1], str(exc))
+            return
+        self._resync(self.core.heartbeat(hb, time.monotonic()))
+        WORKERS.set(len(self.core.workers))
+
+    def on_batch_bytes(self, data: bytes) -> None:
+        BATCHES.inc()
+        res = decode_batch(data)
+        if isinstance(res, tuple):
+            reason, worker, detail = res
+            self.core.bad(reason, worker, detail)
+            return
+        try:
+            self._resync(self.core.batch(res))
+        except Exception as exc:  # a bug must not stop ingest; count it loudly
+            self.core.bad("handler_error", res.worker_id, repr(exc))
+
+    async def _consume(self) -> None:
+        s = self.bus.subjects
+        config = ConsumerConfig(
+            durable_name=self.durable,
+            ack_policy=AckPolicy.ALL,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=30.0,
+            max_ack_pending=65_536,
+        )
+        while True:
+            try:
+                psub = await self.bus.js.pull_subscribe(
+                    s.kv_events_all, durable=self.durable, stream=s.kv_events_stream, config=config
+                )
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("consumer setup failed, retrying", error=repr(exc))
+                await asyncio.sleep(0.5)
+        self.consuming.set()
+        while True:
+            try:
+                msgs = await psub.fetch(512, timeout=0.5)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self._log.allow("fetch"):
+                    log.warning("consumer fetch failed", error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
+            t0 = time.perf_counter()
+            for m in msgs:
+                self.on_batch_bytes(m.data)
+            self._flush()
+            APPLY_SECONDS.observe(time.perf_counter() - t0)
+            self._update_gauges()
+            if msgs:
+                with contextlib.suppress(Exception):
+                    await msgs[-1].ack()  # AckPolicy.ALL: acks the whole fetch
+
+    # ------------------------------------------------------------------ resync
+    def _resync(self, workers: list[str]) -> None:
+        for w in workers:
+            GAPS.inc()
+            self._tasks.append(asyncio.create_task(self._do_resync(w), name=f"resync:{w}"))
+        self._tasks = [t for t in self._tasks if not t.done()]
+
+    async def _do_resync(self, worker: str) -> None:
+        try:
+            dump = await self.bus.request(
+                self.bus.subjects.kv_dump(worker),
+                KvDumpRequest(worker_id=worker, reason="gap"),
+                KvEventBatch,
+                timeout=self.dump_timeout_s,
+            )
+        except (TimeoutError, SchemaError, Exception) as exc:
+            RESYNCS.labels("failed").inc()
+            if self._log.allow(("resync", worker)):
+                log.warning("resync failed", worker_id=worker, error=str(exc) or repr(exc))
+            self.core.dump_failed(worker, time.monotonic())
+            self._flush()
+            return
+        RESYNCS.labels("ok").inc()
+        log.info("worker resynced", worker_id=worker, seq=dump.seq, events=len(dump.events))
+        self._resync(self.core.dump_received(worker, dump))
+        self._flush()
+
+    # ------------------------------------------------------------------ timers
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                self._resync(self.core.tick(time.monotonic()))
+                self.core.index.maintain(65_536)
+                self._flush()
+                self._update_gauges()
+            except Exception as exc:  # pragma: no cover - defensive
+                log.exception("indexer tick failed", error=repr(exc))
+
+    def _update_gauges(self) -> None:
+        idx = self.core.index
+        BLOCKS.set(len(idx))
+        KEYS.set(idx.num_keys)
+        WORKERS.set(len(self.core.workers))
+        for name, metric in (
+            ("duplicates", DUPLICATES),
+            ("expired", EXPIRED),
+            ("restarts", RESTARTS),
+        ):
+            n = self.core.counts[name]
+            if n > self._counted.get(name, 0):
+                metric.inc(n - self._counted.get(name, 0))
+                self._counted[name] = n
+        if idx.evicted_pairs > self._counted.get("evicted", 0):
+            EVICTED.inc(idx.evicted_pairs - self._counted.get("evicted", 0))
+            self._counted["evicted"] = idx.evicted_pairs
+
+    # ------------------------------------------------------------------ snapshots, queries
+    def snapshot_chunks(self, max_chunk_bytes: int) -> list[SnapshotChunk]:
+        """A consistent snapshot: pending ops are flushed first, so it sits exactly after
+        delta ``delta_seq`` (no await between the flush and the export)."""
+        self._flush()
+        state = self.core.index.export_state()
+        return state_to_chunks(
+            state, self.epoch, uuid.uuid4().hex[:12], self.delta_seq, max_chunk_bytes
+        )
+
+    async def _on_snapshot(self, msg: Any) -> None:
+        if not msg.reply:
+            return
+        try:
+            req = decode(SnapshotRequest, msg.data)
+            limit = min(req.max_chunk_bytes or (1 << 20), self.bus.client.max_payload)
+            chunks = self.snapshot_chunks(limit)
+        except Exception as exc:
+            self._on_bad("invalid_snapshot_request", None, repr(exc))
+            return
+        SNAPSHOTS.inc()
+        for ch in chunks:
+            self._out.put_nowait((msg.reply, encode(ch), None))
+
+    async def _on_query(self, msg: Any) -> None:
+        if not msg.reply:
+            return
+        try:
+            q = decode(KvQuery, msg.data)
+            reply = self.core.query(q)
+        except SchemaError as exc:
+            reply = KvQueryReply(error=str(exc))
+        QUERIES.inc()
+        with contextlib.suppress(Exception):
+            await msg.respond(encode(reply))
+
+    # ------------------------------------------------------------------ HTTP
+    def make_app(self) -> web.Application:
+        from services.common.service import metrics_handler
+
+        async def health(_r: web.Request) -> web.Response:
+            return web.json_response(
+                {
+                    "status": "ok",
+                    "consuming": self.consuming.is_set(),
+                    "epoch": self.epoch,
+                    "delta_seq": self.delta_seq,
+                    "workers": len(self.core.workers),
+                    "blocks": len(self.core.index),
+                    "keys": self.core.index.num_keys,
+                }
+            )
+
+        async def debug_workers(_r: web.Request) -> web.Response:
+            return web.json_response(
+                {
+                    "workers": self.core.describe(),
+                    "blocks": len(self.core.index),
+                    "max_blocks": self.core.index.max_blocks,
+                    "evicted_pairs": self.core.index.evicted_pairs,
+                    "counts": dict(self.core.counts),
+                }
+            )
+
+        async def debug_query(r: web.Request) -> web.Response:
+            try:
+                if r.method == "POST":
+                    body = await r.json()
+                    q = msgspec.convert(body, KvQuery)
+                else:
+                    toks = r.query.get("tokens", "")
+                    keys = r.query.get("keys", "")
+                    q = KvQuery(
+                        token_ids=[int(t) for t in toks.split(",") if t.strip()] if toks else None,
+                        keys=[int(k, 0) for k in keys.split(",") if k.strip()] if keys else None,
+                        block_size=int(r.query["block_size"]) if "block_size" in r.query else None,
+                        lora=r.query.get("lora"),
+                        salt=r.query.get("salt"),
+                    )
+            except (ValueError, msgspec.ValidationError, TypeError) as exc:
+                return web.json_response({"error": str(exc)}, status=400)
+            reply = self.core.query(q)
+            status = 400 if reply.error else 200
+            return web.json_response(to_builtins(reply), status=status)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics_handler)
+        app.router.add_get("/debug/workers", debug_workers)
+        app.router.add_get("/debug/query", debug_query)
+        app.router.add_post("/debug/query", debug_query)
+        return app

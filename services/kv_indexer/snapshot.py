@@ -1,0 +1,130 @@
+"""Snapshot wire format: an :class:`IndexState` <-> a list of SnapshotChunk messages. Pure.
+
+A snapshot is the index's flat arrays (keys and per-64-slot mask words as packed little-endian
+uint64, the slot table and per-slot counts, the sparse tier map) cut into chunks that each fit
+under NATS ``max_payload``. 1 M keys x 8 workers is ~16 MB raw: 17 chunks of 1 MB. Decoding
+is ``numpy.frombuffer`` + ``tolist`` + ``dict(zip())``: ~0.2 s per million keys.
+
+Invariant: ``chunks_to_state(state_to_chunks(s, ...))`` rebuilds an index equal to ``s``; a
+missing, duplicated or foreign chunk raises ValueError instead of yielding a partial index.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.common.schemas import SnapshotChunk
+from services.kv_indexer.index import IndexState
+
+_HEADROOM = 8 * 1024  # msgpack framing, slot table, NATS headers
+
+
+def _tier_bytes(v: int) -> bytes:
+    return v.to_bytes((v.bit_length() + 7) // 8 or 1, "little")
+
+
+def state_to_chunks(
+    state: IndexState, epoch: str, snapshot_id: str, delta_seq: int, max_chunk_bytes: int
+) -> list[SnapshotChunk]:
+    keys = np.asarray(state.keys, dtype="<u8")
+    masks = [np.asarray(m, dtype="<u8") for m in state.masks]
+    slot_bytes = sum(len(s) + 16 for s in state.slots)
+    budget = max(1024, max_chunk_bytes - _HEADROOM - slot_bytes)
+    row_bytes = 8 * (1 + len(masks))
+    rows = max(1, budget // row_bytes)
+    n = len(keys)
+    tier_keys = np.asarray(
+        state.tier_keys if state.tier_keys is not None else [], dtype="<u8"
+    ).tobytes()
+    tier_vals = [_tier_bytes(v) for v in state.tier_values]
+    # tier data goes in its own trailing chunks when it does not fit in the last key chunk
+    tier_groups: list[tuple[bytes, list[bytes]]] = []
+    i = 0
+    per_tier = 8 + 4 + max((len(v) for v in tier_vals), default=1)
+    tier_rows = max(1, budget // per_tier)
+    while i < len(tier_vals):
+        tier_groups.append((tier_keys[8 * i : 8 * (i + tier_rows)], tier_vals[i : i + tier_rows]))
+        i += tier_rows
+    key_chunks = max(1, -(-n // rows))
+    total = key_chunks + len(tier_groups)
+    out: list[SnapshotChunk] = []
+    for c in range(key_chunks):
+        lo, hi = c * rows, min(n, (c + 1) * rows)
+        out.append(
+            SnapshotChunk(
+                epoch=epoch,
+                snapshot_id=snapshot_id,
+                delta_seq=delta_seq,
+                chunk=c,
+                chunks=total,
+                slots=state.slots,
+                counts=state.counts,
+                row_start=lo,
+                keys=keys[lo:hi].tobytes(),
+                masks=[m[lo:hi].tobytes() for m in masks],
+            )
+        )
+    for j, (tk, tv) in enumerate(tier_groups):
+        out.append(
+            SnapshotChunk(
+                epoch=epoch,
+                snapshot_id=snapshot_id,
+                delta_seq=delta_seq,
+                chunk=key_chunks + j,
+                chunks=total,
+                slots=state.slots,
+                counts=state.counts,
+                row_start=n,
+                keys=b"",
+                masks=[b"" for _ in masks],
+                tier_keys=tk,
+                tier_values=tv,
+            )
+        )
+    return out
+
+
+def chunks_to_state(chunks: list[SnapshotChunk]) -> IndexState:
+    """Reassemble; raises ValueError unless ``chunks`` is exactly one complete snapshot."""
+    if not chunks:
+        raise ValueError("empty snapshot")
+    first = chunks[0]
+    total = first.chunks
+    by_no = {}
+    for ch in chunks:
+        if (ch.snapshot_id, ch.epoch, ch.delta_seq, ch.chunks) != (
+            first.snapshot_id,
+            first.epoch,
+            first.delta_seq,
+            total,
+        ):
+            raise ValueError("chunks of different snapshots")
+        if ch.chunk in by_no or ch.chunk >= total:
+            raise ValueError(f"duplicate or out-of-range chunk {ch.chunk}")
+        by_no[ch.chunk] = ch
+    if len(by_no) != total:
+        raise ValueError(f"incomplete snapshot: {len(by_no)} of {total} chunks")
+    ordered = [by_no[i] for i in range(total)]
+    nwords = len(first.masks)
+    if any(len(ch.masks) != nwords for ch in ordered):
+        raise ValueError("inconsistent mask words")
+    keys = np.frombuffer(b"".join(ch.keys for ch in ordered), dtype="<u8")
+    masks = [
+        np.frombuffer(b"".join(ch.masks[w] for ch in ordered), dtype="<u8") for w in range(nwords)
+    ]
+    if any(len(m) != len(keys) for m in masks):
+        raise ValueError("mask and key arrays differ in length")
+    tier_keys = np.frombuffer(b"".join(ch.tier_keys for ch in ordered), dtype="<u8")
+    tier_values = [int.from_bytes(v, "little") for ch in ordered for v in ch.tier_values]
+    if len(tier_values) != len(tier_keys):
+        raise ValueError("tier key and value arrays differ in length")
+    if len(first.counts) != len(first.slots):
+        raise ValueError("slot table and counts differ in length")
+    return IndexState(
+        slots=list(first.slots),
+        counts=list(first.counts),
+        keys=keys,
+        masks=masks,
+        tier_keys=tier_keys,
+        tier_values=tier_values,
+    )
