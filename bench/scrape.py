@@ -1,0 +1,65 @@
+"""Ground truth from the workers themselves: their Prometheus ``/metrics`` (vLLM names).
+
+The hit rate of a run is ``Δ vllm:prefix_cache_hits / Δ vllm:prefix_cache_queries`` summed
+over the workers, from scrapes before and after the run — what the engines did, not what the
+router believed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.metrics import CacheCounters
+
+QUERIES = "vllm:prefix_cache_queries"
+HITS = "vllm:prefix_cache_hits"
+
+
+def parse_counters(text: str, names: tuple[str, ...] = (QUERIES, HITS)) -> dict[str, float]:
+    """Sum of each named counter's samples (``name`` or ``name_total``) in a metrics page."""
+    out = dict.fromkeys(names, 0.0)
+    for fam in text_string_to_metric_families(text):
+        base = fam.name[:-6] if fam.name.endswith("_total") else fam.name
+        if base not in out:
+            continue
+        for s in fam.samples:
+            if s.name in (base, base + "_total"):
+                out[base] += float(s.value)
+    return out
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+    try:
+        async with session.get(url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(5)) as r:
+            if r.status != 200:
+                return None
+            return parse_counters(await r.text())
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return None
+
+
+async def scrape_all(urls: dict[str, str]) -> dict[str, dict[str, float] | None]:
+    """``{worker_id: url}`` -> ``{worker_id: counters or None}``."""
+    async with aiohttp.ClientSession() as s:
+        got = await asyncio.gather(*(scrape(s, u) for u in urls.values()))
+    return dict(zip(urls, got, strict=True))
+
+
+def delta(
+    before: dict[str, dict[str, float] | None], after: dict[str, dict[str, float] | None]
+) -> CacheCounters:
+    """Per-worker and total counter deltas (a worker missing from either scrape is skipped)."""
+    cc = CacheCounters()
+    for w, a in after.items():
+        b = before.get(w)
+        if a is None or b is None:
+            continue
+        q = a[QUERIES] - b[QUERIES]
+        h = a[HITS] - b[HITS]
+        cc.queries += q
+        cc.hits += h
+        cc.per_worker[w] = (q, h)
+    return cc

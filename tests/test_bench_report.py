@@ -1,0 +1,143 @@
+"""Metrics summary and report generation (JSON, Markdown, PNG plots)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.metrics import (
+    ERROR,
+    OK,
+    TIMEOUT,
+    CacheCounters,
+    RequestResult,
+    inflight_series,
+    inflight_stats,
+    percentile,
+    summarize,
+)
+from bench.report import comparisons, markdown, new_report, write_report
+from bench.scrape import delta, parse_counters
+
+
+def test_percentile_interpolates():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert percentile(list(range(101)), 99) == pytest.approx(99)
+
+
+def test_inflight_stats_and_series():
+    iv = [(0.0, 2.0), (1.0, 3.0), (1.5, 2.5)]
+    peak, mean = inflight_stats(iv, 0.0, 4.0)
+    assert peak == 3
+    assert mean == pytest.approx((2 + 2 + 1) / 4)
+    # back-to-back intervals never overlap
+    assert inflight_stats([(0, 1), (1, 2)], 0, 2)[0] == 1
+    ser = inflight_series(iv, 4.0, bins=4)
+    assert ser == pytest.approx([1.0, 2.5, 1.5, 0.0])
+
+
+def _results():
+    rs = []
+    for i in range(10):
+        w = "a" if i < 7 else "b"
+        rs.append(
+            RequestResult(
+                f"r{i}",
+                OK,
+                worker=w,
+                send_s=i * 0.1,
+                ttft_s=0.01 * (i + 1),
+                e2e_s=0.5,
+                itl_s=[0.002, 0.004],
+                prompt_tokens=100,
+                completion_tokens=3,
+                cached_tokens=50,
+            )
+        )
+    rs.append(RequestResult("bad", ERROR, send_s=0.2, e2e_s=0.1, error="HTTP 500"))
+    rs.append(RequestResult("slow", TIMEOUT, send_s=0.3, e2e_s=5.0))
+    return rs
+
+
+def test_summarize_counts_shares_and_hit_rates():
+    cache = CacheCounters(queries=1000, hits=400, per_worker={"a": (700, 300), "b": (300, 100)})
+    s = summarize(_results(), ["a", "b", "c"], cache, duration_s=2.0, bins=10)
+    assert (s["requests"], s["completed"], s["errors"], s["timeouts"]) == (12, 10, 1, 1)
+    assert s["ttft_s"]["p50"] == pytest.approx(0.055)
+    assert s["itl_s"]["max"] == pytest.approx(0.004)
+    assert s["request_throughput"] == pytest.approx(5.0)
+    assert s["output_token_throughput"] == pytest.approx(15.0)
+    assert s["hit_rate"] == pytest.approx(0.4)
+    assert s["hit_rate_reported"] == pytest.approx(0.5)
+    pw = s["per_worker"]
+    assert pw["a"]["requests"] == 7 and pw["b"]["requests"] == 3 and pw["c"]["requests"] == 0
+    assert pw["a"]["fair_ratio"] == pytest.approx(7 / (10 / 3))
+    assert pw["a"]["hit_rate"] == pytest.approx(300 / 700)
+    assert s["workers_used"] == 2 and s["fair_ratio_min"] == 0.0
+    assert pw["a"]["max_inflight"] == 5  # 0.5 s each, one every 0.1 s
+    assert len(s["inflight_series"]["workers"]["a"]) == 10
+
+
+def test_prometheus_counter_parsing_and_delta():
+    page = (
+        "# HELP vllm:prefix_cache_queries Prefix cache queries (tokens)\n"
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{model_name="m"} 120.0\n'
+        "# HELP vllm:prefix_cache_hits Prefix cache hits (tokens)\n"
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{model_name="m"} 30.0\n'
+        "# TYPE other counter\nother_total 5\n"
+    )
+    got = parse_counters(page)
+    assert got == {"vllm:prefix_cache_queries": 120.0, "vllm:prefix_cache_hits": 30.0}
+    before = {"w0": {"vllm:prefix_cache_queries": 20.0, "vllm:prefix_cache_hits": 10.0}}
+    cc = delta(before, {"w0": got, "w1": got})  # w1 has no "before": skipped
+    assert (cc.queries, cc.hits) == (100.0, 20.0) and cc.hit_rate == pytest.approx(0.2)
+
+
+def _report():
+    rep = new_report("unit", "bench", {"workers": 2}, {"name": "x", "requests": 12})
+    rep["workload"]["infinite_cache_hit_rate"] = 0.8
+    cache = CacheCounters(queries=1000, hits=400)
+    rep["runs"].append({"label": "round_robin", "summary": summarize(_results(), ["a", "b"])})
+    rep["runs"].append(
+        {"label": "kv_aware", "summary": summarize(_results()[:8], ["a", "b"], cache)}
+    )
+    rep["runs"][0]["summary"]["hit_rate"] = 0.2
+    return rep
+
+
+def test_comparisons_and_markdown():
+    rep = _report()
+    comp = comparisons(rep)
+    kv, rr = rep["runs"][1]["summary"], rep["runs"][0]["summary"]
+    assert comp["kv_aware"]["ttft_p50_vs_round_robin"] == pytest.approx(
+        kv["ttft_s"]["p50"] / rr["ttft_s"]["p50"]
+    )
+    assert comp["kv_aware"]["hit_rate_vs_bound"] == pytest.approx(0.4 / 0.8)
+    assert comp["kv_aware"]["hit_rate_minus_round_robin"] == pytest.approx(0.2)
+    md = markdown(rep)
+    assert "| `kv_aware` | 8 |" in md and "| `round_robin` | 10 | 1 | 1 |" in md
+    assert "40.0%" in md  # kv_aware's ground-truth hit rate
+
+
+def test_write_report_files(tmp_path):
+    files = write_report(_report(), tmp_path / "out")
+    names = sorted(f.name for f in files)
+    assert names == [
+        "hit_rate.png",
+        "results.json",
+        "results.md",
+        "ttft_cdf.png",
+        "worker_load.png",
+    ]
+    for f in files:
+        assert f.stat().st_size > 0
+        if f.suffix == ".png":
+            assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["label"] for r in data["runs"]] == ["round_robin", "kv_aware"]
+    assert "comparisons" in data
