@@ -16,7 +16,8 @@ Engines and the names read (verified against each project's documentation / exam
   used|tokens_per|fraction}`` (pre-24.x: ``..._statistics``).
 - kvgate's simulated worker: the vLLM names plus ``sim:gpu_sm_util_percent``,
   ``sim:gpu_mem_util_percent``, ``sim:gpu_mem_used_bytes``, ``sim:gpu_mem_total_bytes``,
-  ``sim:gpu_mem_bw_util_percent`` (optional ``gpu`` label).
+  ``sim:gpu_mem_bw_util_percent`` (optional ``gpu`` label), and its batch limit
+  (``sim:max_num_seqs``, or a ``max_num_seqs`` label on ``vllm:cache_config_info``).
 
 Invariants:
 - Only lines of the families above reach prometheus-client's parser: a regex selects them
@@ -55,6 +56,7 @@ _WANTED = (
     r"nv_trt_llm_request_(?:metrics|statistics)",
     r"nv_trt_llm_kv_cache_block_(?:metrics|statistics)",
     r"sim:gpu_[a-z_]+",
+    r"sim:max_num_seqs",
 )
 # a sample line starts with one of the wanted names followed by '{' or whitespace
 _LINE_RE = re.compile(r"^(?:" + "|".join(_WANTED) + r")(?:\{[^\n]*|[ \t][^\n]*)$", re.MULTILINE)
@@ -161,6 +163,8 @@ def parse_metrics(text: str, engine: str | None = None) -> EngineReading:
                 acc.add("trt:kv:" + labels.get("kv_cache_block_type", ""), value)
             elif name == "vllm:cache_config_info":
                 info.update(labels)
+            elif name == "sim:max_num_seqs":
+                info.setdefault("max_num_seqs", str(value))
             elif name.startswith("sim:gpu_"):
                 idx = _as_int(labels.get("gpu")) or 0
                 gpus.setdefault(idx, {})[name] = value
@@ -201,6 +205,7 @@ def _vllm(r: EngineReading, acc: _Acc, info: dict[str, str]) -> None:
     r.tokens_per_block = _as_int(info.get("block_size"))
     r.kv_blocks_total = _as_int(info.get("num_gpu_blocks"))
     r.prefix_caching = _as_bool(info.get("enable_prefix_caching"))
+    r.max_batch = _as_int(info.get("max_num_seqs"))  # the sim worker labels it; vLLM does not
     if r.kv_blocks_total is not None and r.tokens_per_block is not None:
         r.kv_capacity_tokens = r.kv_blocks_total * r.tokens_per_block
         if r.kv_usage is not None:
