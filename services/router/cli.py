@@ -1,4 +1,4 @@
-"""``kvgate router``: the OpenAI-compatible routing proxy. (Skeleton; policies land with their issue.)"""
+"""``kvgate router``: the OpenAI-compatible routing proxy (docs/router.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from services.common import settings as S
 from services.common.service import run_service
 
 OPTIONS = S.COMMON + (
+    S.HASH_SEED,
     S.option("host", "127.0.0.1", "address to listen on", env="KVGATE_ROUTER_HOST"),
     S.option(
         "port", 8080, "HTTP port (OpenAI base URL is http://host:port/v1)", env="KVGATE_ROUTER_PORT"
@@ -18,6 +19,97 @@ OPTIONS = S.COMMON + (
         "seconds without a heartbeat before a worker is dropped",
         env="KVGATE_ROUTER_WORKER_TIMEOUT",
     ),
+    S.option(
+        "policy",
+        "kv_aware",
+        "default policy until one is published on policy.updated: a name "
+        '(kv_aware, prefix, least_request, ...) or a JSON spec {"name":..,"params":{..}}',
+        env="KVGATE_ROUTER_POLICY",
+    ),
+    S.option(
+        "tokenizer",
+        "",
+        "local HuggingFace tokenizer.json (or its directory); empty = byte-level. "
+        "Must match the workers' tokenizer",
+        env="KVGATE_TOKENIZER",
+    ),
+    S.option(
+        "router_id", "", "this replica's id (default router-<random>)", env="KVGATE_ROUTER_ID"
+    ),
+    S.option(
+        "queue_size", 1024, "max requests waiting for capacity", env="KVGATE_ROUTER_QUEUE_SIZE"
+    ),
+    S.option(
+        "queue_timeout",
+        30.0,
+        "max seconds a request waits for capacity before 429",
+        env="KVGATE_ROUTER_QUEUE_TIMEOUT",
+    ),
+    S.option("retry_after", 1, "Retry-After seconds on 429 / 503", env="KVGATE_ROUTER_RETRY_AFTER"),
+    S.option(
+        "max_retries",
+        2,
+        "re-sends to another worker on connect failure / 503 / timeout before output",
+        env="KVGATE_ROUTER_MAX_RETRIES",
+    ),
+    S.option(
+        "max_migrations",
+        2,
+        "times a stream may move to another worker after its worker died mid-stream",
+        env="KVGATE_ROUTER_MAX_MIGRATIONS",
+    ),
+    S.option(
+        "connect_timeout", 2.0, "worker connect timeout (s)", env="KVGATE_ROUTER_CONNECT_TIMEOUT"
+    ),
+    S.option(
+        "request_timeout",
+        300.0,
+        "non-streaming: max seconds for the worker's whole answer",
+        env="KVGATE_ROUTER_REQUEST_TIMEOUT",
+    ),
+    S.option(
+        "stream_idle_timeout",
+        60.0,
+        "streaming: max seconds between events (first one included) before the worker "
+        "counts as failed",
+        env="KVGATE_ROUTER_STREAM_IDLE_TIMEOUT",
+    ),
+    S.option(
+        "breaker_threshold",
+        5,
+        "consecutive worker failures (5xx, timeouts, connect errors) that open its circuit",
+        env="KVGATE_ROUTER_BREAKER_THRESHOLD",
+    ),
+    S.option(
+        "breaker_open_s",
+        5.0,
+        "seconds an open circuit waits before a half-open health probe (doubles on failure)",
+        env="KVGATE_ROUTER_BREAKER_OPEN_S",
+    ),
+    S.option(
+        "telemetry_stale_s",
+        2.0,
+        "telemetry older than this is ignored (neutral) by policies",
+        env="KVGATE_ROUTER_TELEMETRY_STALE_S",
+    ),
+    S.option(
+        "default_max_tokens",
+        256,
+        "max_tokens assumed for admission when a request does not set it",
+        env="KVGATE_ROUTER_DEFAULT_MAX_TOKENS",
+    ),
+    S.option(
+        "outcome_buffer",
+        10000,
+        "outcome messages buffered while NATS is slow or down (then dropped, counted)",
+        env="KVGATE_ROUTER_OUTCOME_BUFFER",
+    ),
+    S.option(
+        "load_interval",
+        1.0,
+        "seconds between RouterLoad publications when nothing changes",
+        env="KVGATE_ROUTER_LOAD_INTERVAL",
+    ),
 )
 
 
@@ -25,7 +117,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     S.add_options(parser, OPTIONS)
 
 
-def main(args: argparse.Namespace) -> int:
-    from services.router.app import serve
+def settings(args: argparse.Namespace | None = None, **overrides) -> S.Settings:
+    """Resolved router settings (flags, env, defaults), with overrides (for tests, benches)."""
+    st = S.resolve(args, OPTIONS, environ={} if args is None else None)
+    for k, v in overrides.items():
+        if not hasattr(st, k):
+            raise AttributeError(f"unknown router setting {k!r}")
+        setattr(st, k, v)
+    return st
 
-    return run_service("router", serve, S.resolve(args, OPTIONS))
+
+def main(args: argparse.Namespace) -> int:
+    from services.router.app import parse_policy_option, serve
+    from services.router.policy import PolicyError
+
+    st = S.resolve(args, OPTIONS)
+    try:
+        parse_policy_option(st.policy)
+    except (PolicyError, ValueError) as exc:
+        raise SystemExit(f"invalid --policy: {exc}") from None
+    return run_service("router", serve, st)

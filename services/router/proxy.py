@@ -1,0 +1,102 @@
+"""Forwarding one request to a worker: retries before any output, migration mid-stream.
+
+The flow for a request (driven by :meth:`services.router.app.Router.handle`):
+
+1. decide (policy core) -> worker, or queue / 400 / 404 / 503;
+2. send; on connect failure, 503 or a timeout before the response started: breaker failure,
+   exclude the worker, decide again (at most ``max_retries`` times);
+3. non-streaming: return the worker's body as is; streaming: pass each SSE event through as it
+   completes; if the worker dies mid-stream, resend prompt + text generated so far to the
+   next-best worker as a completions request and continue the same client stream, re-framed
+   in the client's format (at most ``max_migrations`` times);
+4. release the worker's ticket, record metrics and publish the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from services.router import sse
+from services.router.canary import Arm
+from services.router.tokenize import Parsed
+
+
+class WorkerFailed(Exception):
+    """The worker failed before sending anything the client saw (retry elsewhere)."""
+
+    def __init__(self, worker_id: str, reason: str, timeout: bool = False) -> None:
+        super().__init__(f"{worker_id}: {reason}")
+        self.worker_id = worker_id
+        self.reason = reason
+        self.timeout = timeout
+
+
+class StreamBroken(Exception):
+    """The worker stream ended early after the client already got output (migrate)."""
+
+    def __init__(self, worker_id: str, reason: str) -> None:
+        super().__init__(f"{worker_id}: {reason}")
+        self.worker_id = worker_id
+        self.reason = reason
+
+
+@dataclass
+class Ctx:
+    """Everything one request accumulates on its way through the router."""
+
+    request_id: str
+    parsed: Parsed
+    arm: Arm
+    session_id: str | None
+    t0: float
+    path: str
+    worker_id: str | None = None
+    predicted_cached: int = 0
+    cached_reported: int | None = None
+    completion_tokens: int = 0
+    generated: str = ""
+    ttft: float | None = None
+    retries: int = 0
+    migrated: int = 0
+    status: str = "ok"
+    http_status: int = 200
+    excluded: set[str] = field(default_factory=set)
+    template: dict[str, Any] | None = None  # first chunk the client got (ids for re-framing)
+    client_wants_usage: bool = False
+    out: web.StreamResponse | None = None
+
+
+def upstream_body(ctx: Ctx, migrate: bool, max_tokens: int | None = None) -> bytes:
+    """The body sent to a worker. Streaming requests ask for usage (to learn cached tokens);
+    a migration continues as a completions request on prompt + generated text."""
+    p = ctx.parsed
+    if migrate:
+        body = {
+            k: v
+            for k, v in p.body.items()
+            if k not in ("messages", "prompt", "max_tokens", "max_completion_tokens", "n", "tools")
+        }
+        body["prompt"] = p.prompt + ctx.generated
+        body["max_tokens"] = max_tokens
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        return sse._encode(body)
+    if p.stream:
+        so = p.body.get("stream_options")
+        if not (isinstance(so, dict) and so.get("include_usage")):
+            body = dict(p.body)
+            body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+            return sse._encode(body)
+    return b""  # empty: send the client's original bytes
+
+
+async def read_error(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await asyncio.wait_for(resp.read(), 5.0)
+    except Exception:
+        return b""

@@ -1,0 +1,276 @@
+"""The router's view of the cluster, kept as live :class:`WorkerState` objects that the policy
+core reads directly (no per-request copying: building a snapshot is O(1)).
+
+Fed by the shell (app.py) from heartbeats, telemetry, worker control, other routers' loads and
+this router's own dispatches. Time is passed in (``now`` = monotonic seconds, ``wall`` = epoch
+seconds), so the class is testable without clocks.
+
+Invariants:
+- a worker is in :attr:`states` from its first heartbeat until it has been silent for
+  ``forget_after`` seconds; it is ``healthy`` only while heartbeats are younger than
+  ``worker_timeout`` and its state is ``ready``;
+- ``states[w].inflight == local inflight + sum of fresh remote router reports``;
+- ``states[w].kv_blocks_free`` = telemetry free blocks minus blocks this router reserved for
+  requests dispatched after that sample (or, without telemetry, total minus all reservations);
+- cordon / drain from ``workers.control`` stick until ``uncordon`` (drain also from heartbeats).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.keys import blocks_needed
+from services.common.schemas import WorkerControl, WorkerHeartbeat, WorkerLoad
+from services.router.policy import Capacity, ClusterSnapshot, WorkerState
+
+
+@dataclass
+class Ticket:
+    """One dispatched request's claim on a worker (released exactly once)."""
+
+    worker_id: str
+    blocks: int
+    prefill: int
+    wall: float
+    prefilling: bool = True
+    released: bool = False
+
+
+@dataclass
+class _Local:
+    inflight: int = 0
+    prefill: int = 0
+
+
+@dataclass
+class _Entry:
+    hb: WorkerHeartbeat
+    seen: float
+    load: WorkerLoad | None = None
+    load_seen: float = 0.0
+    control: str | None = None  # "cordon" | "drain" | None
+
+
+class ClusterState:
+    def __init__(
+        self,
+        worker_timeout: float = 3.0,
+        telemetry_stale_s: float = 2.0,
+        remote_ttl_s: float = 3.0,
+        forget_after: float = 300.0,
+    ) -> None:
+        self.worker_timeout = worker_timeout
+        self.telemetry_stale_s = telemetry_stale_s
+        self.remote_ttl_s = remote_ttl_s
+        self.forget_after = forget_after
+        self.states: dict[str, WorkerState] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._local: dict[str, _Local] = {}
+        self._tickets: dict[str, list[Ticket]] = {}
+        self._remote: dict[str, tuple[float, dict[str, int], dict[str, int]]] = {}
+        self._controls: dict[str, str] = {}  # control may arrive before the first heartbeat
+        self._breaker_open: set[str] = set()
+        self.snapshot = ClusterSnapshot(self.states)
+
+    # ------------------------------------------------------------------ inputs
+    def on_heartbeat(self, hb: WorkerHeartbeat, now: float) -> bool:
+        """Returns True when the worker is new or came back (capacity may have changed)."""
+        e = self._entries.get(hb.worker_id)
+        new = e is None or now - e.seen > self.worker_timeout
+        if e is None:
+            e = self._entries[hb.worker_id] = _Entry(hb, now)
+            self._local.setdefault(hb.worker_id, _Local())
+            self._tickets.setdefault(hb.worker_id, [])
+        e.hb, e.seen = hb, now
+        c = hb.capacity
+        s = self.states.get(hb.worker_id)
+        if s is None:
+            s = self.states[hb.worker_id] = WorkerState(hb.worker_id)
+        s.model, s.url = hb.model, hb.url.rstrip("/")
+        s.capacity = Capacity(c.block_size, c.num_gpu_blocks, c.max_num_seqs, c.max_model_len)
+        self._refresh(hb.worker_id, now)
+        return new
+
+    def on_load(self, load: WorkerLoad, now: float) -> None:
+        e = self._entries.get(load.worker_id)
+        if e is None:
+            return
+        e.load, e.load_seen = load, now
+        self._refresh(load.worker_id, now)
+
+    def on_control(self, ctl: WorkerControl, now: float) -> None:
+        if ctl.action == "uncordon":
+            self._controls.pop(ctl.worker_id, None)
+        else:
+            self._controls[ctl.worker_id] = ctl.action
+        if ctl.worker_id in self.states:
+            self._refresh(ctl.worker_id, now)
+
+    def on_router_load(
+        self, router_id: str, inflight: dict[str, int], prefill: dict[str, int], now: float
+    ) -> None:
+        old = self._remote.get(router_id)
+        self._remote[router_id] = (now, dict(inflight), dict(prefill))
+        touched = set(inflight) | (set(old[1]) if old else set())
+        for wid in touched:
+            self._refresh_load(wid)
+
+    def set_breaker_open(self, worker_id: str, is_open: bool) -> None:
+        if is_open:
+            self._breaker_open.add(worker_id)
+        else:
+            self._breaker_open.discard(worker_id)
+        s = self.states.get(worker_id)
+        if s is not None:
+            s.circuit_open = is_open
+
+    def keep_alive(self, now: float) -> None:
+        """While the bus is down no heartbeat can arrive: keep the last known workers."""
+        for e in self._entries.values():
+            e.seen = max(e.seen, now - self.worker_timeout / 2)
+
+    def sweep(self, now: float) -> bool:
+        """Age heartbeats, telemetry and remote loads; returns True if anything changed."""
+        changed = False
+        for rid, (seen, inflight, _p) in list(self._remote.items()):
+            if now - seen > self.remote_ttl_s:
+                del self._remote[rid]
+                for wid in inflight:
+                    self._refresh_load(wid)
+                changed = True
+        for wid in list(self._entries):
+            e = self._entries[wid]
+            if now - e.seen > self.forget_after and not self._local[wid].inflight:
+                del self._entries[wid]
+                self.states.pop(wid, None)
+                changed = True
+                continue
+            before = (self.states[wid].healthy, self.states[wid].telemetry_stale)
+            self._refresh(wid, now)
+            changed |= before != (self.states[wid].healthy, self.states[wid].telemetry_stale)
+        return changed
+
+    # ------------------------------------------------------------------ dispatch
+    def reserve(
+        self, worker_id: str, prompt_tokens: int, max_tokens: int, cached_tokens: int, wall: float
+    ) -> Ticket:
+        s = self.states[worker_id]
+        bs = s.capacity.block_size
+        blocks = max(0, blocks_needed(prompt_tokens, max_tokens, bs) - cached_tokens // bs)
+        t = Ticket(worker_id, blocks, max(0, prompt_tokens - cached_tokens), wall)
+        loc = self._local[worker_id]
+        loc.inflight += 1
+        loc.prefill += t.prefill
+        self._tickets[worker_id].append(t)
+        self._refresh_load(worker_id)
+        self._refresh_kv(worker_id)
+        return t
+
+    def first_token(self, t: Ticket) -> None:
+        if t.prefilling and not t.released:
+            t.prefilling = False
+            loc = self._local.get(t.worker_id)
+            if loc is not None:
+                loc.prefill -= t.prefill
+                self._refresh_load(t.worker_id)
+
+    def release(self, t: Ticket) -> None:
+        if t.released:
+            return
+        self.first_token(t)
+        t.released = True
+        loc = self._local.get(t.worker_id)
+        if loc is None:
+            return
+        loc.inflight -= 1
+        tickets = self._tickets[t.worker_id]
+        for i, x in enumerate(tickets):
+            if x is t:
+                tickets.pop(i)
+                break
+        if t.worker_id in self.states:
+            self._refresh_load(t.worker_id)
+            self._refresh_kv(t.worker_id)
+
+    # ------------------------------------------------------------------ views
+    def local_inflight(self) -> dict[str, int]:
+        return {w: loc.inflight for w, loc in self._local.items() if loc.inflight}
+
+    def local_prefill(self) -> dict[str, int]:
+        return {w: loc.prefill for w, loc in self._local.items() if loc.prefill}
+
+    def routable_count(self) -> int:
+        return sum(1 for s in self.states.values() if s.routable)
+
+    def models(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.states.values():
+            if s.healthy:
+                out[s.model] = out.get(s.model, 0) + 1
+        return out
+
+    def heartbeat_of(self, worker_id: str) -> WorkerHeartbeat | None:
+        e = self._entries.get(worker_id)
+        return e.hb if e else None
+
+    def control_of(self, worker_id: str) -> str | None:
+        return self._controls.get(worker_id)
+
+    # ------------------------------------------------------------------ internals
+    def _refresh(self, wid: str, now: float) -> None:
+        e = self._entries[wid]
+        s = self.states[wid]
+        ctl = self._controls.get(wid)
+        s.healthy = now - e.seen <= self.worker_timeout and e.hb.state != "starting"
+        s.cordoned = ctl == "cordon"
+        s.draining = ctl == "drain" or e.hb.state == "draining"
+        s.circuit_open = wid in self._breaker_open
+        load = e.load
+        if load is not None:
+            age = now - e.load_seen
+            s.telemetry_age_s = age
+            s.telemetry_stale = load.stale or age > self.telemetry_stale_s
+            fresh = not s.telemetry_stale
+            s.running = load.running if fresh else None
+            s.waiting = load.waiting if fresh else None
+            s.kv_usage = load.kv_usage if fresh else None
+            sm = mem = bw = None
+            if fresh and load.gpus:
+                sms = [g.sm_util_pct for g in load.gpus if g.sm_util_pct is not None]
+                bws = [g.mem_bw_util_pct for g in load.gpus if g.mem_bw_util_pct is not None]
+                mems = [
+                    g.mem_used_bytes / g.mem_total_bytes
+                    for g in load.gpus
+                    if g.mem_used_bytes is not None and g.mem_total_bytes
+                ]
+                sm = max(sms) / 100.0 if sms else None
+                bw = max(bws) / 100.0 if bws else None
+                mem = max(mems) if mems else None
+            s.gpu_sm_util, s.gpu_mem_used, s.gpu_bw_util = sm, mem, bw
+        self._refresh_load(wid)
+        self._refresh_kv(wid)
+
+    def _refresh_load(self, wid: str) -> None:
+        s = self.states.get(wid)
+        if s is None:
+            return
+        loc = self._local.get(wid)
+        inflight = loc.inflight if loc else 0
+        prefill = loc.prefill if loc else 0
+        for _seen, rin, rpre in self._remote.values():
+            inflight += rin.get(wid, 0)
+            prefill += rpre.get(wid, 0)
+        s.inflight = inflight
+        s.pending_prefill_tokens = prefill
+
+    def _refresh_kv(self, wid: str) -> None:
+        s = self.states[wid]
+        e = self._entries[wid]
+        tickets = self._tickets.get(wid, ())
+        load = e.load
+        if load is not None and not s.telemetry_stale and load.kv_blocks_free is not None:
+            since = load.ts
+            reserved = sum(t.blocks for t in tickets if t.wall > since)
+            s.kv_blocks_free = max(0, load.kv_blocks_free - reserved)
+        else:
+            s.kv_blocks_free = max(0, s.capacity.num_gpu_blocks - sum(t.blocks for t in tickets))
