@@ -287,8 +287,10 @@ class SimWorker:
             elif steps >= YIELD_EVERY:
                 await asyncio.sleep(0)
                 steps = 0
-            wall_end = time.monotonic()
-            self.gpu.record_step(wall_end - dur, wall_end, out)
+            # busy from the step's scheduled start to its end (back to back while there is
+            # work, whatever the Python overhead between steps)
+            mono_shift = time.monotonic() - loop.time()
+            self.gpu.record_step(start + mono_shift, self._busy_until + mono_shift, out)
             self._deliver(out)
             if out.kv_events:
                 self._emit_kv(out.kv_events, out.kv_event_meta)
@@ -524,7 +526,7 @@ class SimWorker:
             if p.stream:
                 resp = await self._stream(r, p, rid, q, t0)
             else:
-                resp = await self._collect(p, rid, q, t0)
+                resp = await self._collect(r, p, rid, q, t0)
             done = True
             return resp
         finally:
@@ -537,8 +539,13 @@ class SimWorker:
         self.metrics.ttft_sim.observe((time.monotonic() - t0) * self.settings.speedup)
 
     async def _collect(
-        self, p: ParsedRequest, rid: str, q: asyncio.Queue[tuple[str, Any]], t0: float
-    ) -> web.Response:
+        self,
+        r: web.Request,
+        p: ParsedRequest,
+        rid: str,
+        q: asyncio.Queue[tuple[str, Any]],
+        t0: float,
+    ) -> web.StreamResponse:
         out: list[int] = []
         while True:
             kind, val = await q.get()
@@ -551,8 +558,8 @@ class SimWorker:
                 text = self.tokenizer.decode(out)
                 use = usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
                 return web.json_response(full_response(p, rid, text, fin.finish_reason, use))
-            else:  # crash
-                raise ConnectionResetError("worker crashed")
+            else:  # crash: the connection just breaks
+                return _cut(r)
 
     async def _stream(
         self,
@@ -591,7 +598,7 @@ class SimWorker:
                 await resp.write_eof()
                 return resp
             else:  # crash: cut the stream
-                raise ConnectionResetError("worker crashed")
+                return _cut(r, resp)
 
 
 async def _json_body(r: web.Request) -> dict[str, Any]:
@@ -602,6 +609,13 @@ async def _json_body(r: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+def _cut(r: web.Request, resp: web.StreamResponse | None = None) -> web.StreamResponse:
+    """A crashed worker's connection breaks without an HTTP answer."""
+    if r.transport is not None:
+        r.transport.abort()
+    return resp or web.Response(status=500)
 
 
 def _error(exc: ApiError) -> web.Response:

@@ -1,0 +1,204 @@
+"""The simulated worker on a real NATS: KV event batches in JetStream, kvdump replies,
+heartbeats from ``serve`` (N workers in one process), and HTTP that keeps serving without NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import openai
+
+from services.common import settings as S
+from services.common.bus import Bus
+from services.common.embedded import free_port
+from services.common.keys import block_keys
+from services.common.schemas import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvDumpRequest,
+    KvEventBatch,
+    WorkerHeartbeat,
+)
+from services.common.streams import ensure_kv_events_stream
+from tests.test_worker_sim_support import get_text, metric_values, one, sim_worker, until
+
+PROMPTS = [("shared system prompt, " * 6) + f"question {i}; " * 15 for i in range(4)]
+
+
+async def collect_batches(bus: Bus, subject: str) -> asyncio.Queue[KvEventBatch]:
+    q: asyncio.Queue[KvEventBatch] = asyncio.Queue()
+
+    async def on(b: KvEventBatch, _raw) -> None:
+        q.put_nowait(b)
+
+    await bus.subscribe(subject, KvEventBatch, on)
+    return q
+
+
+def apply(held: set[int], batch: KvEventBatch) -> None:
+    for ev in batch.events:
+        if isinstance(ev, BlockStored):
+            held.update(ev.keys)
+        elif isinstance(ev, BlockRemoved):
+            held.difference_update(ev.keys)
+        elif isinstance(ev, AllBlocksCleared):
+            held.clear()
+
+
+async def test_kv_events_reach_jetstream_and_kvdump_matches(bus: Bus):
+    await ensure_kv_events_stream(bus)
+    q = await collect_batches(bus, bus.subjects.kv_events("kv0"))
+    async with sim_worker(bus, worker_id="kv0", engine={"num_gpu_blocks": 40}) as w:
+        c = openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="x", max_retries=0)
+        for p in PROMPTS:
+            await c.completions.create(model="m", prompt=p, max_tokens=20)
+        await c.close()
+        # the worker has stepped to idle; every batch it made is assigned a seq
+        last = w.kv_seq
+        batches = [await asyncio.wait_for(q.get(), 5) for _ in range(last + 1)]
+        assert [b.seq for b in batches] == list(range(last + 1))
+        assert {b.instance_id for b in batches} == {w.instance_id}
+        assert batches[0].events == [AllBlocksCleared()]
+        held: set[int] = set()
+        for b in batches:
+            apply(held, b)
+        # every prompt's full blocks were stored under the canonical keys
+        stored = {
+            k for b in batches for ev in b.events if isinstance(ev, BlockStored) for k in ev.keys
+        }
+        for p in PROMPTS:
+            assert set(block_keys(list(p.encode()), 16)) <= stored
+        # 40 blocks cannot hold four requests' blocks: something was evicted
+        assert any(isinstance(ev, BlockRemoved) for b in batches for ev in b.events)
+        # JetStream stored them all
+        info = await bus.js.stream_info(bus.subjects.kv_events_stream)
+        assert info.state.messages == last + 1
+
+        async def heartbeat_seq() -> bool:
+            return w.kv_seq_done == last
+
+        await until(heartbeat_seq, what="publisher caught up")
+        assert w.heartbeat().kv_seq == last
+        dump = await bus.request(
+            bus.subjects.kv_dump("kv0"), KvDumpRequest(worker_id="kv0", reason="test"), KvEventBatch
+        )
+        assert dump.seq == last and dump.instance_id == w.instance_id  # seq not advanced
+        assert w.kv_seq == last
+        assert dump.events[0] == AllBlocksCleared()
+        dumped = {k for ev in dump.events[1:] for k in ev.keys}
+        assert dumped == held and len(held) == w.engine.num_cached_blocks > 0
+
+
+async def test_fault_drop_and_duplicate_kv_batches(bus: Bus):
+    await ensure_kv_events_stream(bus)
+    q = await collect_batches(bus, bus.subjects.kv_events("f0"))
+    async with sim_worker(bus, worker_id="f0") as w:
+        first = await asyncio.wait_for(q.get(), 5)
+        assert first.seq == 0
+        await w.apply_faults({"drop_kv": 1.0})
+        c = openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="x", max_retries=0)
+        await c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=4)
+        dropped_upto = w.kv_seq
+        assert dropped_upto >= 1
+
+        async def handled() -> bool:
+            return w.kv_seq_done == dropped_upto
+
+        await until(handled, what="drops handled")
+        assert q.empty()
+        assert w.heartbeat().kv_seq == dropped_upto  # consumers can see the gap
+        v = metric_values(await get_text(w.url + "/metrics"))
+        drops = {lab["reason"]: val for lab, val in v["sim:kv_batches_dropped_total"]}
+        assert drops["fault"] == dropped_upto
+        await w.apply_faults({"drop_kv": 0.0, "dup_kv": 1.0})
+        await c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=4)
+        await c.close()
+        seqs = [(await asyncio.wait_for(q.get(), 5)).seq for _ in range(2)]
+        assert seqs == [dropped_upto + 1] * 2  # the same batch twice
+
+
+async def test_http_keeps_serving_without_nats(nats_url: str):
+    port = free_port()
+    down = Bus(f"nats://127.0.0.1:{port}", "test")  # nothing listens there
+    async with sim_worker(down, worker_id="nn") as w:
+        c = openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="x", max_retries=0)
+        r = await c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=3)
+        await c.close()
+        assert r.usage.completion_tokens == 3
+
+        async def counted() -> bool:
+            v = metric_values(await get_text(w.url + "/metrics"))
+            drops = {lab["reason"]: val for lab, val in v["sim:kv_batches_dropped_total"]}
+            return drops.get("nats_down", 0) == w.kv_seq + 1
+
+        await until(counted, what="drops counted")
+
+
+def sim_settings(nats_url: str, prefix: str, **over):
+    from services.worker_sim.cli import OPTIONS
+
+    st = S.resolve(None, OPTIONS, environ={})
+    st.nats_url = nats_url
+    st.subject_prefix = prefix
+    for k, v in over.items():
+        setattr(st, k, v)
+    return st
+
+
+async def test_serve_runs_n_workers_with_heartbeats(bus: Bus, nats_url: str, subject_prefix: str):
+    from services.worker_sim.app import serve
+
+    beats: asyncio.Queue[WorkerHeartbeat] = asyncio.Queue()
+
+    async def on(hb: WorkerHeartbeat, _raw) -> None:
+        beats.put_nowait(hb)
+
+    await bus.subscribe(bus.subjects.heartbeat_all, WorkerHeartbeat, on)
+    port = free_port()
+    while not all(_free(port + i) for i in range(3)):
+        port = free_port()
+    st = sim_settings(
+        nats_url,
+        subject_prefix,
+        count=3,
+        port=port,
+        worker_id="hb",
+        heartbeat_interval=0.2,
+        num_gpu_blocks=300,
+        max_num_seqs=12,
+        speedup=100.0,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(st, stop))
+    try:
+        seen: dict[str, WorkerHeartbeat] = {}
+        while len(seen) < 3:
+            hb = await asyncio.wait_for(beats.get(), 10)
+            seen[hb.worker_id] = hb
+        assert sorted(seen) == ["hb-0", "hb-1", "hb-2"]
+        for i in range(3):
+            hb = seen[f"hb-{i}"]
+            assert hb.url == f"http://127.0.0.1:{port + i}"
+            assert hb.capacity.num_gpu_blocks == 300 and hb.capacity.max_num_seqs == 12
+            assert hb.capacity.block_size == 16 and hb.state == "ready"
+        c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port + 2}/v1", api_key="x")
+        raw = await c.completions.with_raw_response.create(model="m", prompt="hello", max_tokens=2)
+        await c.close()
+        assert raw.headers["x-kvgate-served-by"] == "hb-2"
+        v = metric_values(await get_text(f"http://127.0.0.1:{port + 1}/metrics"))
+        assert one(v, "vllm:num_requests_running") == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with contextlib.closing(socket.socket()) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
