@@ -194,8 +194,11 @@ def test_ports_hosts_and_health_checks_match_the_services(compose: dict) -> None
     assert any(str(p).endswith(":8081") for p in compose["services"]["api"]["ports"])
     assert any(str(p).endswith(":8080") for p in compose["services"]["gateway"]["ports"])
     assert "ports" not in services["router"], "router replicas are reached through the gateway"
-    # the router count is configurable and defaults to more than one
+    # the router count is configurable and defaults to more than one; replicas tell their
+    # loads apart by router id, so a replicated service must not pin one id for all
     assert int(compose["services"]["router"]["deploy"]["replicas"]) >= 2
+    assert "KVGATE_ROUTER_ID" in S.ALL_OPTIONS
+    assert "KVGATE_ROUTER_ID" not in environment_of(services["router"])
 
 
 def test_gateway_balances_over_every_router_replica_on_the_router_port(compose: dict) -> None:
