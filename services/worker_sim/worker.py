@@ -269,8 +269,10 @@ class SimWorker:
             if not self.engine.has_work:
                 self._wake.clear()
                 await self._wake.wait()
+                self._busy_until = loop.time()  # idle time is not lag to catch up on
             if not self._not_hung.is_set():
                 await self._not_hung.wait()
+                self._busy_until = loop.time()
             now = loop.time()
             speed = self.settings.speedup
             out = self.engine.step(now * speed)
