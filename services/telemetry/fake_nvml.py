@@ -10,6 +10,7 @@ queued, unsupported readings raise NOT_SUPPORTED.
 
 from __future__ import annotations
 
+import time
 import types
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,8 +46,10 @@ class FakeGpu:
     mem_util: int = 0  # NVML utilization.memory (bandwidth busy %)
     mem_total: int = 80 * 2**30
     mem_used: int = 0
-    pcie_rx_total: int = 0  # cumulative bytes
+    pcie_rx_total: int = 0  # cumulative bytes (plus rate x time when a rate is set)
     pcie_tx_total: int = 0
+    pcie_rx_rate: float = 0.0  # bytes/s the counters advance by, on the monotonic clock
+    pcie_tx_rate: float = 0.0
     sm_clock: int = 1980
     mem_clock: int = 2619
     temperature: int = 40
@@ -72,6 +75,7 @@ class _FieldValue:
     nvmlReturn: int
     valueType: int
     value: _Value
+    timestamp: int = 0  # microseconds, like NVML's (here: on the monotonic clock)
 
 
 @dataclass
@@ -90,6 +94,7 @@ def make_module(gpus: list[FakeGpu] | None = None, *, init_error: int | None = N
             g.uuid = f"GPU-fake-{i:04d}"
     events: deque[_EventData] = deque()
     state = {"init": False, "calls": 0}
+    t_start = time.monotonic()
 
     mod.NVMLError = NVMLError
     for k, v in list(globals().items()):
@@ -165,14 +170,17 @@ def make_module(gpus: list[FakeGpu] | None = None, *, init_error: int | None = N
 
     def nvmlDeviceGetFieldValues(h: FakeGpu, ids: list[int]) -> list[_FieldValue]:
         g = _dev(h)
+        now = time.monotonic()
         out = []
         for fid in ids:
             if fid in (198, 197) and "pcie_counters" in g.unsupported:
                 out.append(_FieldValue(fid, NVML_ERROR_NOT_SUPPORTED, 3, _Value()))
             elif fid == 198:
-                out.append(_FieldValue(fid, 0, 3, _Value(ullVal=g.pcie_rx_total)))
+                rx = g.pcie_rx_total + int(g.pcie_rx_rate * (now - t_start))
+                out.append(_FieldValue(fid, 0, 3, _Value(ullVal=rx), int(now * 1e6)))
             elif fid == 197:
-                out.append(_FieldValue(fid, 0, 3, _Value(ullVal=g.pcie_tx_total)))
+                tx = g.pcie_tx_total + int(g.pcie_tx_rate * (now - t_start))
+                out.append(_FieldValue(fid, 0, 3, _Value(ullVal=tx), int(now * 1e6)))
             elif fid == 186 and "power_field" not in g.unsupported:
                 out.append(_FieldValue(fid, 0, 1, _Value(uiVal=g.power_mw)))
             else:

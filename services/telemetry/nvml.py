@@ -139,21 +139,27 @@ class GpuCollector:
                 dev.xid_count += 1
                 dev.last_xid = int(data.eventData)
 
-    def _field_values(self, dev: _Device) -> dict[int, float | None]:
+    def _field_values(self, dev: _Device) -> tuple[dict[int, float | None], float]:
+        """Field values by id, and when the PCIe counters were read (NVML's own timestamp
+        when it gives one, so rates do not absorb scheduling jitter)."""
         lib = self.lib
         out: dict[int, float | None] = {}
+        read_at = 0.0
         if not (dev.pcie_counters or dev.power_field):
-            return out
+            return out, read_at
         values = self._try(
             dev, "field_values", lib.nvmlDeviceGetFieldValues, dev.handle, self._fields
         )
         if values is None:
             dev.pcie_counters = dev.power_field = False
-            return out
+            return out, read_at
+        read_at = self._clock()
         for fv in values:
             if fv.nvmlReturn != lib.NVML_SUCCESS:
                 out[fv.fieldId] = None
                 continue
+            if fv.fieldId == lib.NVML_FI_DEV_PCIE_COUNT_RX_BYTES and getattr(fv, "timestamp", 0):
+                read_at = fv.timestamp / 1e6
             vt, v = fv.valueType, fv.value
             if vt == lib.NVML_VALUE_TYPE_DOUBLE:
                 out[fv.fieldId] = float(v.dVal)
@@ -169,7 +175,7 @@ class GpuCollector:
             dev.pcie_counters = False
         if out.get(lib.NVML_FI_DEV_POWER_INSTANT) is None:
             dev.power_field = False
-        return out
+        return out, read_at
 
     @staticmethod
     def _rate(prev: tuple[float, int] | None, now: float, total: int) -> float | None:
@@ -218,10 +224,9 @@ class GpuCollector:
         out: list[GpuSample] = []
         for dev in self.devices:
             h = dev.handle
-            now = self._clock()
             util = self._try(dev, "utilization", lib.nvmlDeviceGetUtilizationRates, h)
             mem = self._try(dev, "memory", lib.nvmlDeviceGetMemoryInfo, h)
-            fv = self._field_values(dev)
+            fv, now = self._field_values(dev)
             if slow:
                 self._read_slow(dev)
             s = dev.slow
