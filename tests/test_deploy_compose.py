@@ -29,6 +29,7 @@ from tests.test_deploy_helpers import (
     command_env_vars,
     command_of,
     compose_files,
+    compose_projects,
     environment_of,
     health_url,
     import_all_commands,
@@ -36,7 +37,6 @@ from tests.test_deploy_helpers import (
     kvgate_services,
     load_compose,
     read_env_file,
-    referenced_variables,
 )
 
 # What each long-running kvgate service is, independently of compose.yaml: the command, the
@@ -105,10 +105,11 @@ def test_the_schema_check_rejects_a_broken_compose_file(tmp_path: Path) -> None:
 
 
 def test_env_example_documents_every_variable_and_secrets_are_required() -> None:
+    for project in compose_projects():
+        documented = set(read_env_file(project.env_example))
+        used = project.variables()
+        assert used <= documented, f"{project.label}: undocumented {used - documented}"
     example = read_env_file(ENV_EXAMPLE)
-    for path in compose_files():
-        used = referenced_variables(path.read_text())
-        assert used <= set(example), f"{path.name}: not in .env.example: {used - set(example)}"
     # the secrets have no value in .env.example and nowhere else: compose must refuse to start
     for secret in TEST_SECRETS:
         assert example[secret] == "", f"{secret} has a value in .env.example"
@@ -136,8 +137,8 @@ def test_no_secret_is_written_in_the_compose_files() -> None:
 def test_every_command_answers_help_in_the_installed_package() -> None:
     commands = {
         tuple(command_of(svc))
-        for path in compose_files()
-        for svc in kvgate_services(load_compose(path)).values()
+        for project in compose_projects()
+        for svc in kvgate_services(project.load()).values()
     }
     assert {c[0] for c in commands} >= {"migrate", "indexer", "telemetry", "router", "api"}
     assert "sim-worker" in {c[0] for c in commands}
@@ -156,14 +157,15 @@ def test_every_command_answers_help_in_the_installed_package() -> None:
 
 def test_every_kvgate_variable_is_read_by_the_service_command() -> None:
     checked = 0
-    for path in compose_files():
-        for name, svc in kvgate_services(load_compose(path)).items():
+    for project in compose_projects():
+        where = project.label
+        for name, svc in kvgate_services(project.load()).items():
             command = command_of(svc)[0]
             reads = command_env_vars(command)
             for var, value in environment_of(svc).items():
-                assert var.startswith("KVGATE_"), f"{path.name}:{name}: stray variable {var}"
-                assert var in S.ALL_OPTIONS, f"{path.name}:{name}: {var} is no kvgate setting"
-                assert var in reads, f"{path.name}:{name}: `kvgate {command}` ignores {var}"
+                assert var.startswith("KVGATE_"), f"{where}:{name}: stray variable {var}"
+                assert var in S.ALL_OPTIONS, f"{where}:{name}: {var} is no kvgate setting"
+                assert var in reads, f"{where}:{name}: `kvgate {command}` ignores {var}"
                 opt = S.ALL_OPTIONS[var]
                 resolved = S.resolve(None, [opt], environ={var: value})  # SystemExit if invalid
                 assert getattr(resolved, opt.name) is not None

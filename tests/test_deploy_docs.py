@@ -11,13 +11,11 @@ from services.cli import COMMANDS
 from services.common import settings as S
 from tests.test_deploy_compose import SERVICES
 from tests.test_deploy_helpers import (
-    ENV_EXAMPLE,
     ROOT,
-    compose_files,
+    compose_projects,
     environment_of,
     import_all_commands,
     kvgate_services,
-    load_compose,
     read_env_file,
 )
 
@@ -32,18 +30,18 @@ def doc() -> str:
 
 def test_every_kvgate_setting_named_in_the_guide_exists(doc: str) -> None:
     named = set(re.findall(r"\bKVGATE_[A-Z0-9_]*[A-Z0-9]\b", doc))
-    compose_only = set(read_env_file(ENV_EXAMPLE)) - set(S.ALL_OPTIONS)
+    compose_only = {v for p in compose_projects() for v in read_env_file(p.env_example)}
     unknown = sorted(named - set(S.ALL_OPTIONS) - compose_only)
     assert not unknown, f"docs/deploy.md names settings no command reads: {unknown}"
 
 
 def test_everything_compose_sets_or_interpolates_is_documented(doc: str) -> None:
-    for path in compose_files():
-        for name, svc in kvgate_services(load_compose(path)).items():
+    for project in compose_projects():
+        for name, svc in kvgate_services(project.load()).items():
             for var in environment_of(svc):
                 assert f"`{var}" in doc or f" {var}" in doc, f"{name}: {var} undocumented"
-    for var in read_env_file(ENV_EXAMPLE):
-        assert f"`{var}`" in doc, f".env.example's {var} is not in docs/deploy.md"
+        for var in read_env_file(project.env_example):
+            assert f"`{var}`" in doc, f"{project.env_example.name}'s {var} is undocumented"
 
 
 def test_commands_ports_and_files_named_in_the_guide_exist(doc: str) -> None:

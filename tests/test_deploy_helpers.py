@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,16 +115,74 @@ def load_compose(path: Path = COMPOSE, env: dict[str, str] | None = None) -> dic
 
 
 def compose_files() -> list[Path]:
-    """compose.yaml and the override files under deploy/."""
+    """compose.yaml and the other compose files under deploy/."""
     return [COMPOSE, *sorted((ROOT / "deploy").glob("compose.*.yaml"))]
 
 
+_REPLACED_SEQUENCES = {"command", "entrypoint", "test"}
+
+
+def merge(base: Any, over: Any, key: str = "") -> Any:
+    """Compose's override merge: mappings merge key by key; ``command``, ``entrypoint`` and
+    health-check ``test`` are replaced; other sequences (ports, volumes, ...) are unioned;
+    scalars are replaced."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for k, value in over.items():
+            out[k] = merge(base[k], value, k) if k in base else value
+        return out
+    if isinstance(base, list) and isinstance(over, list) and key not in _REPLACED_SEQUENCES:
+        return base + [v for v in over if v not in base]
+    return over
+
+
+@dataclass(frozen=True)
+class Project:
+    """One way the compose files are used: compose.yaml alone, compose.yaml plus an override
+    under deploy/ (a file without a top-level ``name``), or a project of its own under deploy/
+    (with ``name``; its variables documented in deploy/<stem>.env.example)."""
+
+    files: tuple[Path, ...]
+    env_example: Path
+
+    @property
+    def label(self) -> str:
+        return " + ".join(str(f.relative_to(ROOT)) for f in self.files)
+
+    def raw(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {}
+        for f in self.files:
+            doc = merge(doc, yaml.safe_load(f.read_text()))
+        return doc
+
+    def variables(self) -> set[str]:
+        return set().union(*(referenced_variables(f.read_text()) for f in self.files))
+
+    def example_env(self) -> dict[str, str]:
+        return {**read_env_file(self.env_example), **TEST_SECRETS}
+
+    def load(self, env: dict[str, str] | None = None) -> dict[str, Any]:
+        return interpolate_tree(self.raw(), self.example_env() if env is None else env)
+
+
+def compose_projects() -> list[Project]:
+    projects = [Project((COMPOSE,), ENV_EXAMPLE)]
+    for path in compose_files()[1:]:
+        if "name" in yaml.safe_load(path.read_text()):
+            example = path.with_name(path.name.removeprefix("compose.").removesuffix(".yaml"))
+            projects.append(Project((path,), example.with_suffix(".env.example")))
+        else:
+            projects.append(Project((COMPOSE, path), ENV_EXAMPLE))
+    return projects
+
+
 def kvgate_services(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Services that run the kvgate image (everything but NATS, Postgres and the gateway)."""
+    """Services that run the kvgate image (everything but NATS, Postgres, the gateway and
+    engines)."""
     out = {}
     for name, svc in doc.get("services", {}).items():
         image = str(svc.get("image", ""))
-        if "build" in svc or image.startswith("kvgate"):
+        if "build" in svc or image.split(":")[0].endswith("kvgate"):
             out[name] = svc
     return out
 
@@ -214,6 +273,33 @@ def test_read_env_file_parses_values_comments_and_quotes(tmp_path: Path) -> None
     p = tmp_path / ".env"
     p.write_text("# c\nA=1\nB=\nC='x y'\n\n#D=4\n")
     assert read_env_file(p) == {"A": "1", "B": "", "C": "x y"}
+
+
+def test_merge_follows_compose_override_rules() -> None:
+    base = {"services": {"a": {"image": "x", "command": ["r"], "environment": {"A": "1"}}}}
+    base["services"]["a"]["ports"] = ["1:1"]
+    over = {"services": {"a": {"image": "y", "command": ["s"], "environment": {"B": "2"}}}}
+    over["services"]["a"]["ports"] = ["1:1", "2:2"]
+    over["services"]["b"] = {}
+    assert merge(base, over) == {
+        "services": {
+            "a": {
+                "image": "y",
+                "command": ["s"],
+                "environment": {"A": "1", "B": "2"},
+                "ports": ["1:1", "2:2"],
+            },
+            "b": {},
+        }
+    }
+
+
+def test_projects_cover_every_compose_file() -> None:
+    projects = compose_projects()
+    assert projects[0].files == (COMPOSE,)
+    assert {f for p in projects for f in p.files} == set(compose_files())
+    for p in projects:
+        assert p.env_example.exists(), f"{p.label}: missing {p.env_example}"
 
 
 def test_health_url_reads_host_port_and_path() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_deploy_helpers import ROOT, command_of, compose_files, kvgate_services, load_compose
+from tests.test_deploy_helpers import ROOT, command_of, compose_projects, kvgate_services
 
 DOCKERFILE = ROOT / "Dockerfile"
 
@@ -136,8 +136,8 @@ def test_the_image_package_runs_every_compose_command(image_site: Path, tmp_path
     assert probe.stdout.strip().startswith(str(image_site)), probe.stdout + probe.stderr
     commands = {
         tuple(command_of(svc))
-        for path in compose_files()
-        for svc in kvgate_services(load_compose(path)).values()
+        for project in compose_projects()
+        for svc in kvgate_services(project.load()).values()
     }
     procs = {
         cmd: subprocess.Popen(
