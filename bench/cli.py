@@ -70,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra kvgate router argument, repeatable",
     )
     parser.add_argument(
+        "--telemetry-interval",
+        type=float,
+        default=0.1,
+        help="run the telemetry agent at this interval so the router sees engine load "
+        "(0: no agent)",
+    )
+    parser.add_argument(
         "--external",
         default="auto",
         help="external routers to compare: 'auto' (every installed one of "
@@ -180,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
         "router_args": args.router_arg,
         "concurrency": args.concurrency,
         "timeout_s": args.timeout,
+        "telemetry_interval_s": args.telemetry_interval,
         "router_url": args.router_url,
     }
     report = new_report(name, "bench", config, wsum)
@@ -204,6 +212,7 @@ def main(args: argparse.Namespace) -> int:
                 router_args=args.router_arg,
                 nats_url=args.nats_url,
                 ready_timeout=args.ready_timeout,
+                telemetry_interval=args.telemetry_interval,
             )
             stack.start()
             plan: list[tuple[str, str, dict[str, Any]]] = [

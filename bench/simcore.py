@@ -49,6 +49,7 @@ class SimOptions:
     request_timeout_s: float = 600.0  # client timeout (completion later than this = timeout)
     closed_loop_concurrency: int = 0  # > 0: closed loop, ignore arrival times
     max_virtual_s: float = 0.0  # > 0: stop the clock here (unfinished = timeout)
+    speedup: float = 1.0  # like sim-worker --speedup: steps take duration / speedup
     worker_prefix: str = "sim"
 
 
@@ -74,6 +75,8 @@ class _Live:
     last: float | None = None
     enqueued: float = 0.0
     prefill_tokens: int = 0
+    blocks: int = 0  # KV blocks reserved by the router for this request
+    dispatched: float = 0.0
 
 
 def engine_api():
@@ -148,8 +151,23 @@ def simulate(
     snapshot = T.ClusterSnapshot(workers=states, now=0.0)
     index = PrefixIndex()
     busy: dict[str, bool] = dict.fromkeys(names, False)
+    telemetry = opts.telemetry_interval_s > 0
     sampled_at = -1e18
+    sample_free: dict[str, int] = dict.fromkeys(names, cfg.num_gpu_blocks)
+    # blocks of in-flight requests: all of them, and those dispatched since the last sample
+    reserved: dict[str, int] = dict.fromkeys(names, 0)
     reserved_since: dict[str, int] = dict.fromkeys(names, 0)
+
+    def update_free(w: str) -> None:
+        """What the live router estimates (services/router/state.py): telemetry's free blocks
+        minus blocks reserved since that sample; without telemetry, capacity minus reserved."""
+        if telemetry:
+            states[w].kv_blocks_free = max(0, sample_free[w] - reserved_since[w])
+        else:
+            states[w].kv_blocks_free = max(0, cfg.num_gpu_blocks - reserved[w])
+
+    for w in names:
+        update_free(w)
 
     heap: list[tuple[float, int, int, Any]] = []
     seq = 0
@@ -192,7 +210,7 @@ def simulate(
 
     def refresh(t: float) -> None:
         nonlocal sampled_at
-        if t - sampled_at < opts.telemetry_interval_s:
+        if not telemetry or t - sampled_at < opts.telemetry_interval_s:
             return
         sampled_at = t
         for w, e in engines.items():
@@ -200,8 +218,9 @@ def simulate(
             st.running = e.num_running
             st.waiting = e.num_waiting
             st.kv_usage = e.kv_usage
-            st.kv_blocks_free = e.num_free_blocks
+            sample_free[w] = e.num_free_blocks
             reserved_since[w] = 0
+            update_free(w)
 
     def finish(lv: _Live, status: str, t: float, error: str = "") -> None:
         nonlocal done
@@ -227,7 +246,7 @@ def simulate(
             return
         steps += 1
         busy[w] = True
-        push(t + out.duration_s, _STEP, (w, out))
+        push(t + out.duration_s / opts.speedup, _STEP, (w, out))
 
     def try_route(lv: _Live, t: float) -> bool:
         """True when handled (dispatched or failed); False when it must wait."""
@@ -269,9 +288,11 @@ def simulate(
         st.pending_prefill_tokens += uncached
         need = max(0, blocks_needed(req.prompt_tokens, req.max_tokens, bs) - overlaps.get(w, 0))
         lv.prefill_tokens = uncached
-        if st.kv_blocks_free is not None:
-            st.kv_blocks_free -= need
-            reserved_since[w] += need
+        lv.blocks = need
+        lv.dispatched = t
+        reserved[w] += need
+        reserved_since[w] += need
+        update_free(w)
         lv.worker = w
         lv.result.worker = w
         if not busy[w]:
@@ -336,6 +357,10 @@ def simulate(
                 if lv is None:
                     continue
                 st.inflight -= 1
+                reserved[w] -= lv.blocks
+                if lv.dispatched >= sampled_at:
+                    reserved_since[w] -= lv.blocks
+                update_free(w)
                 if lv.first is None:  # finished without a token (e.g. aborted)
                     st.pending_prefill_tokens = max(
                         0, st.pending_prefill_tokens - lv.prefill_tokens

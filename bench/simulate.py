@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="EngineConfig setting, repeatable (e.g. -e num_gpu_blocks=8192 -e block_size=16)",
     )
     parser.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="like sim-worker --speedup: engine steps take duration / speedup (compare with "
+        "kvgate bench runs that use the same --speedup)",
+    )
+    parser.add_argument(
         "--telemetry-interval",
         type=float,
         default=0.1,
@@ -174,7 +181,10 @@ def main(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout,
             closed_loop_concurrency=args.concurrency,
             max_virtual_s=args.max_virtual_s,
+            speedup=args.speedup,
         )
+        if args.speedup <= 0:
+            raise ValueError("--speedup must be > 0")
         make_engine_config(engine)  # validate before forking
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
@@ -192,6 +202,7 @@ def main(args: argparse.Namespace) -> int:
         "workers": args.workers,
         "engine": engine,
         "concurrency": args.concurrency,
+        "speedup": args.speedup,
         "telemetry_interval_s": args.telemetry_interval,
         "queue_timeout_s": args.queue_timeout,
         "jobs": args.jobs,

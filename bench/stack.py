@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +133,7 @@ class BenchStack:
     nats_url: str = ""
     ready_timeout: float = 90.0
     log_level: str = "warning"
+    telemetry_interval: float = 0.1  # <= 0: no telemetry agent (router sees no engine load)
     _nats: EmbeddedNats | None = None
     _procs: list[Proc] = field(default_factory=list)
     _runs: int = 0
@@ -176,10 +178,21 @@ class BenchStack:
         return p
 
     # ------------------------------------------------------------------ one run
-    def start_workers(self, run: str) -> tuple[str, Workers]:
-        """Fresh workers (empty caches) in their own subject namespace."""
+    def start_workers(self, run: str, attempts: int = 2) -> tuple[str, Workers]:
+        """Fresh workers (empty caches) in their own subject namespace (one retry on new ports
+        when they fail to come up)."""
+        for i in range(attempts):
+            try:
+                return self._start_workers(run)
+            except RuntimeError:
+                self.stop_run()
+                if i + 1 == attempts:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_workers(self, run: str) -> tuple[str, Workers]:
         self._runs += 1
-        prefix = f"bench{self._runs}x{int(time.time()) % 100000}"
+        prefix = f"bench{self._runs}x{uuid.uuid4().hex[:8]}"
         env = self._env(prefix)
         base = consecutive_free_ports(self.num_workers)
         argv = self.py + [
@@ -211,17 +224,19 @@ class BenchStack:
         env = self._env(prefix)
         iport, rport = free_port(), free_port()
         pi = self._spawn(run, "indexer", self.py + ["indexer", "--port", str(iport)], env)
-        argv = self.py + ["router", "--port", str(rport), "--policy", policy["name"]]
-        if policy.get("params"):
-            argv += ["--policy-params", json.dumps(policy["params"])]
+        waits = [(f"http://127.0.0.1:{iport}/health", "kv_indexer", pi)]
+        if self.telemetry_interval > 0:
+            tport = free_port()
+            argv = self.py + ["telemetry", "--port", str(tport)]
+            argv += ["--interval", str(self.telemetry_interval)]
+            pt = self._spawn(run, "telemetry", argv, env)
+            waits.append((f"http://127.0.0.1:{tport}/health", "telemetry", pt))
+        pol = json.dumps(policy) if policy.get("params") else policy["name"]
+        argv = self.py + ["router", "--port", str(rport), "--policy", pol]
         pr = self._spawn(run, "router", argv + self.router_args, env)
         base = f"http://127.0.0.1:{rport}"
-        wait_until(
-            "kv_indexer",
-            lambda: http_json(f"http://127.0.0.1:{iport}/health") is not None,
-            self.ready_timeout,
-            [pi],
-        )
+        for url, what, proc in waits:
+            wait_until(what, lambda url=url: http_json(url) is not None, self.ready_timeout, [proc])
 
         def router_ready() -> bool:
             h = http_json(base + "/health")

@@ -106,6 +106,13 @@ def block_text(block_id: int, n: int, seed: int = 0) -> str:
     return random_text(random.Random((seed << 32) ^ (block_id * 0x9E3779B1) ^ 0x5DEECE66D), n)
 
 
+def _length(rng: random.Random, n: int, range_ratio: float) -> int:
+    """``n`` when ``range_ratio`` >= 1, else uniform in [max(1, ratio x n), n]."""
+    if range_ratio >= 1.0 or n <= 1:
+        return n
+    return rng.randint(max(1, int(n * range_ratio)), n)
+
+
 def poisson_arrivals(rng: random.Random, n: int, rate: float, start: float = 0.0) -> list[float]:
     """``n`` arrival times of a Poisson process at ``rate`` per second (rate <= 0: all at start)."""
     if rate <= 0 or math.isinf(rate):
@@ -130,6 +137,7 @@ def shared_system_prompt(
     output_len: int = 64,
     rate: float = 0.0,
     warmup_s: float = 0.5,
+    range_ratio: float = 1.0,
     seed: int = 0,
 ) -> Workload:
     """Seed 000: every request = one shared system prompt + a unique user question.
@@ -137,6 +145,8 @@ def shared_system_prompt(
     The first request arrives alone at t=0 and the rest from ``warmup_s`` on (Poisson at
     ``rate``): the system prompt is already cached on exactly one worker when the traffic
     starts, as in production, which is what makes pure prefix affinity pile onto that worker.
+    ``range_ratio`` < 1 draws question and output lengths uniformly from [ratio x len, len]
+    (SGLang bench's --random-range-ratio).
     """
     params = _params(locals())
     rng = random.Random(seed)
@@ -145,8 +155,8 @@ def shared_system_prompt(
     reqs = [
         BenchRequest(
             request_id=f"ssp-{i}",
-            prompt=system + random_text(rng, question_len),
-            max_tokens=output_len,
+            prompt=system + random_text(rng, _length(rng, question_len, range_ratio)),
+            max_tokens=_length(rng, output_len, range_ratio),
             arrival_s=arrivals[i],
             group=0,
         )
