@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import msgspec
 
 from services.common.bus import Bus
 from services.common.embedded import free_port
-from services.common.keys import block_keys
 from services.common.schemas import (
     AllBlocksCleared,
     BlockRemoved,
@@ -21,83 +18,12 @@ from services.common.schemas import (
     KvEventBatch,
     KvQuery,
     KvQueryReply,
-    WorkerCapacity,
-    WorkerHeartbeat,
     encode,
 )
 from services.common.service import start_http
 from services.common.streams import ensure_kv_events_stream
 from services.common.subjects import Subjects
-from services.kv_indexer.app import IndexerService
-from services.kv_indexer.replica import IndexReplica
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll ``cond`` (state held by another component, no event to await) with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
-        await asyncio.sleep(0.01)
-
-
-def hb(worker: str, inst: str = "i1", kv_seq: int = -1, block_size: int = 16) -> WorkerHeartbeat:
-    return WorkerHeartbeat(
-        worker_id=worker,
-        instance_id=inst,
-        url="http://127.0.0.1:1",
-        model="m",
-        capacity=WorkerCapacity(
-            block_size=block_size, num_gpu_blocks=1000, max_num_seqs=8, max_model_len=4096
-        ),
-        kv_seq=kv_seq,
-    )
-
-
-def batch(worker: str, seq: int, events: list, inst: str = "i1") -> KvEventBatch:
-    return KvEventBatch(worker_id=worker, instance_id=inst, seq=seq, ts=time.time(), events=events)
-
-
-def stored(keys: list[int], parent: int | None = None, tier: str = "gpu") -> BlockStored:
-    return BlockStored(keys=keys, parent_key=parent, block_size=16, tier=tier)
-
-
-def chain(n_blocks: int, salt: int = 0) -> list[int]:
-    return block_keys([salt * 7919 + i for i in range(16 * n_blocks)], 16)
-
-
-@contextlib.asynccontextmanager
-async def connected(nats_url: str, subjects: Subjects, name: str) -> AsyncIterator[Bus]:
-    b = Bus(nats_url, name, subjects)
-    await b.connect(max_wait_s=10)
-    try:
-        yield b
-    finally:
-        await b.close()
-
-
-@contextlib.asynccontextmanager
-async def indexer(nats_url: str, subjects: Subjects, **kw) -> AsyncIterator[IndexerService]:
-    async with connected(nats_url, subjects, "indexer") as b:
-        kw.setdefault("tick_s", 0.02)
-        svc = IndexerService(b, **kw)
-        await svc.start()
-        await asyncio.wait_for(svc.consuming.wait(), 10)
-        try:
-            yield svc
-        finally:
-            await svc.stop()
-
-
-@contextlib.asynccontextmanager
-async def replica(nats_url: str, subjects: Subjects, **kw) -> AsyncIterator[IndexReplica]:
-    async with connected(nats_url, subjects, "router") as b:
-        r = IndexReplica(b, **kw)
-        await r.start()
-        try:
-            yield r
-        finally:
-            await r.stop()
+from tests.test_kv_support import batch, chain, hb, indexer, replica, stored, wait_until
 
 
 async def test_events_reach_index_and_replicas(bus: Bus, nats_url: str, subjects: Subjects) -> None:
@@ -119,7 +45,8 @@ async def test_events_reach_index_and_replicas(bus: Bus, nats_url: str, subjects
                 subjects.kv_events("w2"),
                 batch("w2", 1, [BlockRemoved(keys=b[3:]), stored(a[:2], tier="cpu")]),
             )
-            await wait_until(lambda: rep.delta_seq == svc.delta_seq and len(rep.index) == 13)
+            await wait_until(lambda: svc.core.workers["w2"].last_seq == 1)
+            await wait_until(lambda: rep.delta_seq == svc.delta_seq)
             for q in (a, b):
                 assert rep.index.find_matches(q) == svc.core.index.find_matches(q)
             assert rep.index.find_matches(a) == {"w1": 8, "w2": 2}
@@ -264,6 +191,7 @@ async def test_bad_input_is_counted_and_never_breaks_the_index(
         await bus.publish_raw(subjects.heartbeat("w1"), b"not a heartbeat")
         await bus.js_publish(subjects.kv_events("w1"), batch("w1", 3, [stored(a[3:], a[2])]))
         await wait_until(lambda: svc.core.workers["w1"].last_seq == 3, what="good batches")
+        await wait_until(lambda: svc.core.counts["bad:invalid_heartbeat"] == 1)
         c = svc.core.counts
         assert c["bad:malformed_msgpack"] == 1
         assert c["bad:wrong_hash_type"] == 2

@@ -1,15 +1,151 @@
-"""``kvgate bridge``: KV event bridges for real engines (lands with its issue)."""
+"""``kvgate bridge vllm|sglang|trtllm``: run next to an engine, publish its KV events as
+canonical kvgate events on NATS and heartbeat on its behalf.
+
+Examples::
+
+    # vLLM started with --kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq",
+    #   "endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv@pod-a@llama"}'
+    kvgate bridge vllm --worker-id pod-a --endpoint tcp://127.0.0.1:5557 \\
+        --replay-endpoint tcp://127.0.0.1:5558 --engine-url http://127.0.0.1:8000 --model llama
+    kvgate bridge sglang --worker-id pod-b --endpoint tcp://127.0.0.1:5557 ...
+    kvgate bridge trtllm --worker-id pod-c --engine-url http://127.0.0.1:8000 --model llama
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
+import asyncio
+
+from services.common import settings as S
+from services.common.service import run_service
+
+ENGINES = ("vllm", "sglang", "trtllm")
+
+OPTIONS = S.COMMON + (
+    S.HASH_SEED,
+    S.option(
+        "worker_id",
+        "",
+        "worker id to publish as (default: the pod of the topic, or the engine)",
+        env="KVGATE_BRIDGE_WORKER_ID",
+    ),
+    S.option(
+        "endpoint",
+        "tcp://127.0.0.1:5557",
+        "engine's ZMQ PUB endpoint (vllm, sglang)",
+        env="KVGATE_BRIDGE_ENDPOINT",
+    ),
+    S.option(
+        "replay_endpoint",
+        "",
+        "engine's ZMQ ROUTER replay endpoint ('' = none)",
+        env="KVGATE_BRIDGE_REPLAY_ENDPOINT",
+    ),
+    S.option(
+        "topic",
+        "",
+        "ZMQ topic prefix to subscribe to, e.g. kv@pod-a@llama ('' = all)",
+        env="KVGATE_BRIDGE_TOPIC",
+    ),
+    S.option(
+        "engine_url",
+        "",
+        "engine's HTTP base URL (health, /metrics capacity; trtllm: /kv_cache_events)",
+        env="KVGATE_BRIDGE_ENGINE_URL",
+    ),
+    S.option("model", "", "model name the engine serves", env="KVGATE_BRIDGE_MODEL"),
+    S.option(
+        "block_size", 0, "expected block size (0 = the engine's)", env="KVGATE_BRIDGE_BLOCK_SIZE"
+    ),
+    S.option(
+        "num_gpu_blocks",
+        4096,
+        "capacity if the engine does not report it",
+        env="KVGATE_BRIDGE_NUM_GPU_BLOCKS",
+    ),
+    S.option(
+        "max_num_seqs",
+        256,
+        "max batch size if the engine does not report it",
+        env="KVGATE_BRIDGE_MAX_NUM_SEQS",
+    ),
+    S.option(
+        "max_model_len",
+        8192,
+        "max model length if the engine does not report it",
+        env="KVGATE_BRIDGE_MAX_MODEL_LEN",
+    ),
+    S.option(
+        "heartbeat_interval",
+        1.0,
+        "seconds between heartbeats",
+        env="KVGATE_BRIDGE_HEARTBEAT_INTERVAL",
+    ),
+    S.option(
+        "poll_interval",
+        0.05,
+        "trtllm: seconds between /kv_cache_events polls",
+        env="KVGATE_BRIDGE_POLL_INTERVAL",
+    ),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs="*", help="arguments (not implemented yet)")
+    parser.add_argument("engine", choices=ENGINES, help="engine kind next to which this runs")
+    S.add_options(parser, OPTIONS)
+
+
+def default_worker_id(engine: str, topic: str) -> str:
+    """``kv@<pod>@<model>`` -> ``<pod>`` (made a valid subject token)."""
+    import re
+
+    parts = topic.split("@")
+    base = parts[1] if len(parts) >= 2 and parts[1] else engine
+    return re.sub(r"[^A-Za-z0-9_\-]", "-", base)
+
+
+async def serve(st, stop: asyncio.Event) -> None:
+    from services.common.bus import Bus
+    from services.common.subjects import Subjects
+    from services.kv_indexer.bridges.runtime import BridgeRuntime, CapacityDefaults
+
+    bus = Bus(st.nats_url, f"bridge-{st.engine}", Subjects(st.subject_prefix))
+    await bus.connect()
+    worker = st.worker_id or default_worker_id(st.engine, st.topic)
+    rt = BridgeRuntime(
+        bus,
+        worker,
+        engine=st.engine,
+        model=st.model,
+        engine_url=st.engine_url,
+        hash_seed=st.hash_seed,
+        block_size=st.block_size or None,
+        capacity=CapacityDefaults(
+            block_size=st.block_size or 16,
+            num_gpu_blocks=st.num_gpu_blocks,
+            max_num_seqs=st.max_num_seqs,
+            max_model_len=st.max_model_len,
+        ),
+        heartbeat_s=st.heartbeat_interval,
+    )
+    await rt.start()
+    try:
+        if st.engine == "trtllm":
+            from services.kv_indexer.bridges.trtllm import TrtllmBridge
+
+            if not st.engine_url:
+                raise SystemExit("kvgate bridge trtllm needs --engine-url")
+            await TrtllmBridge(rt, st.engine_url, st.poll_interval).run(stop)
+        else:
+            from services.kv_indexer.bridges.zmq_bridge import ZmqBridge
+
+            await ZmqBridge(rt, st.endpoint, st.replay_endpoint or None, st.topic).run(stop)
+    finally:
+        await rt.stop()
+        await bus.close()
 
 
 def main(args: argparse.Namespace) -> int:
-    print("kvgate bridge: not implemented yet", file=sys.stderr)
-    return 2
+    st = S.resolve(args, OPTIONS)
+    st.engine = args.engine
+    return run_service(f"bridge-{args.engine}", serve, st)
