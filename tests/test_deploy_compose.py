@@ -123,8 +123,9 @@ def test_no_secret_is_written_in_the_compose_files() -> None:
         for name, svc in raw.get("services", {}).items():
             for key, value in environment_of(svc).items():
                 if re.search(r"PASSWORD|TOKEN|SECRET", key):
-                    assert re.fullmatch(r"\$\{[A-Z0-9_]+:\?[^}]+\}", value), (
-                        f"{path.name}:{name}: {key} must come from a required variable"
+                    # ${X:?why} (required) or ${X} / ${X:-} (optional): never a literal
+                    assert re.fullmatch(r"\$\{[A-Z0-9_]+(:\?[^}]+|:-)?\}", value), (
+                        f"{path.name}:{name}: {key} must come from a variable, no default"
                     )
                 if "://" in value and "@" in value:  # credentials inside a URL
                     userinfo = value.split("://", 1)[1].split("@", 1)[0]

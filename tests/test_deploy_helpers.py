@@ -27,6 +27,13 @@ TEST_SECRETS = {
     "POSTGRES_PASSWORD": "pw0123456789abcdef",
     "KVGATE_API_ADMIN_TOKEN": "tok-" + "a" * 32,
 }
+# Site-specific values the env examples leave empty (deploy/gpu-node.env.example).
+TEST_SITE = {
+    "KVGATE_NATS_URL": "nats://10.0.0.5:4222",
+    "NODE_NAME": "gpu-node-1",
+    "NODE_ADDRESS": "10.0.0.7",
+    "MODEL": "meta-llama/Llama-3.1-8B-Instruct",
+}
 
 
 class InterpolationError(ValueError):
@@ -110,7 +117,7 @@ def load_compose(path: Path = COMPOSE, env: dict[str, str] | None = None) -> dic
     """The compose file as Compose sees it, interpolated with ``.env.example`` + test secrets
     (or ``env``)."""
     if env is None:
-        env = {**read_env_file(ENV_EXAMPLE), **TEST_SECRETS}
+        env = Project((COMPOSE,), ENV_EXAMPLE).example_env()
     return interpolate_tree(yaml.safe_load(path.read_text()), env)
 
 
@@ -159,7 +166,10 @@ class Project:
         return set().union(*(referenced_variables(f.read_text()) for f in self.files))
 
     def example_env(self) -> dict[str, str]:
-        return {**read_env_file(self.env_example), **TEST_SECRETS}
+        """The env example, its empty required values filled with test values."""
+        env = read_env_file(self.env_example)
+        fill = {**TEST_SECRETS, **TEST_SITE}
+        return {**env, **{k: v for k, v in fill.items() if k in env and not env[k]}}
 
     def load(self, env: dict[str, str] | None = None) -> dict[str, Any]:
         return interpolate_tree(self.raw(), self.example_env() if env is None else env)
