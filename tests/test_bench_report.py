@@ -141,3 +141,27 @@ def test_write_report_files(tmp_path):
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["label"] for r in data["runs"]] == ["round_robin", "kv_aware"]
     assert "comparisons" in data
+
+
+def test_compare_reports_agreement():
+    from bench.compare import compare
+    from bench.compare import markdown as cmp_md
+
+    def rep(name, rows):
+        return {
+            "name": name,
+            "runs": [
+                {"label": lbl, "summary": {"hit_rate": h, "ttft_s": {"p50": p50, "p99": p99}}}
+                for lbl, h, p50, p99 in rows
+            ],
+        }
+
+    a = rep("bench", [("rr", 0.50, 0.10, 0.9), ("kv", 0.80, 0.05, 0.3), ("px", 0.805, 0.2, 2.0)])
+    b = rep("sim", [("rr", 0.52, 0.11, 1.0), ("kv", 0.78, 0.06, 0.2), ("px", 0.83, 0.07, 1.5)])
+    c = compare(a, b)
+    assert c["max_hit_rate_diff"] == pytest.approx(0.025)
+    # hit rate: rr<kv and rr<px agree; kv/px is within the 1-point tie band in a -> not counted
+    assert c["rankings"]["hit_rate"] == {"agree": 2, "disagree": 0, "disagreeing_pairs": []}
+    # p50: px is slowest in a but faster than rr in b -> one disagreement
+    assert c["rankings"]["ttft_p50"]["disagreeing_pairs"] == [("px", "rr")]
+    assert "Largest hit-rate difference: 2.5 points." in cmp_md(c)
