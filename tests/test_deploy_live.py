@@ -145,8 +145,32 @@ def _service_env(svc: dict, overrides: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def _grace_s(svc: dict) -> float:
+    """A service's stop_grace_period in seconds (compose's default is 10 s)."""
+    m = re.fullmatch(r"(\d+)s", str(svc.get("stop_grace_period", "10s")))
+    assert m, svc.get("stop_grace_period")
+    return float(m.group(1))
+
+
 def _logs(running: list[Running]) -> str:
-    return "\n".join(f"--- {r.name}\n{r.log.read_text()[-3000:]}" for r in running)
+    """Each service's log, repeated lines (a retry loop) collapsed, the last 40 lines."""
+    out = []
+    for r in running:
+        lines: list[str] = []
+        repeats = 0
+        for line in r.log.read_text(errors="replace").splitlines():
+            msg = line[28:]  # without the timestamp
+            if lines and lines[-1][28:] == msg:
+                repeats += 1
+                continue
+            if repeats:
+                lines.append(f"    (repeated {repeats} more times)")
+                repeats = 0
+            lines.append(line)
+        if repeats:
+            lines.append(f"    (repeated {repeats} more times)")
+        out.append(f"--- {r.name}:{r.port}\n" + "\n".join(lines[-40:]))
+    return "\n".join(out)
 
 
 @pytest.mark.slow
@@ -243,10 +267,16 @@ def test_compose_services_come_up_route_and_stop_cleanly(
             if r.proc.poll() is None:
                 r.proc.send_signal(signal.SIGTERM)
         codes = {}
+        stop_deadline = time.monotonic() + _grace_s(services["router"])
         for r in running:
             try:
-                codes[f"{r.name}:{r.port}"] = r.proc.wait(20)
+                codes[f"{r.name}:{r.port}"] = r.proc.wait(
+                    max(0.1, stop_deadline - time.monotonic())
+                )
             except subprocess.TimeoutExpired:
                 r.proc.kill()
                 codes[f"{r.name}:{r.port}"] = "killed"
-    assert all(c == 0 for c in codes.values()), f"{codes}\n{_logs(running)}"
+    assert all(c == 0 for c in codes.values()), (
+        f"exit codes after SIGTERM ('killed': still running after the "
+        f"{_grace_s(services['router']):.0f} s stop_grace_period): {codes}\n{_logs(running)}"
+    )
