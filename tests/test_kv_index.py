@@ -121,6 +121,50 @@ def test_match_prompt_equals_find_matches_of_keys() -> None:
     assert idx.match_prompt(toks[:15], 16, seed) == {}
 
 
+def test_keys_follow_the_documented_definition() -> None:
+    """xxh3-64 of each block's little-endian uint32 token ids, seeded with the previous key."""
+    import struct
+    from array import array
+
+    import xxhash
+
+    rng = random.Random(3)
+    toks = [rng.randrange(2**32) for _ in range(16 * 9 + 3)]
+    seed = block_seed(11, salt="s")
+    h, expect = seed, []
+    for i in range(9):
+        h = xxhash.xxh3_64_intdigest(struct.pack("<16I", *toks[16 * i : 16 * i + 16]), seed=h)
+        expect.append(h)
+    assert block_keys(toks, 16, seed) == expect
+    assert block_keys(array("I", toks), 16, seed) == expect
+    assert block_keys(array("I", toks).tobytes(), 16, seed) == expect
+    assert block_keys(toks, 16, seed, max_blocks=4) == expect[:4]
+    idx = PrefixIndex()
+    idx.apply_stored("a", expect[:5])
+    assert idx.match_prompt(array("I", toks), 16, seed) == {"a": 5}
+    assert idx.match_prompt(array("I", toks).tobytes(), 16, seed) == {"a": 5}
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_match_prompt_property_with_holes(seed: int) -> None:
+    rng = random.Random(seed)
+    base = [rng.randrange(60_000) for _ in range(16 * 80)]
+    keys = block_keys(base, 16)
+    idx, ref = PrefixIndex(), Model()
+    for w in [f"w{i}" for i in range(10)]:
+        n = rng.randrange(len(keys) + 1)
+        idx.apply_stored(w, keys[:n])
+        ref.stored(w, keys[:n], "gpu")
+        if n > 3 and rng.random() < 0.5:  # a hole in the middle of the run
+            hole = [keys[rng.randrange(n)]]
+            idx.apply_removed(w, hole)
+            ref.removed(w, hole, None)
+    for _ in range(30):
+        cut = rng.randrange(len(base) + 1)
+        toks = base[:cut] + [rng.randrange(60_000) for _ in range(rng.randrange(40))]
+        assert idx.match_prompt(toks, 16) == ref.matches(block_keys(toks, 16))
+
+
 def test_tiers_by_block() -> None:
     keys = block_keys(list(range(64)), 16)
     idx = PrefixIndex()

@@ -138,6 +138,7 @@ class IndexerService:
         self._subs: list[Any] = []
         self._counted: dict[str, int] = {}
         self.consuming = asyncio.Event()
+        self._psub: Any = None
 
     # ------------------------------------------------------------------ bad input
     def _on_bad(self, reason: str, worker: str | None, detail: str) -> None:
@@ -179,6 +180,10 @@ class IndexerService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        if self._psub is not None:
+            with contextlib.suppress(Exception):
+                await self._psub.unsubscribe()
+            self._psub = None
 
     # ------------------------------------------------------------------ output
     def _flush(self) -> None:
@@ -249,6 +254,7 @@ class IndexerService:
             except Exception as exc:
                 log.warning("consumer setup failed, retrying", error=repr(exc))
                 await asyncio.sleep(0.5)
+        self._psub = psub
         self.consuming.set()
         while True:
             try:

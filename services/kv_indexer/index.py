@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from services.common.keys import tokens_to_bytes
+from services.common.keys import block_chunks
 
 _xxh3 = xxhash.xxh3_64_intdigest  # the primitive of services.common.keys, bound for the hot loop
 
@@ -52,6 +52,7 @@ TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 TIER_BIT: dict[str, int] = {"gpu": 1, "cpu": 2, "disk": 4}
 _M64 = (1 << 64) - 1
 SYNC_SCRUB_KEYS = 50_000  # clear_worker scrubs at once below this many keys
+LAZY_HEAD_BLOCKS = 16  # match_prompt converts tokens in stretches of 16, 32, 64, ... blocks
 AUTO_SCRUB_KEYS = 2_048  # keys scrubbed per apply_stored while a cleared slot is pending
 
 
@@ -61,6 +62,24 @@ def _bits(mask: int) -> Iterable[int]:
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
+
+
+_STRETCHES: dict[int, tuple[tuple[int, int], ...]] = {}
+
+
+def _stretches(n: int) -> tuple[tuple[int, int], ...]:
+    """(lo, hi) block ranges 0..n growing by doubling from LAZY_HEAD_BLOCKS."""
+    out = _STRETCHES.get(n)
+    if out is None:
+        bounds, lo, size = [], 0, LAZY_HEAD_BLOCKS
+        while lo < n:
+            bounds.append((lo, min(n, lo + size)))
+            lo += size
+            size *= 2
+        out = tuple(bounds)
+        if len(_STRETCHES) < 65_536:
+            _STRETCHES[n] = out
+    return out
 
 
 @dataclass
@@ -404,34 +423,40 @@ class PrefixIndex:
     ) -> dict[str, int]:
         """``find_matches(block_keys(token_ids, block_size, seed))``, hashing lazily: stops at
         the first block no worker holds (so a miss costs one hash, not the whole prompt)."""
-        n = len(token_ids) // block_size
         active = self._live
-        if n <= 0 or not active:
+        if not active or block_size <= 0:
             return {}
-        data = memoryview(tokens_to_bytes(token_ids))
-        step = block_size * 4
+        n_tokens = len(token_ids)
+        if isinstance(token_ids, (bytes, memoryview)):
+            n_tokens //= 4
+        n = n_tokens // block_size
+        if n <= 0:
+            return {}
         get = self._masks.get
         names = self._names
         result: dict[str, int] = {}
         h = seed
-        off = 0
         depth = 0
-        end = n * step
-        while off < end:
-            h = _xxh3(data[off : off + step], h)
-            off += step
-            m = get(h, 0) & active
-            if m != active:
-                if depth:
-                    gone = active ^ m
-                    while gone:
-                        low = gone & -gone
-                        result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
-                        gone ^= low
-                active = m
-                if not m:
-                    return result
-            depth += 1
+        xxh3 = _xxh3
+        # convert tokens in doubling stretches: a prompt that misses early pays only for
+        # converting about twice what it hashed
+        bounds = _stretches(n) if isinstance(token_ids, list) else ((0, n),)
+        for lo, hi in bounds:
+            part = token_ids if hi - lo == n else token_ids[lo * block_size : hi * block_size]
+            for chunk in block_chunks(part, block_size, hi - lo):
+                h = xxh3(chunk, h)
+                m = get(h, 0) & active
+                if m != active:
+                    if depth:
+                        gone = active ^ m
+                        while gone:
+                            low = gone & -gone
+                            result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
+                            gone ^= low
+                    active = m
+                    if not m:
+                        return result
+                depth += 1
         while active:
             low = active & -active
             result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
