@@ -18,13 +18,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-import nats.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter
 from sqlalchemy import and_, or_, select
 from sqlalchemy.exc import IntegrityError
@@ -32,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.db import Database, is_unavailable
 from services.api.models import AlertRow, Silence
+from services.api.pull import PullLoop
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import Alert, SchemaError, decode
@@ -180,58 +178,35 @@ class AlertManager:
         self.db = db
         self.bus = bus
         self.retry_s = retry_s
-        self._task: asyncio.Task[None] | None = None
         self._log = RateLimiter(30.0)
         self.handled = asyncio.Event()  # set after each handled signal (tests await it)
 
     async def start(self) -> None:
         await ensure_alert_streams(self.bus)
         s = self.bus.subjects
-        durable = s.durable("api_alert_manager")
-        config = ConsumerConfig(
-            durable_name=durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=30,
-            max_ack_pending=1024,
+        self._loop = PullLoop(
+            self.bus,
+            s.alert_signals_stream,
+            s.alert_signals_all,
+            s.durable("api_alert_manager"),
+            self._handle,
+            batch=64,
+            retry_s=self.retry_s,
         )
-        self._psub = await self.bus.js.pull_subscribe(
-            s.alert_signals_all, durable=durable, stream=s.alert_signals_stream, config=config
-        )
-        self._task = asyncio.create_task(self._loop(), name="alert-manager")
+        await self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._loop.stop()
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                msgs = await self._psub.fetch(64, timeout=1.0)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if self._log.allow("fetch"):
-                    log.warning("alert signal fetch failed", error=repr(exc))
-                await asyncio.sleep(0.5)
-                continue
-            for raw in msgs:
-                await self._handle(raw)
-
-    async def _handle(self, raw) -> None:
+    async def _handle(self, raw) -> bool:
+        """True: ack (done, or can never succeed); False: nak (Postgres down, retry later)."""
         try:
             sig = decode(Alert, raw.data)
         except SchemaError as exc:
             SIGNALS.labels("invalid").inc()
             if self._log.allow(("invalid", raw.subject)):
                 log.warning("invalid alert signal dropped", subject=raw.subject, error=str(exc))
-            with contextlib.suppress(Exception):
-                await raw.term()
-            return
+            return True
         try:
             await self.handle_signal(sig)
         except Exception as exc:
@@ -241,14 +216,11 @@ class AlertManager:
                     log.warning(
                         "database down; alert signal will be redelivered", error=repr(exc)[:200]
                     )
-                with contextlib.suppress(Exception):
-                    await raw.nak(delay=self.retry_s)
-                return
+                return False
             SIGNALS.labels("error").inc()
             log.exception("alert signal failed", fingerprint=sig.fingerprint)
-        with contextlib.suppress(Exception):
-            await raw.ack()
         self.handled.set()
+        return True
 
     async def handle_signal(self, sig: Alert) -> AlertRow | None:
         for attempt in range(3):

@@ -27,9 +27,10 @@ from services.api.canary.stats import ArmStats
 from services.api.db import Database
 from services.api.models import Canary, CanaryDecision
 from services.api.publisher import PolicyPublisher
+from services.api.pull import PullLoop
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
-from services.common.schemas import RouterOutcome
+from services.common.schemas import RouterOutcome, SchemaError, decode
 from services.common.streams import ensure_outcomes_stream
 
 log = get_logger("api.canary")
@@ -63,16 +64,19 @@ class OutcomeCollector:
 
     async def start(self) -> None:
         await ensure_outcomes_stream(self.bus)
-        await self.bus.consume(
-            self.bus.subjects.outcomes_stream,
-            self.bus.subjects.router_outcomes,
-            self.bus.subjects.durable("api_canary_outcomes"),
-            RouterOutcome,
-            self._on_outcome,
+        s = self.bus.subjects
+        self._pull = PullLoop(
+            self.bus,
+            s.outcomes_stream,
+            s.router_outcomes,
+            s.durable("api_canary_outcomes"),
+            self._on_raw,
         )
+        await self._pull.start()
         self._task = asyncio.create_task(self._loop(), name="canary-flush")
 
     async def stop(self) -> None:
+        await self._pull.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -80,7 +84,18 @@ class OutcomeCollector:
         with contextlib.suppress(Exception):
             await self.flush()
 
-    async def _on_outcome(self, o: RouterOutcome, _raw) -> None:
+    async def _on_raw(self, raw) -> bool:
+        try:
+            outcome = decode(RouterOutcome, raw.data)
+        except SchemaError as exc:
+            OUTCOMES.labels("invalid").inc()
+            if self._log.allow("invalid"):
+                log.warning("invalid router outcome dropped", error=str(exc))
+            return True
+        await self._on_outcome(outcome)
+        return True
+
+    async def _on_outcome(self, o: RouterOutcome) -> None:
         if not o.canary_id:
             OUTCOMES.labels("no_canary").inc()
             return
