@@ -167,8 +167,7 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     await stop.wait()
     for t in [beats, connect, *crash_tasks]:
         t.cancel()
-    for w in workers:
-        await w.close()
+    await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
     await bus.close()
 
 
