@@ -57,63 +57,39 @@ async def _client(url: str, stop_at: float, max_tokens: int, itls: list[float], 
             seq[1] += n - 1
 
 
-async def _run(a: argparse.Namespace) -> dict:
+def _start_child(a: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     port = free_port()
     while any(_busy(port + i) for i in range(a.count)):
         port = free_port()
     env = {**os.environ, "KVGATE_NATS_URL": a.nats_url, "KVGATE_SUBJECT_PREFIX": "loadcheck"}
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "sim-worker",
-            "--count",
-            str(a.count),
-            "--port",
-            str(port),
-            "--speedup",
-            str(a.speedup),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
+    cmd = [sys.executable, "-m", "services.cli", "sim-worker", "--count", str(a.count)]
+    cmd += ["--port", str(port), "--speedup", str(a.speedup), "--log-level", "warning"]
+    return subprocess.Popen(cmd, env=env), port
+
+
+async def _run(a: argparse.Namespace, child: subprocess.Popen, port: int) -> dict:
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(a.count)]
+    deadline = time.monotonic() + 30
+    async with aiohttp.ClientSession() as s:
+        for u in urls:
+            while True:
+                try:
+                    async with s.get(u + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit("workers did not start")
+                await asyncio.sleep(0.1)
+    cpu0, t0 = _cpu_seconds(child.pid), time.monotonic()
+    itls: list[float] = []
+    seq = [0, 0]
+    stop_at = t0 + a.duration
+    await asyncio.gather(
+        *(_client(u, stop_at, a.max_tokens, itls, seq) for u in urls for _ in range(a.concurrency))
     )
-    try:
-        urls = [f"http://127.0.0.1:{port + i}" for i in range(a.count)]
-        deadline = time.monotonic() + 30
-        async with aiohttp.ClientSession() as s:
-            for u in urls:
-                while True:
-                    try:
-                        async with s.get(u + "/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise SystemExit("workers did not start")
-                    await asyncio.sleep(0.1)
-        cpu0, t0 = _cpu_seconds(child.pid), time.monotonic()
-        itls: list[float] = []
-        seq = [0, 0]
-        stop_at = t0 + a.duration
-        await asyncio.gather(
-            *(
-                _client(u, stop_at, a.max_tokens, itls, seq)
-                for u in urls
-                for _ in range(a.concurrency)
-            )
-        )
-        cpu1, t1 = _cpu_seconds(child.pid), time.monotonic()
-    finally:
-        ts = time.monotonic()
-        child.terminate()
-        try:
-            child.wait(60)
-        except subprocess.TimeoutExpired:
-            child.kill()
-        shutdown_s = time.monotonic() - ts
+    cpu1, t1 = _cpu_seconds(child.pid), time.monotonic()
     c = EngineConfig()
     ctx = 30 * 24 + a.max_tokens // 2  # typical context during decode
     model_itl = (
@@ -132,7 +108,6 @@ async def _run(a: argparse.Namespace) -> dict:
         "itl_median_ms": round(1000 * med, 2),
         "itl_model_ms": round(1000 * model_itl, 2),
         "itl_ratio": round(med / model_itl, 2) if itls else None,
-        "shutdown_s": round(shutdown_s, 2),
     }
 
 
@@ -157,7 +132,18 @@ def main() -> None:
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     a = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the child is stopped too
-    print(json.dumps(asyncio.run(_run(a)), indent=2))
+    child, port = _start_child(a)
+    try:
+        result = asyncio.run(_run(a, child, port))
+    finally:
+        ts = time.monotonic()
+        child.terminate()
+        try:
+            child.wait(60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    result["shutdown_s"] = round(time.monotonic() - ts, 2)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
