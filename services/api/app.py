@@ -111,10 +111,8 @@ class ApiService:
             self._resync.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._resync
-        for part in (self.evaluator, self.controls, self.alerts, self.collector):
-            if part is not None:
-                with contextlib.suppress(Exception):
-                    await part.stop()
+        parts = [p for p in (self.evaluator, self.controls, self.alerts, self.collector) if p]
+        await asyncio.gather(*(p.stop() for p in parts), return_exceptions=True)
         if self.ctx is not None:
             await self.ctx.bus.close()
             await self.ctx.db.close()
