@@ -136,6 +136,7 @@ class IndexerCore:
         self.workers: dict[str, WorkerState] = {}
         self.ops: list[IndexOp] = []
         self.counts: collections.Counter[str] = collections.Counter()
+        self.now = 0.0  # latest clock reading seen (heartbeat / tick)
 
     # ------------------------------------------------------------------ helpers
     def bad(self, reason: str, worker: str | None, detail: str) -> None:
@@ -175,6 +176,7 @@ class IndexerCore:
     # ------------------------------------------------------------------ heartbeats
     def heartbeat(self, hb: WorkerHeartbeat, now: float) -> list[str]:
         """Register / refresh a worker. Returns workers to resynchronise (none here)."""
+        self.now = max(self.now, now)
         ws = self.workers.get(hb.worker_id)
         if ws is None:
             ws = self.workers[hb.worker_id] = WorkerState(hb.worker_id, hb.instance_id)
@@ -192,6 +194,7 @@ class IndexerCore:
 
     def tick(self, now: float) -> list[str]:
         """Expire silent workers, spot tail gaps, retry failed resyncs."""
+        self.now = max(self.now, now)
         out: list[str] = []
         for ws in list(self.workers.values()):
             if now - ws.last_hb > self.heartbeat_timeout_s:
@@ -313,7 +316,7 @@ class IndexerCore:
                 self._apply(ws, b)
                 ws.last_seq = b.seq
         ws.pending.clear()
-        ws.retry_at = (now or 0.0) + ws.retry_backoff_s
+        ws.retry_at = (self.now if now is None else now) + ws.retry_backoff_s
         ws.retry_backoff_s = min(ws.retry_backoff_s * 2, 30.0)
         return []
 
