@@ -38,21 +38,21 @@ async def test_openai_client_chat_and_completions(cluster) -> None:
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
     try:
         chat = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hello there"}], max_tokens=4
+            model="m", messages=[{"role": "user", "content": "hello there"}], max_tokens=12
         )
         assert chat.choices[0].message.content == "ab " * 4
-        comp = await client.completions.create(model="m", prompt="once upon a time", max_tokens=3)
+        comp = await client.completions.create(model="m", prompt="once upon a time", max_tokens=9)
         assert comp.choices[0].text == "ab " * 3
         stream = await client.chat.completions.create(
             model="m",
             messages=[{"role": "user", "content": "stream please"}],
-            max_tokens=4,
+            max_tokens=12,
             stream=True,
         )
         parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         assert "".join(parts) == "ab " * 4
         cstream = await client.completions.create(
-            model="m", prompt="abc", max_tokens=2, stream=True
+            model="m", prompt="abc", max_tokens=6, stream=True
         )
         assert "".join([c.choices[0].text async for c in cstream if c.choices]) == "ab " * 2
         raw = await client.chat.completions.with_raw_response.create(
@@ -162,7 +162,7 @@ async def test_outcomes_and_metrics(cluster, bus: Bus) -> None:
             {
                 "model": "m",
                 "messages": [{"role": "user", "content": "q"}],
-                "max_tokens": 3,
+                "max_tokens": 9,
                 "stream": True,
             },
             headers={"x-request-id": "req-123"},

@@ -68,6 +68,7 @@ class FakeWorker:
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     started: asyncio.Event = field(default_factory=asyncio.Event)  # a request arrived
     _runner: web.AppRunner | None = None
+    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _bus: Bus | None = None
     _seq: int = 0
 
@@ -97,6 +98,9 @@ class FakeWorker:
         return self
 
     async def stop(self) -> None:
+        self._stopping.set()
+        if self.hold is not None:
+            self.hold.set()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -133,15 +137,20 @@ class FakeWorker:
             return web.json_response({"error": "overloaded"}, status=503)
         if self.mode == "500":
             return web.json_response({"error": "boom"}, status=500)
+        if self.mode == "400":
+            return web.json_response({"error": {"message": "bad prompt"}}, status=400)
         if self.mode == "hang":
-            await asyncio.Event().wait()
+            await self._stopping.wait()
+            return web.json_response({"error": "stopped"}, status=503)
         if self.hold is not None:
             await self.hold.wait()
         prompt = prompt_from_request(ByteTokenizer(), body)
         prompt_tokens = len(ByteTokenizer().encode(prompt))
         held = block_keys(ByteTokenizer().encode(prompt), BS)
         cached = sum(1 for k in held if k in self.held_keys) * BS
-        n = min(self.chunks, int(body.get("max_tokens") or self.chunks))
+        # byte-level: a chunk of k characters is k tokens; never more than max_tokens
+        per = len(self.chunk_text)
+        n = min(self.chunks, max(1, int(body.get("max_tokens") or 10**6) // per))
         text_chunks = [self.chunk_text] * n
         usage = {
             "prompt_tokens": prompt_tokens,

@@ -301,6 +301,10 @@ class Router:
             self._breaker_failure(wid, "health probe failed")
 
     # ================================================================== breakers
+    def breaker_state(self, wid: str) -> str:
+        br = self.breakers.get(wid)
+        return "closed" if br is None else br.state
+
     def _breaker(self, wid: str) -> Breaker:
         br = self.breakers.get(wid)
         if br is None:
@@ -444,7 +448,7 @@ class Router:
                 "healthy": s.healthy,
                 "cordoned": s.cordoned,
                 "draining": s.draining,
-                "circuit": self.breakers[wid].state if wid in self.breakers else "closed",
+                "circuit": self.breaker_state(wid),
                 "inflight": s.inflight,
                 "pending_prefill_tokens": s.pending_prefill_tokens,
                 "kv_blocks_free": s.kv_blocks_free,
@@ -592,6 +596,15 @@ class Router:
                     return d
                 if d.never_fits:
                     return self._reject(ctx, 400, d.never_fits, "invalid_request_error", "rejected")
+                if not d.wait and ctx.last_failure is not None:
+                    f = ctx.last_failure
+                    return self._reject(
+                        ctx,
+                        504 if f.timeout else 502,
+                        f"every worker that could serve the request failed; last: {f}",
+                        "upstream_error",
+                        "timeout" if f.timeout else "error",
+                    )
                 if not d.wait:
                     if ctx.parsed.model and ctx.parsed.model not in {
                         s.model for s in self.state.states.values()
@@ -664,6 +677,7 @@ class Router:
                 return await self._send(request, ctx, ticket)
             except WorkerFailed as exc:
                 last_error = exc.reason
+                ctx.last_failure = exc
                 self._breaker_failure(exc.worker_id, exc.reason)
                 ctx.excluded.add(exc.worker_id)
                 if ctx.retries >= self.st.max_retries:

@@ -66,6 +66,7 @@ class Ctx:
     status: str = "ok"
     http_status: int = 200
     excluded: set[str] = field(default_factory=set)
+    last_failure: WorkerFailed | None = None
     template: dict[str, Any] | None = None  # first chunk the client got (ids for re-framing)
     client_wants_usage: bool = False
     out: web.StreamResponse | None = None

@@ -1,0 +1,270 @@
+"""Failures: retry on 503 / connect failure / hang, migration mid-stream, circuit breaker with
+half-open probing and alerts on the real bus, cordon / drain from workers.control."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from services.common.bus import Bus
+from services.common.schemas import Alert, RouterOutcome, WorkerControl
+from services.common.streams import ensure_alert_streams, ensure_outcomes_stream
+from services.router import metrics as M
+from tests.test_router_support import Beats, FakeWorker, RouterProc, post, wait_until
+
+
+async def _cluster(nats_url, subjects, bus, n=2, **router_kw):
+    workers = [await FakeWorker(f"w{i}").start(bus) for i in range(n)]
+    beats = Beats(bus, workers).start()
+    router = await RouterProc(nats_url, subjects, **router_kw).start()
+    await router.wait_workers(n)
+    return router, workers, beats
+
+
+async def _teardown(router, workers, beats):
+    await router.stop()
+    await beats.stop()
+    for w in workers:
+        await w.stop()
+
+
+def _sse_text(raw: bytes, chat: bool) -> tuple[str, list[dict]]:
+    events = []
+    for block in raw.split(b"\n\n"):
+        block = block.strip()
+        if not block.startswith(b"data:") or block == b"data: [DONE]":
+            continue
+        events.append(json.loads(block[5:]))
+    key = (
+        (lambda c: (c.get("delta") or {}).get("content") or "")
+        if chat
+        else (lambda c: c.get("text", ""))
+    )
+    return "".join(key(c) for e in events for c in e.get("choices", [])), events
+
+
+async def test_503_and_connect_failure_retry_elsewhere(nats_url, subjects, bus: Bus) -> None:
+    router, workers, beats = await _cluster(nats_url, subjects, bus, n=3, policy="round_robin")
+    try:
+        workers[0].mode = "503"
+        await workers[1].stop()  # heartbeats still claim it is up: connect refused
+        retries0 = M.RETRIES._value.get()
+        async with aiohttp.ClientSession() as s:
+            for i in range(6):
+                st, h, body = await post(
+                    s,
+                    router.url + "/v1/completions",
+                    {"model": "m", "prompt": f"p{i}", "max_tokens": 2},
+                )
+                assert st == 200, body
+                assert h["x-kvgate-worker"] == "w2"
+        assert M.RETRIES._value.get() > retries0
+    finally:
+        await _teardown(router, workers, beats)
+
+
+async def test_breaker_opens_alerts_probes_and_closes(nats_url, subjects, bus: Bus) -> None:
+    sig_stream, _ = await ensure_alert_streams(bus)
+    alerts: asyncio.Queue[Alert] = asyncio.Queue()
+
+    async def on_alert(a: Alert, _raw) -> None:
+        await alerts.put(a)
+
+    await bus.consume(sig_stream, bus.subjects.alert_signals_all, "t_sig", Alert, on_alert)
+    router, workers, beats = await _cluster(
+        nats_url,
+        subjects,
+        bus,
+        n=2,
+        policy='{"name":"weighted","params":{"weights":{"session":1}}}',
+        breaker_threshold=3,
+        max_retries=0,
+    )
+    r = router.router
+    try:
+        async with aiohttp.ClientSession() as s:
+            # a session whose home worker is w0 (rendezvous hash): find one
+            sid = ""
+            for i in range(100):
+                async with s.get(
+                    router.url + "/debug/route",
+                    json={"model": "m", "prompt": "x"},
+                    headers={"x-session-id": f"s{i}"},
+                ) as resp:
+                    if (await resp.json())["worker"] == "w0":
+                        sid = f"s{i}"
+                        break
+            assert sid
+            # client errors never count against the breaker
+            workers[0].mode = "400"
+            for _ in range(5):
+                st, _, _ = await post(
+                    s,
+                    router.url + "/v1/completions",
+                    {"model": "m", "prompt": "x"},
+                    {"x-session-id": sid},
+                )
+                assert st == 400
+            assert r.breaker_state("w0") == "closed"
+            workers[0].mode = "500"
+            for _ in range(3):
+                st, h, _ = await post(
+                    s,
+                    router.url + "/v1/completions",
+                    {"model": "m", "prompt": "x"},
+                    {"x-session-id": sid},
+                )
+                assert st == 500 and h["x-kvgate-worker"] == "w0"
+            assert r.breaker_state("w0") in ("open", "half_open")
+            fired = await asyncio.wait_for(alerts.get(), 10)
+            assert (
+                fired.kind == "circuit_open" and fired.worker_id == "w0" and fired.state == "firing"
+            )
+            assert fired.severity == "warning" and fired.fingerprint == "circuit_open:w0"
+            # open: the session's requests go to w1 now
+            st, h, _ = await post(
+                s,
+                router.url + "/v1/completions",
+                {"model": "m", "prompt": "x"},
+                {"x-session-id": sid},
+            )
+            assert st == 200 and h["x-kvgate-worker"] == "w1"
+            # still failing: half-open probes fail (503 health), circuit stays open
+            await wait_until(
+                lambda: r.breakers["w0"].wait_s > 0.3, what="a failed probe doubled the wait"
+            )
+            workers[0].mode = "ok"
+            await wait_until(
+                lambda: r.breaker_state("w0") == "closed", what="probe closed the circuit"
+            )
+            resolved = await asyncio.wait_for(alerts.get(), 10)
+            assert resolved.state == "resolved" and resolved.fingerprint == "circuit_open:w0"
+            st, h, _ = await post(
+                s,
+                router.url + "/v1/completions",
+                {"model": "m", "prompt": "x"},
+                {"x-session-id": sid},
+            )
+            assert h["x-kvgate-worker"] == "w0"
+    finally:
+        await _teardown(router, workers, beats)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+async def test_stream_migrates_when_worker_dies_mid_stream(
+    nats_url, subjects, bus: Bus, chat: bool
+) -> None:
+    router, workers, beats = await _cluster(nats_url, subjects, bus, n=2, policy="round_robin")
+    stream = await ensure_outcomes_stream(bus)
+    outs: asyncio.Queue[RouterOutcome] = asyncio.Queue()
+
+    async def on(o: RouterOutcome, _raw) -> None:
+        await outs.put(o)
+
+    await bus.consume(
+        stream, bus.subjects.router_outcomes, "t_mig", RouterOutcome, on, deliver_new=True
+    )
+    try:
+        for w in workers:
+            w.chunks, w.chunk_text = 6, "xy"
+        workers[0].mode = "crash_mid"
+        workers[0].crash_after = 2
+        migrations0 = M.MIGRATIONS.labels("completed")._value.get()
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        body = {"model": "m", "max_tokens": 12, "stream": True}
+        body.update(
+            {"messages": [{"role": "user", "content": "tell me"}]}
+            if chat
+            else {"prompt": "tell me"}
+        )
+        async with aiohttp.ClientSession() as s:
+            # round robin starts at w0 (the crashing one)
+            async with s.post(
+                router.url + path, json=body, headers={"x-request-id": "mig-1"}
+            ) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-kvgate-worker"] == "w0"
+                raw = await resp.read()
+        text, events = _sse_text(raw, chat)
+        # 2 chunks from w0, then the rest (12 - 4 tokens = 4 chunks of 2) from w1
+        assert text == "xy" * 6
+        assert raw.rstrip().endswith(b"data: [DONE]")
+        assert len({e["id"] for e in events}) == 1 if chat else True
+        cont = workers[1].served[-1]
+        assert cont["path"] == "/v1/completions"
+        assert cont["body"]["prompt"].endswith("xyxy") and cont["body"]["max_tokens"] == 8
+        assert M.MIGRATIONS.labels("completed")._value.get() == migrations0 + 1
+        o = await asyncio.wait_for(outs.get(), 10)
+        assert (
+            o.request_id == "mig-1" and o.migrated == 1 and o.status == "ok" and o.worker_id == "w1"
+        )
+    finally:
+        await _teardown(router, workers, beats)
+
+
+async def test_hanging_worker_times_out_and_retries(nats_url, subjects, bus: Bus) -> None:
+    router, workers, beats = await _cluster(
+        nats_url,
+        subjects,
+        bus,
+        n=2,
+        policy="round_robin",
+        request_timeout=0.5,
+        stream_idle_timeout=0.5,
+    )
+    try:
+        workers[0].mode = "hang"
+        async with aiohttp.ClientSession() as s:
+            st, h, _ = await post(
+                s, router.url + "/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 2}
+            )
+            assert st == 200 and h["x-kvgate-worker"] == "w1"
+            workers[1].mode = "hang"
+            t0 = M.TIMEOUTS._value.get()
+            st, _, body = await post(
+                s,
+                router.url + "/v1/completions",
+                {"model": "m", "prompt": "b", "max_tokens": 2, "stream": True},
+            )
+            assert st == 504, body
+            assert M.TIMEOUTS._value.get() == t0 + 1
+    finally:
+        await _teardown(router, workers, beats)
+
+
+async def test_cordon_drain_uncordon(nats_url, subjects, bus: Bus) -> None:
+    router, workers, beats = await _cluster(nats_url, subjects, bus, n=2, policy="round_robin")
+    r = router.router
+    try:
+
+        async def control(wid: str, action: str) -> None:
+            await bus.publish(
+                bus.subjects.worker_control(wid),
+                WorkerControl(worker_id=wid, action=action, by="test"),
+            )
+
+        await control("w0", "cordon")
+        await wait_until(lambda: r.state.states["w0"].cordoned, what="cordon applied")
+        async with aiohttp.ClientSession() as s:
+            for i in range(4):
+                _, h, _ = await post(
+                    s, router.url + "/v1/completions", {"model": "m", "prompt": f"{i}"}
+                )
+                assert h["x-kvgate-worker"] == "w1"
+            await control("w0", "uncordon")
+            await control("w1", "drain")
+            await wait_until(
+                lambda: r.state.states["w1"].draining and not r.state.states["w0"].cordoned
+            )
+            for i in range(4):
+                _, h, _ = await post(
+                    s, router.url + "/v1/completions", {"model": "m", "prompt": f"{i}"}
+                )
+                assert h["x-kvgate-worker"] == "w0"
+            async with s.get(router.url + "/health") as resp:
+                assert (await resp.json())["workers"] == 1
+    finally:
+        await _teardown(router, workers, beats)
