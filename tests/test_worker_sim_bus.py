@@ -202,3 +202,33 @@ def _free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+async def test_serve_fails_cleanly_when_a_port_is_taken(nats_url: str, subject_prefix: str):
+    """A start-up error must end ``serve`` with a clear error and nothing left running
+    (otherwise the process hangs in asyncio.run's final cancellation instead of exiting)."""
+    import socket
+
+    from services.worker_sim.app import serve
+
+    port = free_port()
+    while not all(_free(port + i) for i in range(2)):
+        port = free_port()
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind(("127.0.0.1", port + 1))
+    blocker.listen()
+    before = set(asyncio.all_tasks())
+    try:
+        st = sim_settings(nats_url, subject_prefix, count=2, port=port, worker_id="pt")
+        try:
+            await asyncio.wait_for(serve(st, asyncio.Event()), 15)
+        except RuntimeError as exc:
+            assert "pt-1 cannot listen" in str(exc)
+        else:
+            raise AssertionError("serve should fail")
+    finally:
+        blocker.close()
+    left = [t for t in asyncio.all_tasks() - before if not t.done()]
+    assert left == [asyncio.current_task()] or left == [], left
+    assert _free(port)  # worker pt-0 let go of its port

@@ -146,29 +146,40 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
         )
         workers.append(SimWorker(ws, config, tokenizer, bus))
     connect = asyncio.create_task(_connect_bus(bus, workers, first_wait_s=3.0))
-    with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-        await asyncio.wait_for(asyncio.shield(connect), timeout=3.5)
-    for w in workers:
-        await w.start()
-    crash_after = st.fault_crash_after
-    crash_tasks = []
-    if crash_after > 0:
-        for i, w in enumerate(workers):
-            if _selected(st.fault_workers, i, w.worker_id):
-                crash_tasks.append(asyncio.create_task(_crash_later(w, crash_after, st)))
-    beats = asyncio.create_task(_heartbeats(bus, workers, st.heartbeat_interval))
-    log.info(
-        "sim workers up",
-        count=len(workers),
-        first=workers[0].url if workers else None,
-        speedup=st.speedup,
-        kv_blocks=config.num_gpu_blocks,
-    )
-    await stop.wait()
-    for t in [beats, connect, *crash_tasks]:
-        t.cancel()
-    await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
-    await bus.close()
+    tasks: list[asyncio.Task[None]] = [connect]
+    try:
+        with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(connect), timeout=3.5)
+        for w in workers:
+            try:
+                await w.start()
+            except OSError as exc:
+                raise RuntimeError(
+                    f"sim worker {w.worker_id} cannot listen on {w.url}: {exc}"
+                ) from exc
+        if st.fault_crash_after > 0:
+            for i, w in enumerate(workers):
+                if _selected(st.fault_workers, i, w.worker_id):
+                    tasks.append(asyncio.create_task(_crash_later(w, st.fault_crash_after, st)))
+        tasks.append(asyncio.create_task(_heartbeats(bus, workers, st.heartbeat_interval)))
+        log.info(
+            "sim workers up",
+            count=len(workers),
+            first=workers[0].url if workers else None,
+            speedup=st.speedup,
+            kv_blocks=config.num_gpu_blocks,
+        )
+        await stop.wait()
+    finally:
+        # also on a failed start: leave no task or connection behind, or the process would
+        # hang in asyncio.run's final cancellation instead of exiting
+        log.info("stopping sim workers", count=len(workers))
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+        await bus.close()
+        log.info("sim workers stopped")
 
 
 async def _crash_later(w: SimWorker, after_s: float, st: Any) -> None:

@@ -25,6 +25,8 @@ import aiohttp
 from services.common.embedded import free_port
 from services.worker_sim.engine import EngineConfig
 
+PREFIX = f"loadcheck{os.getpid()}"
+
 
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
@@ -61,7 +63,7 @@ def _start_child(a: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     port = free_port()
     while any(_busy(port + i) for i in range(a.count)):
         port = free_port()
-    env = {**os.environ, "KVGATE_NATS_URL": a.nats_url, "KVGATE_SUBJECT_PREFIX": "loadcheck"}
+    env = {**os.environ, "KVGATE_NATS_URL": a.nats_url, "KVGATE_SUBJECT_PREFIX": PREFIX}
     cmd = [sys.executable, "-m", "services.cli", "sim-worker", "--count", str(a.count)]
     cmd += ["--port", str(port), "--speedup", str(a.speedup), "--log-level", "warning"]
     return subprocess.Popen(cmd, env=env), port
@@ -111,6 +113,21 @@ async def _run(a: argparse.Namespace, child: subprocess.Popen, port: int) -> dic
     }
 
 
+async def _delete_stream(url: str) -> None:
+    """Remove the KV events stream this run created (streams reserve JetStream storage)."""
+    from services.common.bus import Bus
+    from services.common.subjects import Subjects
+
+    bus = Bus(url, "loadcheck", Subjects(PREFIX))
+    try:
+        await bus.connect(max_wait_s=3)
+        await bus.js.delete_stream(bus.subjects.kv_events_stream)
+    except Exception as exc:  # NATS gone or stream never made: nothing to clean
+        print(f"(stream cleanup skipped: {exc!r})", file=sys.stderr)
+    finally:
+        await bus.close()
+
+
 def _busy(port: int) -> bool:
     import socket
 
@@ -143,6 +160,7 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             child.kill()
     result["shutdown_s"] = round(time.monotonic() - ts, 2)
+    asyncio.run(_delete_stream(a.nats_url))
     print(json.dumps(result, indent=2))
 
 
