@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -17,10 +17,17 @@ from services.api.canary.runner import EvaluatorLoop
 from services.api.canary.stats import ArmStats
 from services.api.db import Database
 from services.api.models import Canary
-from services.api.testing import ApiHarness, start_api
+from services.api.testing import ApiHarness, private_nats, start_api
 from services.common.bus import Bus
 from services.common.schemas import PolicyUpdated, RouterOutcome, decode
 from services.common.streams import ensure_outcomes_stream
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private real NATS server for this module (see services.api.testing.private_nats)."""
+    yield from private_nats(tmp_path_factory.mktemp("nats"))
+
 
 FAST = {
     "steps": [0.1, 0.5, 1.0],
