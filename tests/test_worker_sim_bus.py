@@ -204,7 +204,9 @@ def _free(port: int) -> bool:
     return True
 
 
-async def test_serve_fails_cleanly_when_a_port_is_taken(nats_url: str, subject_prefix: str):
+async def test_serve_fails_cleanly_when_a_port_is_taken(
+    bus: Bus, nats_url: str, subject_prefix: str
+):
     """A start-up error must end ``serve`` with a clear error and nothing left running
     (otherwise the process hangs in asyncio.run's final cancellation instead of exiting)."""
     import socket

@@ -134,7 +134,8 @@ async def test_crash_without_restart_refuses_connections():
         await c.close()
 
 
-async def test_fault_flags_apply_to_selected_workers(nats_url: str, subject_prefix: str):
+async def test_fault_flags_apply_to_selected_workers(bus: Bus, nats_url: str, subject_prefix: str):
+    """(``bus``: its teardown deletes this namespace's streams.)"""
     from services.common.embedded import free_port
     from services.worker_sim.app import serve
     from tests.test_worker_sim_bus import _free, sim_settings
