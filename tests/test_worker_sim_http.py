@@ -242,3 +242,51 @@ async def test_seed_001_reproduction_running_1_waiting_7():
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_local_huggingface_tokenizer(tmp_path):
+    """--tokenizer: a local tokenizer.json (+ chat template) tokenizes prompts, counts usage
+    and keys blocks; generated text decodes to words."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from services.common.embedded import free_port
+    from services.common.keys import block_keys
+    from services.common.tokenizer import load_tokenizer
+    from services.worker_sim.app import output_vocab
+    from services.worker_sim.engine import EngineConfig
+    from services.worker_sim.worker import SimWorker, WorkerSettings
+
+    words = "[UNK] the of and to in is that for it as with was on be by at this are from or an"
+    words += " hello world system user assistant say something about cats dogs"
+    vocab = {w: i for i, w in enumerate(words.split())}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.save(str(tmp_path / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}assistant"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = load_tokenizer(str(tmp_path))
+    cfg = EngineConfig(num_gpu_blocks=64, max_model_len=1024, output_vocab=output_vocab(tok))
+    w = SimWorker(WorkerSettings(worker_id="hf", port=free_port(), speedup=200), cfg, tok)
+    await w.start()
+    try:
+        prompt = "hello world " * 20 + "say something about cats"
+        ids = tok.encode(prompt)
+        assert len(ids) == 44 and vocab["[UNK]"] not in ids
+        status, js, _ = await post(w.url + "/tokenize", {"prompt": prompt})
+        assert js["tokens"] == ids and js["count"] == 44
+        c = client(w.url)
+        r1 = await c.completions.create(model="m", prompt=prompt, max_tokens=6)
+        r2 = await c.completions.create(model="m", prompt=prompt, max_tokens=6)
+        assert r1.usage.prompt_tokens == 44 and r2.usage.prompt_tokens_details.cached_tokens == 32
+        assert set(r1.choices[0].text.split()) <= set(vocab) - {"[UNK]"}
+        assert len(r1.choices[0].text.split()) == 6
+        # the router computes the same keys from the same tokenizer
+        assert w.engine.num_cached_blocks >= len(block_keys(ids, 16)) == 2
+        chat = await c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hello cats"}], max_tokens=2
+        )
+        assert chat.usage.prompt_tokens == len(tok.encode("user hello cats assistant"))
+    finally:
+        await w.close()
