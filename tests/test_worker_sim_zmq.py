@@ -64,10 +64,16 @@ async def replay(endpoint: str, start: int) -> list[list[bytes]]:
 
 
 @pytest.mark.parametrize(
-    ("form", "hash_mode", "topic_frame"),
-    [("map", "uint64", False), ("array", "int64", True), ("map", "bytes32", False)],
+    ("form", "hash_mode", "topic_frame", "batch_form"),
+    [
+        ("map", "uint64", False, "array"),
+        ("array", "int64", True, "array"),
+        ("map", "bytes32", False, "map"),
+    ],
 )
-async def test_vllm_wire_format_live_and_replay(form: str, hash_mode: str, topic_frame: bool):
+async def test_vllm_wire_format_live_and_replay(
+    form: str, hash_mode: str, topic_frame: bool, batch_form: str
+):
     pub_port, replay_port = ports()
     ctx = zmq.asyncio.Context.instance()
     sub = ctx.socket(zmq.SUB)
@@ -80,6 +86,7 @@ async def test_vllm_wire_format_live_and_replay(form: str, hash_mode: str, topic
         zmq_event_form=form,
         zmq_hash=hash_mode,
         zmq_replay_topic_frame=topic_frame,
+        zmq_batch_form=batch_form,
     ) as w:
         sub.connect(f"tcp://127.0.0.1:{pub_port}")
         sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
@@ -117,7 +124,11 @@ async def test_vllm_wire_format_live_and_replay(form: str, hash_mode: str, topic
         all_hashes: set = set()
         first_events = None
         for seq in sorted(by_seq):
-            ts, events, dp_rank = msgpack.unpackb(by_seq[seq], raw=False)
+            batch = msgpack.unpackb(by_seq[seq], raw=False)
+            if batch_form == "map":
+                ts, events, dp_rank = batch["ts"], batch["events"], batch["data_parallel_rank"]
+            else:
+                ts, events, dp_rank = batch
             assert isinstance(ts, float) and dp_rank == 0
             if first_events is None:
                 first_events = events

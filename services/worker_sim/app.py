@@ -139,6 +139,7 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
             zmq_host=st.zmq_host,
             zmq_topic=st.zmq_topic,
             zmq_event_form=st.zmq_event_form,
+            zmq_batch_form=st.zmq_batch_form,
             zmq_hash=st.zmq_hash,
             zmq_replay_topic_frame=st.zmq_replay_topic_frame,
             faults=patch if patch and _selected(st.fault_workers, i, wid) else {},

@@ -7,7 +7,7 @@ import argparse
 from services.common import settings as S
 from services.common.service import run_service
 from services.worker_sim.engine import EngineConfig
-from services.worker_sim.zmq_wire import EVENT_FORMS, HASH_MODES
+from services.worker_sim.zmq_wire import BATCH_FORMS, EVENT_FORMS, HASH_MODES
 
 _D = EngineConfig()
 
@@ -134,6 +134,13 @@ OPTIONS = S.COMMON + (
         "event encoding: map (vLLM >= 0.24) or array (older, tag first)",
         choices=list(EVENT_FORMS),
         env="KVGATE_SIM_ZMQ_EVENT_FORM",
+    ),
+    S.option(
+        "zmq_batch_form",
+        "array",
+        "batch encoding: array [ts, events, dp_rank] (released vLLM) or map (vLLM main)",
+        choices=list(BATCH_FORMS),
+        env="KVGATE_SIM_ZMQ_BATCH_FORM",
     ),
     S.option(
         "zmq_hash",

@@ -87,6 +87,7 @@ class WorkerSettings:
     zmq_host: str = "127.0.0.1"
     zmq_topic: str = "kv@{worker}@{model}"
     zmq_event_form: str = "map"
+    zmq_batch_form: str = "array"
     zmq_hash: str = "uint64"
     zmq_replay_topic_frame: bool = False
     zmq_buffer_steps: int = 10_000
@@ -330,6 +331,7 @@ class SimWorker:
                 form=s.zmq_event_form,
                 hash_mode=s.zmq_hash,
                 lora_ids=self._lora_ids,
+                batch_form=s.zmq_batch_form,
             )
             self.zmq.publish(payload, copies)
 

@@ -2,7 +2,8 @@
 
 Live messages on the PUB socket are three frames ``[topic, seq, payload]``: ``seq`` is an
 8-byte big-endian counter starting at 0; ``payload`` is msgpack of the batch
-``[ts, events, dp_rank]`` (vLLM's ``EventBatch`` is array-like). Events are, by default, maps
+``[ts, events, dp_rank]`` (vLLM's ``EventBatch`` is array-like; optionally the map form
+``{"ts", "events", "data_parallel_rank"}`` of vLLM's newest source). Events are, by default, maps
 with a ``"type"`` key (vLLM >= 0.24, SGLang >= 0.5.20):
 
     {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h | None,
@@ -38,6 +39,7 @@ from services.worker_sim.kvcache import EventMeta
 HashMode = Literal["uint64", "int64", "bytes32"]
 EventForm = Literal["map", "array"]
 HASH_MODES: tuple[str, ...] = ("uint64", "int64", "bytes32")
+BATCH_FORMS: tuple[str, ...] = ("array", "map")
 EVENT_FORMS: tuple[str, ...] = ("map", "array")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _ENGINE_SALT = 0x5EED_0F_E9_61_4E  # makes engine hashes differ from canonical keys
@@ -110,9 +112,18 @@ def encode_batch(
     hash_mode: str = "uint64",
     dp_rank: int = 0,
     lora_ids: dict[str, int] | None = None,
+    batch_form: str = "array",
 ) -> bytes:
-    """msgpack payload ``[ts, events, dp_rank]`` of one batch."""
+    """msgpack payload of one batch: ``[ts, events, dp_rank]`` (``batch_form="array"``, what
+    released vLLM sends) or ``{"ts", "events", "data_parallel_rank"}`` (``"map"``: vLLM's newest
+    source no longer declares its EventBatch array-like)."""
     meta = meta if meta is not None else [None] * len(events)
     lids = lora_ids or {}
     body = [_event(e, m, form, hash_mode, lids) for e, m in zip(events, meta, strict=True)]
+    if batch_form == "map":
+        return msgpack.packb(
+            {"ts": ts, "events": body, "data_parallel_rank": dp_rank}, use_bin_type=True
+        )
+    if batch_form != "array":
+        raise ValueError(f"unknown batch form {batch_form!r}; choose from {BATCH_FORMS}")
     return msgpack.packb([ts, body, dp_rank], use_bin_type=True)
