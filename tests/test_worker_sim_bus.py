@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 
 import openai
+import pytest
 
 from services.common import settings as S
 from services.common.bus import Bus
@@ -234,3 +235,47 @@ async def test_serve_fails_cleanly_when_a_port_is_taken(
     left = [t for t in asyncio.all_tasks() - before if not t.done()]
     assert left == [asyncio.current_task()] or left == [], left
     assert _free(port)  # worker pt-0 let go of its port
+
+
+@pytest.mark.slow
+async def test_recovers_by_itself_after_nats_restarts(embedded_nats):
+    """NATS goes away: HTTP keeps serving, KV batches are counted as dropped (the heartbeat's
+    kv_seq then shows the gap); NATS comes back: publishing resumes without a restart."""
+    from services.common.subjects import Subjects
+
+    bus = Bus(embedded_nats.url, "sim-test", Subjects("rec"))
+    await bus.connect(max_wait_s=10)
+    await ensure_kv_events_stream(bus)
+    watcher = Bus(embedded_nats.url, "watcher", Subjects("rec"))
+    await watcher.connect(max_wait_s=10)
+    try:
+        async with sim_worker(bus, worker_id="r0") as w:
+            c = openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="x", max_retries=0)
+            await c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=3)
+            embedded_nats.stop()
+            await asyncio.wait_for(bus.disconnected.wait(), 10)
+            r = await c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=3)
+            assert r.usage.completion_tokens == 3
+            gap_seq = w.kv_seq
+
+            async def dropped() -> bool:
+                return w.kv_seq_done == gap_seq and w.kv_dropped.get("nats_down", 0) > 0
+
+            await until(dropped, what="drops counted while NATS is down")
+            embedded_nats.start()
+            await asyncio.wait_for(bus.connected.wait(), 15)
+            await asyncio.wait_for(watcher.connected.wait(), 15)
+            q = await collect_batches(watcher, watcher.subjects.kv_events("r0"))
+            await c.completions.create(model="m", prompt=PROMPTS[2], max_tokens=3)
+            b = await asyncio.wait_for(q.get(), 10)
+            assert b.seq > gap_seq and b.instance_id == w.instance_id
+            dump = await watcher.request(
+                watcher.subjects.kv_dump("r0"), KvDumpRequest(worker_id="r0"), KvEventBatch
+            )
+            assert dump.seq == w.kv_seq and len(dump.events) > 1
+            await c.close()
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.js.delete_stream(watcher.subjects.kv_events_stream)
+        await watcher.close()
+        await bus.close()
