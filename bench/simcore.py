@@ -50,6 +50,7 @@ class SimOptions:
     closed_loop_concurrency: int = 0  # > 0: closed loop, ignore arrival times
     max_virtual_s: float = 0.0  # > 0: stop the clock here (unfinished = timeout)
     speedup: float = 1.0  # like sim-worker --speedup: steps take duration / speedup
+    gpu_gauges: bool | None = None  # simulated GPU gauges in the snapshot (None: gpu_aware only)
     worker_prefix: str = "sim"
 
 
@@ -168,6 +169,14 @@ def simulate(
 
     for w in names:
         update_free(w)
+    use_gpu = opts.gpu_gauges
+    if use_gpu is None:
+        use_gpu = policy_spec.get("name") == "gpu_aware"
+    gpus = {}
+    if use_gpu:  # the sim worker's own GPU model, sampled like the telemetry agent samples it
+        from services.worker_sim.gpu import GpuModel  # noqa: PLC0415
+
+        gpus = {w: GpuModel(engines[w].config) for w in names}
 
     heap: list[tuple[float, int, int, Any]] = []
     seq = 0
@@ -221,6 +230,11 @@ def simulate(
             sample_free[w] = e.num_free_blocks
             reserved_since[w] = 0
             update_free(w)
+            if gpus:
+                g = gpus[w].sample(t, e)
+                st.gpu_sm_util = g.sm_util_percent / 100.0
+                st.gpu_bw_util = g.mem_bw_util_percent / 100.0
+                st.gpu_mem_used = g.mem_used_bytes / g.mem_total_bytes
 
     def finish(lv: _Live, status: str, t: float, error: str = "") -> None:
         nonlocal done
@@ -246,7 +260,10 @@ def simulate(
             return
         steps += 1
         busy[w] = True
-        push(t + out.duration_s / opts.speedup, _STEP, (w, out))
+        end = t + out.duration_s / opts.speedup
+        if gpus:
+            gpus[w].record_step(t, end, out)
+        push(end, _STEP, (w, out))
 
     def try_route(lv: _Live, t: float) -> bool:
         """True when handled (dispatched or failed); False when it must wait."""
