@@ -143,15 +143,9 @@ def row(
 # --------------------------------------------------------------------------- 1. ingest
 
 
-def bench_ingest(events, pairs_expected: int) -> tuple[float, float | None, int]:
-    from services.common.schemas import (
-        BlockStored,
-        KvEventBatch,
-        WorkerCapacity,
-        WorkerHeartbeat,
-        encode,
-    )
-    from services.kv_indexer.core import IndexerCore, decode_batch
+def encode_batches(events) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
+    """Our events as KvEventBatch msgpack bytes, one BlockStored of 16 keys per batch."""
+    from services.common.schemas import BlockStored, KvEventBatch, encode
 
     seqs: dict[str, int] = {}
     raws = []
@@ -160,24 +154,50 @@ def bench_ingest(events, pairs_expected: int) -> tuple[float, float | None, int]
         seqs[wid] = s
         ev = BlockStored(keys=keys, parent_key=parent, block_size=BLOCK)
         raws.append(
-            encode(KvEventBatch(worker_id=wid, instance_id="i", seq=s, ts=0.0, events=[ev]))
+            (wid, encode(KvEventBatch(worker_id=wid, instance_id="i", seq=s, ts=0.0, events=[ev])))
         )
-    blocks = sum(len(k) for _, k, _ in events)
-    core = IndexerCore(max_blocks=None)
+    return raws, seqs
+
+
+def register(core, workers) -> None:
+    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
+
     cap = WorkerCapacity(block_size=BLOCK, num_gpu_blocks=1, max_num_seqs=1, max_model_len=1)
-    for wid in seqs:
+    for wid in workers:
         core.heartbeat(
             WorkerHeartbeat(worker_id=wid, instance_id="i", url="", model="", capacity=cap), 0.0
         )
+
+
+def bench_ingest(events, pairs_expected: int) -> tuple[float, float | None, int, list[bytes]]:
+    """Indexer core: decode, seq check, apply, journal, and encode the deltas (all timed)."""
+    from services.common.schemas import IndexDelta, encode
+    from services.kv_indexer.app import split_ops
+    from services.kv_indexer.core import IndexerCore, decode_batch
+
+    pairs, seqs = encode_batches(events)
+    raws = [r for _, r in pairs]
+    blocks = sum(len(k) for _, k, _ in events)
+    core = IndexerCore(max_blocks=None)
+    register(core, seqs)
+    deltas: list[bytes] = []
     gc.collect()
     t0 = time.perf_counter()
     batch = core.batch
     take = core.take_ops
+    dseq = 0
+
+    def flush() -> None:
+        nonlocal dseq
+        for group in split_ops(take()):
+            deltas.append(encode(IndexDelta(epoch="e", seq=dseq, ts=0.0, ops=group)))
+            dseq += 1
+
     for i, raw in enumerate(raws):
         batch(decode_batch(raw))
         if i % 64 == 63:
-            take()  # the service flushes deltas once per fetched batch of messages
-    take()
+            flush()  # the service flushes deltas once per fetched batch of messages
+    flush()
     ours = blocks / (time.perf_counter() - t0)
     peer = None
     if PEER:
@@ -196,7 +216,21 @@ def bench_ingest(events, pairs_expected: int) -> tuple[float, float | None, int]
         tree.find_matches([events[-1][1][0]])  # barrier: its worker thread has applied all
         peer = blocks / (time.perf_counter() - t0)
         del tree
-    return ours, peer, len(core.index)
+    return ours, peer, len(core.index), deltas
+
+
+def bench_replica_apply(deltas: list[bytes], blocks: int) -> float:
+    """A router replica decoding and applying the indexer's deltas: blocks/s."""
+    from services.common.schemas import IndexDelta, decode
+    from services.kv_indexer.index import PrefixIndex
+    from services.kv_indexer.replica import apply_ops
+
+    index = PrefixIndex()
+    gc.collect()
+    t0 = time.perf_counter()
+    for raw in deltas:
+        apply_ops(index, decode(IndexDelta, raw).ops)
+    return blocks / (time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------- 2. vLLM path
@@ -418,67 +452,74 @@ def bench_memory(pairs: int, cap: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- 5. replica
 
 
-async def _bench_replica(events) -> dict[str, Any]:
+async def _bench_nats(events) -> dict[str, Any]:
+    """On a private nats-server: KV batches published to JetStream, then the indexer service
+    consuming them (wall time until every batch is applied); then a new IndexReplica
+    bootstrapping from that indexer (wall time until it holds every pair)."""
+    import tempfile
+
     from services.common.bus import Bus
-    from services.common.embedded import EmbeddedNats, port_open
+    from services.common.embedded import EmbeddedNats
+    from services.common.streams import ensure_kv_events_stream
     from services.common.subjects import Subjects
     from services.kv_indexer.app import IndexerService
     from services.kv_indexer.replica import IndexReplica
 
-    server = None
-    url = "nats://127.0.0.1:4222"
-    if not port_open("127.0.0.1", 4222):
-        import tempfile
-
-        server = EmbeddedNats(Path(tempfile.mkdtemp(prefix="bench-nats-")))
-        server.start()
-        url = server.url
-    subjects = Subjects(f"benchidx{os.getpid()}")
-    ib = Bus(url, "bench-indexer", subjects)
-    rb = Bus(url, "bench-replica", subjects)
+    tmp = tempfile.mkdtemp(prefix="bench-nats-")
+    server = EmbeddedNats(Path(tmp))
+    server.start()
+    subjects = Subjects("benchidx")
+    ib = Bus(server.url, "bench-indexer", subjects)
+    rb = Bus(server.url, "bench-replica", subjects)
     await ib.connect(max_wait_s=10)
     await rb.connect(max_wait_s=10)
     svc = IndexerService(ib, max_blocks=None)
     try:
-        for wid, keys, _ in events:
-            svc.core.index.apply_stored(wid, keys)
-        await svc.start()
-        rep = IndexReplica(rb, start_timeout_s=30)
+        raws, seqs = encode_batches(events)
+        await ensure_kv_events_stream(ib)
+        nc = rb.client
+        for wid, raw in raws:
+            await nc.publish(subjects.kv_events(wid), raw)
+        await nc.flush()
+        info = await ib.js.stream_info(subjects.kv_events_stream)
+        while info.state.messages < len(raws):
+            await asyncio.sleep(0.05)
+            info = await ib.js.stream_info(subjects.kv_events_stream)
+        register(svc.core, seqs)
+        for ws in svc.core.workers.values():
+            ws.last_hb = float("inf")  # no expiry during the run
         t0 = time.perf_counter()
+        await svc.start()
+        while any(svc.core.workers[w].last_seq < s for w, s in seqs.items()):  # noqa: ASYNC110
+            await asyncio.sleep(0.005)  # polling the core's state: no event to await
+        ingest_s = time.perf_counter() - t0
+        blocks = sum(len(k) for _, k, _ in events)
+        rep = IndexReplica(rb, start_timeout_s=30)
+        t1 = time.perf_counter()
         await rep.start()
         await asyncio.wait_for(rep.ready.wait(), 30)
-        seconds = time.perf_counter() - t0
-        ok = len(rep.index) == len(svc.core.index)
-        t1 = time.perf_counter()
+        seconds = time.perf_counter() - t1
+        equal = len(rep.index) == len(svc.core.index)
         chunks = svc.snapshot_chunks(ib.client.max_payload)
-        export_s = time.perf_counter() - t1
-        result = {
+        await rep.stop()
+        return {
+            "e2e_blocks_per_s": blocks / ingest_s,
+            "e2e_seconds": ingest_s,
+            "messages": len(raws),
             "seconds": seconds,
             "pairs": len(rep.index),
-            "equal": ok,
+            "equal": equal,
             "chunks": len(chunks),
-            "export_s": export_s,
-            "bytes": sum(len(c.keys) + sum(len(m) for m in c.masks) for c in chunks),
+            "max_payload": ib.client.max_payload,
         }
-        await rep.stop()
-        return result
     finally:
         await svc.stop()
-        with contextlib_suppress():
-            js = ib.js
-            await js.delete_stream(subjects.kv_events_stream)
         await ib.close()
         await rb.close()
-        if server is not None:
-            server.stop()
+        server.stop()
+        import shutil
 
-
-class contextlib_suppress:  # noqa: N801 - tiny local helper
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- main
@@ -509,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queries", type=int, default=0, help="queries per kind")
     ap.add_argument("--cap", type=int, default=0, help="memory cap for the capped run")
     ap.add_argument("--no-pin", action="store_true", help="do not pin to one CPU")
-    ap.add_argument("--skip", default="", help="comma-separated: ingest,vllm,query,memory,replica")
+    ap.add_argument("--skip", default="", help="comma-separated: ingest,vllm,query,memory,nats")
     ap.add_argument("--out", default="bench/results/indexer", help="results directory")
     ap.add_argument("--_memory-child", dest="memory_child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -538,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
     if "ingest" not in skip:
-        ours, peer, stored = bench_ingest(events, pairs)
+        ours, peer, stored, deltas = bench_ingest(events, pairs)
         extra["stored_pairs"] = stored
         rows.append(
             row(
@@ -550,6 +591,18 @@ def main(argv: list[str] | None = None) -> int:
                 ours >= 1.3e6,
             )
         )
+        blocks = sum(len(k) for _, k, _ in events)
+        rows.append(
+            row(
+                "router replica applies the indexer's deltas",
+                bench_replica_apply(deltas, blocks),
+                None,
+                "blocks/s",
+                "-",
+                None,
+            )
+        )
+        del deltas
         print(f"  ingest done ({stored:,} pairs)", flush=True)
     if "vllm" not in skip:
         ours, peer = bench_vllm_path(w, max_seq=w.n)
@@ -622,9 +675,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         print("  memory done", flush=True)
-    if "replica" not in skip:
-        r = asyncio.run(_bench_replica(events))
-        extra["replica"] = r
+    if "nats" not in skip:
+        r = asyncio.run(_bench_nats(events))
+        extra["nats"] = r
+        rows.append(
+            row(
+                f"service: JetStream -> indexer, {r['messages']:,} batches",
+                r["e2e_blocks_per_s"],
+                None,
+                "blocks/s",
+                "-",
+                None,
+            )
+        )
         rows.append(
             row(
                 f"new replica holds {r['pairs']:,} pairs ({r['chunks']} chunks)",

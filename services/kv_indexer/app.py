@@ -117,8 +117,10 @@ class IndexerService:
         dump_timeout_s: float = 5.0,
         tick_s: float = 0.1,
         durable: str | None = None,
+        fetch_batch: int = 512,
     ) -> None:
         self.bus = bus
+        self.fetch_batch = fetch_batch
         self._log = RateLimiter(60.0)
         self.core = IndexerCore(
             max_blocks=max_blocks,
@@ -258,7 +260,7 @@ class IndexerService:
         self.consuming.set()
         while True:
             try:
-                msgs = await psub.fetch(512, timeout=0.5)
+                msgs = await psub.fetch(self.fetch_batch, timeout=0.5)
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except asyncio.CancelledError:
