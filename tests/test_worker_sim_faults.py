@@ -14,7 +14,7 @@ from services.common.bus import Bus
 from services.common.schemas import AllBlocksCleared, KvEventBatch
 from services.common.streams import ensure_kv_events_stream
 from services.worker_sim.faults import Faults
-from tests.test_worker_sim_support import get_text, post, sim_worker
+from tests.test_worker_sim_support import get_text, metric_values, one, post, sim_worker
 
 
 def test_fault_patches_are_validated_all_or_nothing():
@@ -37,7 +37,7 @@ def test_fault_patches_are_validated_all_or_nothing():
 
 
 async def test_admin_faults_reject_and_slow():
-    async with sim_worker(worker_id="fa", speedup=50.0) as w:
+    async with sim_worker(worker_id="fa", speedup=5.0) as w:
         status, js, _ = await post(w.url + "/admin/faults", {"reject": 1.0})
         assert status == 200 and js["faults"]["reject"] == 1.0
         assert json.loads(await get_text(w.url + "/admin/faults"))["faults"]["reject"] == 1.0
@@ -48,20 +48,25 @@ async def test_admin_faults_reject_and_slow():
         status, js, _ = await post(w.url + "/admin/faults", {"reject": 7})
         assert status == 400 and "reject" in js["error"]["message"]
 
-        # slow-down: the same request takes ~slow_factor times longer (simulated time)
+        # slow-down: the same work takes slow_factor times the simulated GPU time, and longer
+        # on the wall clock
         await post(w.url + "/admin/faults", {"reset": True})
         loop = asyncio.get_running_loop()
 
-        async def timed(prompt: str) -> float:
-            t = loop.time()
+        async def timed(prompt: str) -> tuple[float, float]:
+            busy, t = w.busy_sim_s, loop.time()
             await c.completions.create(model="m", prompt=prompt, max_tokens=30)
-            return loop.time() - t
+            return w.busy_sim_s - busy, loop.time() - t
 
-        base = await timed("a" * 40)
+        base_sim, base_wall = await timed("a" * 40)
         await post(w.url + "/admin/faults", {"slow_factor": 8.0})
-        slow = await timed("b" * 40)
+        slow_sim, slow_wall = await timed("b" * 40)  # same lengths, nothing cached
         await c.close()
-        assert slow > 3 * base
+        assert slow_sim == pytest.approx(8 * base_sim)
+        assert base_wall >= base_sim / 5 * 0.9  # the wall clock follows simulated time / speedup
+        assert slow_wall > 2 * base_wall
+        v = metric_values(await get_text(w.url + "/metrics"))
+        assert one(v, "sim:busy_seconds_total") == pytest.approx(w.busy_sim_s)
 
 
 async def test_hang_stops_progress_and_health_until_resumed():

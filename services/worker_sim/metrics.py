@@ -24,6 +24,7 @@ sim:gpu_mem_used_bytes / _total_bytes       gauge
 sim:gpu_mem_bw_util_percent                 gauge        HBM bandwidth utilisation
 sim:kv_blocks_total / sim:kv_blocks_free    gauge        (TRT-LLM-like max / free blocks)
 sim:max_num_seqs                            gauge        batch size limit
+sim:busy_seconds_total                      counter      simulated seconds spent stepping
 sim:kv_batches_published_total              counter      KV event batches sent on NATS
 sim:kv_batches_dropped_total                counter      label reason (fault, nats_down, ...)
 ==========================================  ===========  ======================================
@@ -134,6 +135,9 @@ class WorkerCollector(Collector):
         yield gauge("sim:gpu_mem_total_bytes", "Simulated GPU memory total", g.mem_total_bytes)
         yield gauge(
             "sim:gpu_mem_bw_util_percent", "Simulated HBM bandwidth use", g.mem_bw_util_percent
+        )
+        yield counter(
+            "sim:busy_seconds", "Simulated seconds spent stepping (incl. slow-down)", w.busy_sim_s
         )
         yield gauge("sim:kv_blocks_total", "KV blocks in the pool", c.num_gpu_blocks)
         yield gauge("sim:kv_blocks_free", "KV blocks free (incl. evictable)", e.num_free_blocks)

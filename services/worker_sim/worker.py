@@ -114,11 +114,13 @@ class SimWorker:
         self.metrics = WorkerMetrics(lambda: self, settings.model, self.worker_id)
         self.kv_published = 0
         self.kv_dropped: dict[str, int] = {}
+        self.busy_sim_s = 0.0  # simulated seconds the GPU spent stepping (incl. slow-down)
         self.alive = False
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._dump_sub: Any = None
         self._restart_task: asyncio.Task[None] | None = None
+        self._crash_task: asyncio.Task[None] | None = None
         self._drop_log = RateLimiter(30.0)
         self._lora_ids = {name: i + 1 for i, name in enumerate(settings.loras)}
         self._new_instance()
@@ -275,6 +277,7 @@ class SimWorker:
             out = self.engine.step(now * speed)
             if out is None:
                 continue
+            self.busy_sim_s += out.duration_s * self.faults.slow_factor
             dur = out.duration_s * self.faults.slow_factor / speed
             start = max(self._busy_until, now - MAX_LAG_S)
             self._busy_until = start + dur
@@ -379,8 +382,9 @@ class SimWorker:
             self._not_hung.clear()
         else:
             self._not_hung.set()
-        if self.faults.crash:
-            asyncio.create_task(self.crash(self.faults.restart_after_s))
+        if self.faults.crash and self.alive:
+            # keep a reference: the loop holds tasks weakly
+            self._crash_task = asyncio.create_task(self.crash(self.faults.restart_after_s))
 
     # ------------------------------------------------------------------ HTTP
     def make_app(self) -> web.Application:
