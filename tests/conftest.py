@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -24,6 +25,9 @@ RUN_ID = uuid.uuid4().hex[:8]
 _counter = iter(range(1_000_000))
 
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
+# Many test namespaces share one NATS server, and JetStream reserves each stream's max_bytes:
+# keep every test stream small (inherited by the services tests start as subprocesses).
+os.environ["KVGATE_STREAM_STORAGE_MB"] = "16"
 for _var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
     os.environ.pop(_var, None)
 
@@ -41,6 +45,45 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+# Stream names of test namespaces (tests: T<run id>N<n>_...) and benchmark runs (BENCH...).
+_TEST_STREAM_RE = re.compile(r"^(T[0-9A-F]{8}N[0-9]+|BENCH[0-9A-Z]*)_")
+
+
+async def _sweep_streams(url: str, only_run: str | None, older_than_s: float) -> None:
+    """Delete streams left by test or bench runs on a shared server: this run's (at the end) or
+    other runs' older than ``older_than_s`` (at the start; a crashed run cannot clean up)."""
+    import datetime as dt
+
+    import nats
+
+    nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        js = nc.jetstream()
+        now = dt.datetime.now(dt.UTC)
+        for info in await js.streams_info():
+            name = info.config.name
+            if not _TEST_STREAM_RE.match(name):
+                continue
+            if only_run is not None:
+                if name.startswith(f"T{only_run.upper()}N"):
+                    await js.delete_stream(name)
+                continue
+            created = info.created  # a datetime (nats-py parses the server's timestamp)
+            if isinstance(created, dt.datetime) and (now - created).total_seconds() > older_than_s:
+                await js.delete_stream(name)
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_streams_cleanup(nats_url: str) -> Iterator[None]:
+    with contextlib.suppress(Exception):
+        asyncio.run(_sweep_streams(nats_url, None, older_than_s=3600))
+    yield
+    with contextlib.suppress(Exception):
+        asyncio.run(_sweep_streams(nats_url, RUN_ID, older_than_s=0))
 
 
 @pytest.fixture(scope="session")

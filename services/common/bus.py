@@ -232,7 +232,7 @@ class Bus:
         subjects: list[str],
         *,
         max_age_s: float = 24 * 3600,
-        max_bytes: int = 1 << 30,
+        max_bytes: int = 64 << 20,  # reserved by JetStream: keep explicit and modest
         max_msgs_per_subject: int = -1,
         storage: StorageType = StorageType.FILE,
         retention: RetentionPolicy = RetentionPolicy.LIMITS,

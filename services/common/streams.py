@@ -13,16 +13,37 @@ idempotent setup functions, so start order does not matter.
 
 from __future__ import annotations
 
+import os
+
+from services.common import settings as S
 from services.common.bus import Bus
 from services.common.schemas import Alert, now
 
 HOUR = 3600.0
 
+# JetStream reserves each file stream's max_bytes against the server's storage limit, so the
+# sizes are a budget the operator sets once, split across the streams below (tests use a small
+# one: many test namespaces share one server).
+STREAM_STORAGE_MB = S.option(
+    "stream_storage_mb",
+    1024,
+    "JetStream storage budget (MiB) for kvgate's streams: 50% KV events, 25% outcomes, 10% each alerts",
+)
+
+
+def _budget(fraction: float) -> int:
+    raw = os.environ.get(STREAM_STORAGE_MB.env_var, "")
+    try:
+        total_mb = int(raw) if raw else STREAM_STORAGE_MB.default
+    except ValueError:
+        raise SystemExit(f"invalid {STREAM_STORAGE_MB.env_var}={raw!r}: an integer (MiB)") from None
+    return max(1 << 20, int(total_mb * fraction) << 20)
+
 
 async def ensure_kv_events_stream(bus: Bus) -> str:
     s = bus.subjects
     await bus.ensure_stream(
-        s.kv_events_stream, [s.kv_events_all], max_age_s=HOUR, max_bytes=2 << 30
+        s.kv_events_stream, [s.kv_events_all], max_age_s=HOUR, max_bytes=_budget(0.5)
     )
     return s.kv_events_stream
 
@@ -30,7 +51,7 @@ async def ensure_kv_events_stream(bus: Bus) -> str:
 async def ensure_outcomes_stream(bus: Bus) -> str:
     s = bus.subjects
     await bus.ensure_stream(
-        s.outcomes_stream, [s.router_outcomes], max_age_s=24 * HOUR, max_bytes=1 << 30
+        s.outcomes_stream, [s.router_outcomes], max_age_s=24 * HOUR, max_bytes=_budget(0.25)
     )
     return s.outcomes_stream
 
@@ -38,7 +59,11 @@ async def ensure_outcomes_stream(bus: Bus) -> str:
 async def ensure_policy_stream(bus: Bus) -> str:
     s = bus.subjects
     await bus.ensure_stream(
-        s.policy_stream, [s.policy_updated], max_msgs_per_subject=1, max_age_s=365 * 24 * HOUR
+        s.policy_stream,
+        [s.policy_updated],
+        max_msgs_per_subject=1,
+        max_age_s=365 * 24 * HOUR,
+        max_bytes=1 << 20,
     )
     return s.policy_stream
 
@@ -46,10 +71,10 @@ async def ensure_policy_stream(bus: Bus) -> str:
 async def ensure_alert_streams(bus: Bus) -> tuple[str, str]:
     s = bus.subjects
     await bus.ensure_stream(
-        s.alert_signals_stream, [s.alert_signals_all], max_age_s=24 * HOUR, max_bytes=256 << 20
+        s.alert_signals_stream, [s.alert_signals_all], max_age_s=24 * HOUR, max_bytes=_budget(0.1)
     )
     await bus.ensure_stream(
-        s.alerts_stream, [s.alerts_all], max_age_s=7 * 24 * HOUR, max_bytes=256 << 20
+        s.alerts_stream, [s.alerts_all], max_age_s=7 * 24 * HOUR, max_bytes=_budget(0.1)
     )
     return s.alert_signals_stream, s.alerts_stream
 
