@@ -217,7 +217,7 @@ async def test_seed_001_reproduction_running_1_waiting_7():
     """2560 tokens of KV, max batch 64, eight requests of 1024 + 1024 tokens: one runs, seven
     wait (as visible in the worker's metrics)."""
     engine = {"num_gpu_blocks": 160, "max_num_seqs": 64, "max_model_len": 4096}
-    async with sim_worker(worker_id="s001", speedup=5.0, engine=engine) as w:
+    async with sim_worker(worker_id="s001", speedup=2.0, engine=engine) as w:
         c = client(w.url)
         tasks = [
             asyncio.create_task(
