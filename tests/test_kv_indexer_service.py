@@ -14,6 +14,8 @@ from services.common.schemas import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    IndexDelta,
+    IndexStored,
     KvDumpRequest,
     KvEventBatch,
     KvQuery,
@@ -260,6 +262,38 @@ async def test_replica_starts_without_indexer_and_catches_up(
             await wait_until(lambda: rep.epoch == svc2.epoch and rep.delta_seq == svc2.delta_seq)
             assert rep.epoch != epoch1
             assert rep.index.find_matches(a) == {"w1": 3}
+
+
+async def test_replica_resnapshots_on_a_delta_gap(
+    bus: Bus, nats_url: str, subjects: Subjects
+) -> None:
+    await ensure_kv_events_stream(bus)
+    a = chain(10, 11)
+    async with indexer(nats_url, subjects) as svc, replica(nats_url, subjects) as rep:
+        await bus.publish(subjects.heartbeat("w1"), hb("w1"))
+        await wait_until(lambda: "w1" in svc.core.workers)
+        await bus.js_publish(subjects.kv_events("w1"), batch("w1", 0, [stored(a[:2])]))
+        await wait_until(lambda: rep.delta_seq == svc.delta_seq >= 0)
+        assert rep.snapshots == 1
+        # a delta that skips ahead (the ones in between were lost): the replica must not
+        # apply it, but re-snapshot, and converge once the indexer moves past it
+        ghost = IndexDelta(
+            epoch=svc.epoch,
+            seq=svc.delta_seq + 3,
+            ts=0.0,
+            ops=[IndexStored(worker_id="ghost", keys=a)],
+        )
+        await bus.publish_raw(subjects.kv_index_delta, encode(ghost))
+        await wait_until(lambda: rep.snapshots >= 2, what="re-snapshot")
+        for i in range(1, 6):
+            await bus.js_publish(
+                subjects.kv_events("w1"), batch("w1", i, [stored(a[i + 1 : i + 2], a[i])])
+            )
+        await wait_until(lambda: svc.core.workers["w1"].last_seq == 5)
+        await wait_until(lambda: rep.delta_seq == svc.delta_seq and not rep._want.is_set())
+        assert rep.index.find_matches(a) == svc.core.index.find_matches(a) == {"w1": 7}
+        assert "ghost" not in rep.index.workers()
+        assert rep.resyncs >= 1
 
 
 def test_indexer_cli_help() -> None:

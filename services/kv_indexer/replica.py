@@ -83,8 +83,10 @@ class IndexReplica:
         retry_max_s: float = 5.0,
         max_buffered: int = 100_000,
         max_chunk_bytes: int | None = None,
+        min_resnapshot_s: float = 0.1,
     ) -> None:
         self.max_chunk_bytes = max_chunk_bytes
+        self.min_resnapshot_s = min_resnapshot_s
         self.bus = bus
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.index = PrefixIndex()
@@ -195,6 +197,10 @@ class IndexReplica:
                 await self._snapshot_once()  # clears _want before replaying the buffer
                 backoff = 0.25
                 self._attempted.set()
+                if self._want.is_set():
+                    # the buffered deltas still run ahead of the snapshot (a delta was lost
+                    # after it): give the indexer a moment to move past them, don't spin
+                    await asyncio.sleep(self.min_resnapshot_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # no indexer yet, timeout, bad chunk: retry later
