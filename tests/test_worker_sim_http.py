@@ -140,6 +140,10 @@ async def test_tokenize_models_and_health():
 
         health = json.loads(await get_text(w.url + "/health"))
         assert health["status"] == "ok" and health["worker_id"] == "wd"
+        info = json.loads(await get_text(w.url + "/get_server_info"))
+        assert info["page_size"] == 16 and info["max_total_num_tokens"] == 512 * 16
+        assert info["max_running_requests"] == 16 and info["context_length"] == 4096
+        assert json.loads(await get_text(w.url + "/model_info"))["is_generation"] is True
 
 
 async def test_lora_requests_use_their_own_cache_space():

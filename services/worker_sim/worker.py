@@ -399,6 +399,12 @@ class SimWorker:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/tokenize", self._tokenize)
+        # SGLang-style info endpoints (sglang-router and the bridge's capacity probe read them)
+        for path in ("/get_server_info", "/server_info"):
+            app.router.add_get(path, self._server_info)
+        for path in ("/get_model_info", "/model_info"):
+            app.router.add_get(path, self._model_info)
+        app.router.add_get("/version", self._version)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/admin/faults", self._get_faults)
         app.router.add_post("/admin/faults", self._post_faults)
@@ -450,6 +456,36 @@ class SimWorker:
                 }
             )
         return web.json_response({"object": "list", "data": data})
+
+    async def _server_info(self, _r: web.Request) -> web.Response:
+        c = self.engine_config
+        return web.json_response(
+            {
+                "model_path": self.settings.model,
+                "served_model_name": self.settings.model,
+                "tokenizer_path": getattr(self.tokenizer, "name", "bytes"),
+                "page_size": c.block_size,
+                "max_total_num_tokens": c.kv_capacity_tokens,
+                "max_running_requests": c.max_num_seqs,
+                "chunked_prefill_size": c.max_num_batched_tokens,
+                "context_length": c.max_model_len,
+                "enable_prefix_caching": True,
+                "worker_id": self.worker_id,
+                "version": "kvgate-sim",
+            }
+        )
+
+    async def _model_info(self, _r: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.settings.model,
+                "tokenizer_path": getattr(self.tokenizer, "name", "bytes"),
+                "is_generation": True,
+            }
+        )
+
+    async def _version(self, _r: web.Request) -> web.Response:
+        return web.json_response({"version": "kvgate-sim"})
 
     async def _metrics(self, _r: web.Request) -> web.Response:
         return web.Response(
