@@ -279,3 +279,17 @@ async def test_recovers_by_itself_after_nats_restarts(embedded_nats):
             await watcher.js.delete_stream(watcher.subjects.kv_events_stream)
         await watcher.close()
         await bus.close()
+
+
+def test_advertised_url_and_worker_ids():
+    import socket
+
+    from services.worker_sim.app import advertise_host, worker_ids
+
+    assert advertise_host("0.0.0.0", "") == socket.gethostname()
+    assert advertise_host("sim", "") == "sim"
+    assert advertise_host("0.0.0.0", "sim.internal") == "sim.internal"
+    assert worker_ids("sim", 1) == ["sim"]
+    assert worker_ids("sim", 3) == ["sim-0", "sim-1", "sim-2"]
+    with pytest.raises(ValueError):
+        worker_ids("bad.id", 2)

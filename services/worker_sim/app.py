@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from typing import Any
 
 from services.common.bus import Bus
@@ -76,6 +77,16 @@ def fault_patch_from(st: Any) -> dict[str, Any]:
     return patch
 
 
+def advertise_host(host: str, advertise: str) -> str:
+    """The host other machines should use: explicit, else the bind host unless it is a
+    wildcard address (then this machine's hostname)."""
+    if advertise:
+        return advertise
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return host
+
+
 def worker_ids(base: str, count: int) -> list[str]:
     check_token(base, "worker id")
     return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
@@ -127,6 +138,7 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
         ws = WorkerSettings(
             worker_id=wid,
             host=st.host,
+            advertise_host=advertise_host(st.host, st.advertise_host),
             port=st.port + i,
             model=st.model,
             loras=loras,

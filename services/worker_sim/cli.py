@@ -14,6 +14,13 @@ _D = EngineConfig()
 OPTIONS = S.COMMON + (
     S.option("host", "127.0.0.1", "address to listen on", env="KVGATE_SIM_HOST"),
     S.option("port", 8100, "first HTTP port (worker i listens on port + i)", env="KVGATE_SIM_PORT"),
+    S.option(
+        "advertise_host",
+        "",
+        "host put in the URL announced in heartbeats (default: --host, or this machine's "
+        "hostname when --host is 0.0.0.0 / ::)",
+        env="KVGATE_SIM_ADVERTISE_HOST",
+    ),
     S.option("count", 1, "number of workers in this process", env="KVGATE_SIM_COUNT"),
     S.option(
         "worker_id",

@@ -74,6 +74,7 @@ class WorkerSettings:
     worker_id: str
     host: str = "127.0.0.1"
     port: int = 8100
+    advertise_host: str = ""  # host in the announced URL (default: host)
     model: str = "sim-llama-8b"
     loras: tuple[str, ...] = ()
     speedup: float = 1.0
@@ -108,7 +109,7 @@ class SimWorker:
         self.engine_config = engine_config
         self.tokenizer = tokenizer
         self.bus = bus
-        self.url = f"http://{settings.host}:{settings.port}"
+        self.url = f"http://{settings.advertise_host or settings.host}:{settings.port}"
         self.faults = Faults().update(settings.faults) if settings.faults else Faults()
         self._rng = random.Random(f"{engine_config.seed}:{settings.fault_seed}:{self.worker_id}")
         self.metrics = WorkerMetrics(lambda: self, settings.model, self.worker_id)
