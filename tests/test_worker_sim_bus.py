@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import openai
 import pytest
@@ -293,3 +294,64 @@ def test_advertised_url_and_worker_ids():
     assert worker_ids("sim", 3) == ["sim-0", "sim-1", "sim-2"]
     with pytest.raises(ValueError):
         worker_ids("bad.id", 2)
+
+
+@pytest.mark.slow
+def test_cli_process_serves_and_stops_on_sigterm(nats_url: str, subject_prefix: str, tmp_path):
+    """The real command: ``kvgate sim-worker --count 2`` answers on both ports and exits
+    promptly and cleanly on SIGTERM, also after a failed start (port taken)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.conftest import wait_for_port
+
+    port = free_port()
+    while not all(_free(port + i) for i in range(2)):
+        port = free_port()
+    env = {**os.environ, "KVGATE_NATS_URL": nats_url, "KVGATE_SUBJECT_PREFIX": subject_prefix}
+    cmd = [sys.executable, "-m", "services.cli", "sim-worker", "--count", "2"]
+    log = open(tmp_path / "sim.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd + ["--port", str(port)], env=env, stdout=log, stderr=log)
+    try:
+        wait_for_port(port + 1, timeout=20)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/health", timeout=5) as r:
+            assert json.loads(r.read())["worker_id"] == "sim-1"
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert time.monotonic() - t < 10
+        # a port already taken: a clear error and a prompt, non-zero exit (no hang)
+        blocker = socket.socket()
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        blocker.bind(("127.0.0.1", port + 1))
+        blocker.listen()
+        try:
+            failed = subprocess.run(
+                cmd + ["--port", str(port)], env=env, capture_output=True, text=True, timeout=30
+            )
+        finally:
+            blocker.close()
+        assert failed.returncode != 0
+        assert "cannot listen" in failed.stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        with contextlib.suppress(Exception):
+            asyncio.run(_drop_stream(nats_url, subject_prefix))
+
+
+async def _drop_stream(nats_url: str, prefix: str) -> None:
+    from services.common.subjects import Subjects
+
+    b = Bus(nats_url, "cleanup", Subjects(prefix))
+    await b.connect(max_wait_s=5)
+    try:
+        await b.js.delete_stream(b.subjects.kv_events_stream)
+    finally:
+        await b.close()
