@@ -92,6 +92,7 @@ async def _run(a: argparse.Namespace, child: subprocess.Popen, port: int) -> dic
         *(_client(u, stop_at, a.max_tokens, itls, seq) for u in urls for _ in range(a.concurrency))
     )
     cpu1, t1 = _cpu_seconds(child.pid), time.monotonic()
+    published, dropped = await _kv_counts(urls)
     c = EngineConfig()
     ctx = 30 * 24 + a.max_tokens // 2  # typical context during decode
     model_itl = (
@@ -110,7 +111,28 @@ async def _run(a: argparse.Namespace, child: subprocess.Popen, port: int) -> dic
         "itl_median_ms": round(1000 * med, 2),
         "itl_model_ms": round(1000 * model_itl, 2),
         "itl_ratio": round(med / model_itl, 2) if itls else None,
+        "kv_batches_published": published,
+        "kv_batches_dropped": dropped,
     }
+
+
+async def _kv_counts(urls: list[str]) -> tuple[int, dict[str, int]]:
+    """KV batches published on NATS and dropped (by reason), summed over the workers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    published, dropped = 0, {}
+    async with aiohttp.ClientSession() as s:
+        for u in urls:
+            async with s.get(u + "/metrics") as r:
+                text = await r.text()
+            for fam in text_string_to_metric_families(text):
+                for sm in fam.samples:
+                    if sm.name == "sim:kv_batches_published_total":
+                        published += int(sm.value)
+                    elif sm.name == "sim:kv_batches_dropped_total":
+                        reason = sm.labels["reason"]
+                        dropped[reason] = dropped.get(reason, 0) + int(sm.value)
+    return published, dropped
 
 
 async def _delete_stream(url: str) -> None:
