@@ -183,12 +183,20 @@ class PrefixIndex:
         tiers = self._tiers
         if tier == "gpu":
             if not tiers:
+                # setdefault inserts a new key (at the end: most recent) in one probe; an
+                # existing key is moved to the end (LRU touch) with our bit added
+                setdefault = d.setdefault
+                n = len(d)
                 for k in keys:
-                    m = pop(k, 0)
+                    m = setdefault(k, bit)
+                    if len(d) != n:
+                        n += 1
+                        added += 1
+                        continue
+                    del d[k]
+                    d[k] = m | bit
                     if not m & bit:
                         added += 1
-                        m |= bit
-                    d[k] = m
             else:
                 sh = 3 * s
                 for k in keys:
