@@ -196,7 +196,7 @@ def bench_ingest(events, pairs_expected: int) -> tuple[float, float | None, int,
     for i, raw in enumerate(raws):
         batch(decode_batch(raw))
         if i % 64 == 63:
-            flush()  # the service flushes deltas once per fetched batch of messages
+            flush()  # the service flushes deltas once per burst of messages
     flush()
     ours = blocks / (time.perf_counter() - t0)
     peer = None

@@ -1,8 +1,9 @@
 """The kv_indexer service shell: NATS in and out, timers, HTTP. The logic is in core.py.
 
-- KV events: durable JetStream pull consumer on KV_EVENTS (ack-all after each fetched batch is
-  applied and its deltas are queued), so a restart resumes where it stopped; a restarted
-  indexer rebuilds each worker's blocks by resyncing (full dump) as heartbeats show it.
+- KV events: durable JetStream push consumer on KV_EVENTS (ack-all at the end of each burst
+  of messages, once its deltas are queued), so a restart resumes where it stopped; a
+  restarted indexer rebuilds each worker's blocks by resyncing (full dump) as heartbeats
+  show it.
 - Heartbeats ``workers.heartbeat.*`` register workers; a timer expires them and spots gaps.
 - Resyncs: ``workers.kvdump.<worker>`` request/reply, counted.
 - Deltas: ordered IndexDelta on ``kv.index.delta`` (one publisher task keeps the order);
@@ -69,8 +70,8 @@ DELTAS = Counter("kvgate_indexer_deltas_total", "Index deltas published")
 SNAPSHOTS = Counter("kvgate_indexer_snapshots_total", "Snapshots served")
 QUERIES = Counter("kvgate_indexer_queries_total", "kv.query requests answered")
 APPLY_SECONDS = Histogram(
-    "kvgate_indexer_fetch_apply_seconds",
-    "Time to apply one fetched batch of stream messages",
+    "kvgate_indexer_burst_apply_seconds",
+    "Time to apply one burst of stream messages (until the subscription queue drained)",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
 )
 
@@ -116,10 +117,10 @@ class IndexerService:
         dump_timeout_s: float = 5.0,
         tick_s: float = 0.1,
         durable: str | None = None,
-        fetch_batch: int = 512,  # ack-all every this many messages (and at each burst end)
+        ack_every: int = 512,  # ack-all every this many messages (and at each burst end)
     ) -> None:
         self.bus = bus
-        self.fetch_batch = fetch_batch
+        self.ack_every = ack_every
         self._log = RateLimiter(60.0)
         self.core = IndexerCore(
             max_blocks=max_blocks,
@@ -252,7 +253,7 @@ class IndexerService:
             ack_policy=AckPolicy.ALL,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=30.0,
-            max_ack_pending=self.fetch_batch * 64,
+            max_ack_pending=self.ack_every * 64,
         )
         while True:
             try:
@@ -280,7 +281,7 @@ class IndexerService:
         self.on_batch_bytes(msg.data)
         self._unacked = msg
         self._since_ack += 1
-        if self._since_ack >= self.fetch_batch:
+        if self._since_ack >= self.ack_every:
             self._since_ack = 0
             self._unacked = None
             with contextlib.suppress(Exception):
