@@ -233,6 +233,7 @@ async def test_end_to_end_with_simulated_worker_zmq(
             "br-z0",
             f"tcp://127.0.0.1:{pub_port}",
             f"tcp://127.0.0.1:{replay_port}",
+            engine_url=w.url,
         ) as zb,
     ):
 
@@ -272,6 +273,9 @@ async def test_end_to_end_with_simulated_worker_zmq(
             what="both views agree",
         )
         assert zb.gaps >= 1 and zb.replays >= 1 and zb.replay_failures == 0
+        # the heartbeat's capacity comes from the engine's vllm:cache_config_info
+        assert zb.rt.capacity().num_gpu_blocks == w.heartbeat().capacity.num_gpu_blocks
+        assert svc.core.workers["br-z0"].url == w.url
         assert zb.rt.rekeyer.counts.get("unknown_parent", 0) == 0
         toks = list((f"{system} question {7:03d}" * 4).encode())
         m = svc.core.index.find_matches(block_keys(toks, 16))

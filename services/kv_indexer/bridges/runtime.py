@@ -3,7 +3,8 @@ JetStream, heartbeat on the engine's behalf, answer kvdump requests, count bad i
 
 Invariants:
 - outgoing ``seq`` is assigned when the Rekeyer's state changes (synchronously), so a dump
-  answered at any moment carries the seq its content corresponds to; a batch whose publish
+  answered at any moment carries the seq its content corresponds to; every instance starts
+  with an AllBlocksCleared batch at seq 0; a batch whose publish
   fails still consumed its seq (the indexer sees the gap and asks us for a dump);
 - heartbeats stop while the engine does not answer (so the indexer drops its blocks), and a
   new engine instance gets a new ``instance_id`` (so the indexer clears its old blocks).
@@ -25,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
+    AllBlocksCleared,
     KvDumpRequest,
     KvEvent,
     KvEventBatch,
@@ -120,6 +122,7 @@ class BridgeRuntime:
         self._sub = await self.bus.serve(
             self.bus.subjects.kv_dump(self.worker_id), KvDumpRequest, self._on_dump
         )
+        self.emit([AllBlocksCleared()])  # seq 0: this instance starts empty (dumps need a seq)
         self._tasks.append(asyncio.create_task(self._publisher(), name="bridge-publish"))
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="bridge-heartbeat"))
 
@@ -143,6 +146,7 @@ class BridgeRuntime:
         self.instance_id = uuid.uuid4().hex[:16]
         self.out_seq = -1
         self.published_seq = -1
+        self.emit([AllBlocksCleared()])
         log.info(
             "engine restarted: new instance", worker_id=self.worker_id, instance=self.instance_id
         )
@@ -189,7 +193,7 @@ class BridgeRuntime:
         return KvEventBatch(
             worker_id=self.worker_id,
             instance_id=self.instance_id,
-            seq=max(self.out_seq, 0),
+            seq=self.out_seq,  # >= 0: start() emits seq 0
             ts=time.time(),
             events=self.rekeyer.dump(),
         )
