@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -21,6 +21,10 @@ class Endpoint:
     text: str = ""
     status: int = 200
     hits: int = 0
+    # "prometheus": honour ?name[]=... like prometheus-client's exposition apps (vLLM/SGLang);
+    # "ignore": serve everything; "broken": answer a filtered request with unrelated metrics
+    name_filter: str = "ignore"
+    queries: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -31,11 +35,25 @@ class Endpoint:
 async def endpoint(text: str = "") -> AsyncIterator[Endpoint]:
     ep = Endpoint(port=free_port(), text=text)
 
-    async def metrics(_r: web.Request) -> web.Response:
+    async def metrics(r: web.Request) -> web.Response:
         ep.hits += 1
+        ep.queries.append(r.query_string)
         if ep.status != 200:
             return web.Response(status=ep.status, text="boom")
-        return web.Response(text=ep.text, content_type="text/plain")
+        names = set(r.query.getall("name[]", []))
+        text = ep.text
+        if names and ep.name_filter == "prometheus":
+            text = (
+                "\n".join(
+                    line
+                    for line in text.splitlines()
+                    if not line.startswith("#") and line.split("{")[0].split(" ")[0] in names
+                )
+                + "\n"
+            )
+        elif names and ep.name_filter == "broken":
+            text = "process_cpu_seconds_total 1.0\n"
+        return web.Response(text=text, content_type="text/plain")
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)

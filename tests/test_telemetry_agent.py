@@ -287,3 +287,25 @@ async def test_xid_error_and_kv_event_counting(bus: Bus, fake_pynvml) -> None:
             assert agent.kv_events["x"] == 1
         finally:
             await agent.stop()
+
+
+@pytest.mark.parametrize("mode", ["prometheus", "broken", "ignore"])
+async def test_name_filter_is_used_where_honoured_and_dropped_where_not(
+    bus: Bus, mode: str
+) -> None:
+    async with endpoint(vllm_text(6, 2, 0.5, queries=10, hits=5)) as ep:
+        ep.name_filter = mode
+        q = await collect(bus, bus.subjects.telemetry("f"), WorkerLoad)
+        agent = await start_agent(
+            bus, use_nvml=False, static_targets=parse_targets(f"f={ep.url}@vllm")
+        )
+        try:
+            for _ in range(3):  # several scrapes: the fallback (if any) has happened by then
+                load = await next_matching(q, lambda m: not m.stale)
+                assert (load.running, load.waiting, load.kv_usage) == (6, 2, 0.5)
+                assert (load.prefix_cache_queries, load.kv_capacity_tokens) == (10, 2560)
+            assert "name[]=vllm:num_requests_running" in ep.queries[0]  # (decoded by aiohttp)
+            filtered_last = "name[]" in ep.queries[-1]
+            assert filtered_last is (mode != "broken")
+        finally:
+            await agent.stop()

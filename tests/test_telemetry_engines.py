@@ -38,7 +38,24 @@ def test_vllm_exposition_is_normalised() -> None:
     assert (r.prompt_tokens_sum, r.prompt_tokens_count) == (12000, 10)
     assert (r.max_tokens_sum, r.max_tokens_count) == (2560, 10)
     # histogram buckets and unrelated families never reach the parser
-    assert "time_to_first_token" not in select_lines(text)
+    selected = select_lines(text)
+    assert selected and not any("time_to_first_token" in line for line in selected)
+    assert all(line.startswith("vllm:") for line in selected)
+
+
+def test_series_are_parsed_once_and_values_every_time() -> None:
+    first = parse_metrics(vllm_text(1, 2, 0.1))
+    again = parse_metrics(vllm_text(7, 9, 0.8))  # same series, new values
+    assert (first.running, first.waiting) == (1, 2)
+    assert (again.running, again.waiting, again.kv_usage) == (7, 9, pytest.approx(0.8))
+    # an optional timestamp after the value is ignored; labels with '}' inside quotes are fine
+    text = (
+        'vllm:num_requests_running{model_name="a}b"} 4 1700000000000\nvllm:num_requests_waiting 3\n'
+    )
+    r = parse_metrics(text)
+    assert (r.running, r.waiting) == (4, 3)
+    with pytest.raises(ValueError):
+        parse_metrics('vllm:num_requests_running{model_name="x"}\n')
 
 
 def test_vllm_data_parallel_ranks_are_summed_and_fractions_averaged() -> None:

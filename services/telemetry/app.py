@@ -38,11 +38,14 @@ from services.common.streams import ensure_alert_streams, raise_alert
 
 from . import exporter, procmap
 from .detectors import DetectorSet, Observation, build_rules
-from .engines import EngineReading, parse_metrics
+from .engines import EngineReading, filter_query, parse_metrics
+from .httpget import FastGet, HttpError
 from .nvml import GpuCollector, open_collector
 from .targets import GpuAssignment, Target, assign_gpus, metrics_url
 
 log = get_logger("telemetry")
+_SCRAPES_OK = exporter.SCRAPES.labels("ok")
+_SCRAPES_ERR = exporter.SCRAPES.labels("error")
 
 
 @dataclass
@@ -64,6 +67,8 @@ class AgentConfig:
     max_new_tokens: float = 0.0
     min_observed_requests: int = 8
     use_nvml: bool = True
+    filter_query: bool = True  # ask vLLM/SGLang/sim for only the needed series (name[]=...)
+    batch_publish: bool = True  # publish each tick's samples together at mid-tick
 
 
 @dataclass
@@ -77,6 +82,8 @@ class _Worker:
     prompt_obs: deque[int] = field(default_factory=lambda: deque(maxlen=256))
     new_obs: deque[int] = field(default_factory=lambda: deque(maxlen=256))
     pids: set[int] = field(default_factory=set)
+    filter_ok: bool = True  # the endpoint answers the name[] filter usefully
+    detected: str | None = None  # engine seen in the last reading (when not configured)
 
 
 class Agent:
@@ -92,13 +99,15 @@ class Agent:
         self.nvml_reason = "not started"
         self.gpu_samples: list[GpuSample] = []
         self.assignment = GpuAssignment()
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # https targets
+        self._fast = FastGet(config.max_body_bytes)  # http targets (the common case)
         self._sem = asyncio.Semaphore(config.max_concurrency)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending_alerts: deque[Alert] = deque(maxlen=10_000)
         self._subs: list[Any] = []
         self._err_log = RateLimiter(60.0)
         self._gpu_busy = False
+        self._outbox: list[WorkerLoad] = []
         self.ticks = 0
         self.published = 0
         self.alerts_sent: list[Alert] = []  # last transitions (bounded), for /health and tests
@@ -149,6 +158,7 @@ class Agent:
                 await sub.unsubscribe()
         if self._session is not None:
             await self._session.close()
+        self._fast.close()
         exporter.unregister(self._collector)
         if self.gpu is not None:
             await asyncio.to_thread(self.gpu.close)
@@ -212,6 +222,10 @@ class Agent:
                 if not w.inflight:
                     w.inflight = True
                     self._spawn(self._scrape(w), "scrape")
+            if self.cfg.batch_publish:
+                # publish what finished by mid-tick in one burst (one socket write for all)
+                await asyncio.sleep(max(0.0, next_at + interval / 2 - loop.time()))
+                await self._flush_outbox()
             next_at += interval
             delay = next_at - loop.time()
             if delay < 0:  # fell behind (overloaded host): skip missed ticks, do not burst
@@ -237,6 +251,12 @@ class Agent:
         return [g for g in self.gpu_samples if g.index in wanted]
 
     async def _fetch(self, url: str) -> str:
+        if url.startswith("http://"):
+            async with self._sem:
+                status, body = await self._fast.get(url, self.cfg.scrape_timeout_s)
+            if status != 200:
+                raise _ScrapeError("http", f"HTTP {status} from {url}")
+            return body.decode("utf-8", errors="replace")
         assert self._session is not None
         async with self._sem, self._session.get(url) as resp:
             if resp.status != 200:
@@ -253,17 +273,16 @@ class Agent:
         started = time.time()
         t0 = time.perf_counter()
         try:
-            text = await self._fetch(t.url)
-            reading = parse_metrics(text, t.engine)
+            reading = await self._read_engine(w)
             load = self._load_from(w, reading, started)
             typ = self._typicals(w, reading)
-            exporter.SCRAPES.labels("ok").inc()
+            _SCRAPES_OK.inc()
         except asyncio.CancelledError:
             w.inflight = False
             raise
         except Exception as exc:
             reason, text = _classify(exc)
-            exporter.SCRAPES.labels("error").inc()
+            _SCRAPES_ERR.inc()
             exporter.SCRAPE_ERRORS.labels(t.worker_id, reason).inc()
             self._log_once(
                 ("scrape", t.worker_id, reason),
@@ -286,12 +305,47 @@ class Agent:
         w.inflight = False
         w.last = load
         self._remember(w, load, typ)
+        if self.cfg.batch_publish:
+            self._outbox.append(load)
+            return
         try:
             await self.bus.publish(self.bus.subjects.telemetry(t.worker_id), load)
             self.published += 1
         except Exception as exc:
             exporter.PUBLISH_ERRORS.inc()
             self._log_once("publish", "telemetry publish failed", error=repr(exc))
+
+    async def _flush_outbox(self) -> None:
+        out, self._outbox = self._outbox, []
+        subjects = self.bus.subjects
+        for load in out:
+            try:
+                await self.bus.publish(subjects.telemetry(load.worker_id), load)
+                self.published += 1
+            except Exception as exc:
+                exporter.PUBLISH_ERRORS.inc()
+                self._log_once("publish", "telemetry publish failed", error=repr(exc))
+
+    async def _read_engine(self, w: _Worker) -> EngineReading:
+        """Scrape and parse; asks for just the needed series (``name[]`` filter) where the
+        engine's exposition supports it, and drops the filter for good for a target whose
+        filtered answer holds none of them (an exposition that reads the query differently)."""
+        t = w.target
+        engine = t.engine or w.detected
+        query = filter_query(engine) if self.cfg.filter_query and w.filter_ok else ""
+        if not query:
+            reading = parse_metrics(await self._fetch(t.url), t.engine)
+        else:
+            sep = "&" if "?" in t.url else "?"
+            text = await self._fetch(t.url + sep + query)
+            try:
+                reading = parse_metrics(text, t.engine)
+            except ValueError:
+                w.filter_ok = False
+                log.info("metrics name filter not usable, scraping in full", worker=t.worker_id)
+                reading = parse_metrics(await self._fetch(t.url), t.engine)
+        w.detected = reading.source
+        return reading
 
     def _typicals(self, w: _Worker, r: EngineReading) -> tuple[float | None, float | None]:
         cfg = self.cfg
@@ -488,7 +542,7 @@ class _ScrapeError(Exception):
 
 
 def _classify(exc: BaseException) -> tuple[str, str]:
-    if isinstance(exc, _ScrapeError):
+    if isinstance(exc, _ScrapeError | HttpError):
         return exc.reason, str(exc)
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return "timeout", "scrape timed out"

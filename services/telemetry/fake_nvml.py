@@ -50,6 +50,7 @@ class FakeGpu:
     pcie_tx_total: int = 0
     pcie_rx_rate: float = 0.0  # bytes/s the counters advance by, on the monotonic clock
     pcie_tx_rate: float = 0.0
+    counters_at: float | None = None  # when the counters were last advanced
     sm_clock: int = 1980
     mem_clock: int = 2619
     temperature: int = 40
@@ -94,7 +95,6 @@ def make_module(gpus: list[FakeGpu] | None = None, *, init_error: int | None = N
             g.uuid = f"GPU-fake-{i:04d}"
     events: deque[_EventData] = deque()
     state = {"init": False, "calls": 0}
-    t_start = time.monotonic()
 
     mod.NVMLError = NVMLError
     for k, v in list(globals().items()):
@@ -171,16 +171,18 @@ def make_module(gpus: list[FakeGpu] | None = None, *, init_error: int | None = N
     def nvmlDeviceGetFieldValues(h: FakeGpu, ids: list[int]) -> list[_FieldValue]:
         g = _dev(h)
         now = time.monotonic()
+        if g.counters_at is not None:  # advance the cumulative counters at the current rates
+            g.pcie_rx_total += int(g.pcie_rx_rate * (now - g.counters_at))
+            g.pcie_tx_total += int(g.pcie_tx_rate * (now - g.counters_at))
+        g.counters_at = now
         out = []
         for fid in ids:
             if fid in (198, 197) and "pcie_counters" in g.unsupported:
                 out.append(_FieldValue(fid, NVML_ERROR_NOT_SUPPORTED, 3, _Value()))
             elif fid == 198:
-                rx = g.pcie_rx_total + int(g.pcie_rx_rate * (now - t_start))
-                out.append(_FieldValue(fid, 0, 3, _Value(ullVal=rx), int(now * 1e6)))
+                out.append(_FieldValue(fid, 0, 3, _Value(ullVal=g.pcie_rx_total), int(now * 1e6)))
             elif fid == 197:
-                tx = g.pcie_tx_total + int(g.pcie_tx_rate * (now - t_start))
-                out.append(_FieldValue(fid, 0, 3, _Value(ullVal=tx), int(now * 1e6)))
+                out.append(_FieldValue(fid, 0, 3, _Value(ullVal=g.pcie_tx_total), int(now * 1e6)))
             elif fid == 186 and "power_field" not in g.unsupported:
                 out.append(_FieldValue(fid, 0, 1, _Value(uiVal=g.power_mw)))
             else:

@@ -1,0 +1,427 @@
+"""Cost of the telemetry agent: 64 GPUs (fake NVML) and 64 engine endpoints at 10 Hz.
+
+Target (issue 6): <= 2% of one core. Measures the agent's process CPU time
+(``time.process_time``: all its threads, including the NVML sampling thread) over a fixed
+window while it scrapes, parses, samples, publishes to a real NATS and runs its detectors.
+The 64 endpoints are served from a separate process, so their CPU is not counted; each returns
+a vLLM-like exposition of realistic size (HELP/TYPE lines, ~15 histograms, process metrics)
+whose gauges change on every request.
+
+Run: ``python -m bench.bench_telemetry [--duration 20] [--workers 64] [--gpus 64]``
+(``--mode engines|gpus|all`` isolates the parts; ``--full-parse`` measures the naive variant
+that hands the whole exposition to prometheus-client's parser, for comparison). Writes JSON to
+``bench/results/telemetry/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import resource
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+TARGET_PCT = 2.0
+HIST = {
+    "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
+    "vllm:time_to_first_token_seconds": [
+        0.001,
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+        160.0,
+        640.0,
+        2560.0,
+    ],
+    "vllm:inter_token_latency_seconds": [
+        0.01,
+        0.025,
+        0.05,
+        0.075,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+    ],
+    "vllm:e2e_request_latency_seconds": [
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+        120.0,
+        240.0,
+        480.0,
+        960.0,
+        1920.0,
+        7680.0,
+    ],
+    "vllm:request_queue_time_seconds": [
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+    ],
+    "vllm:request_inference_time_seconds": [
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+    ],
+    "vllm:request_prefill_time_seconds": [
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+    ],
+    "vllm:request_decode_time_seconds": [
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+    ],
+    "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 8192],
+    "vllm:request_generation_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
+    "vllm:request_params_max_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000],
+    "vllm:request_max_num_generation_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
+    "vllm:request_params_n": [1, 2, 5, 10, 20],
+}
+
+
+def exposition(rng: random.Random, n: int) -> str:
+    """A vLLM-like /metrics body; gauges and counters move with ``n`` (request number)."""
+    lab = 'engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"'
+    out: list[str] = []
+    for i, name in enumerate(
+        ("python_gc_objects_collected", "python_gc_objects_uncollectable", "python_gc_collections")
+    ):
+        out.append(f"# HELP {name}_total Python GC stat\n# TYPE {name}_total counter")
+        for gen in range(3):
+            out.append(f'{name}_total{{generation="{gen}"}} {1000.0 * (i + 1) + gen}')
+    for name in (
+        "process_virtual_memory_bytes",
+        "process_resident_memory_bytes",
+        "process_start_time_seconds",
+        "process_cpu_seconds_total",
+        "process_open_fds",
+        "process_max_fds",
+    ):
+        out.append(f"# HELP {name} process stat\n# TYPE {name} gauge\n{name} {1.7e9 + n}")
+    running = rng.randint(0, 64)
+    waiting = rng.randint(0, 20)
+    for name, value in (
+        ("vllm:num_requests_running", running),
+        ("vllm:num_requests_waiting", waiting),
+        ("vllm:kv_cache_usage_perc", round(rng.random(), 4)),
+        ("vllm:engine_sleep_state", 0),
+    ):
+        out.append(f"# HELP {name} gauge\n# TYPE {name} gauge\n{name}{{{lab}}} {value}")
+    for name, value in (
+        ("vllm:num_preemptions", n // 100),
+        ("vllm:prompt_tokens", 1000.0 * n),
+        ("vllm:generation_tokens", 200.0 * n),
+        ("vllm:prefix_cache_queries", 1000.0 * n),
+        ("vllm:prefix_cache_hits", 600.0 * n),
+    ):
+        out.append(f"# HELP {name} counter\n# TYPE {name} counter")
+        out.append(f"{name}_total{{{lab}}} {float(value)}")
+        out.append(f"{name}_created{{{lab}}} 1.7e+09")
+    out.append("# HELP vllm:request_success requests\n# TYPE vllm:request_success counter")
+    for reason in ("stop", "length", "abort"):
+        out.append(f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {float(n)}')
+    out.append(
+        "# HELP vllm:cache_config_info cache config\n# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",'
+        'cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",'
+        'is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="27000",'
+        'num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256",sliding_window="None",'
+        'swap_space="4"} 1.0'
+    )
+    for name, buckets in HIST.items():
+        out.append(f"# HELP {name} histogram\n# TYPE {name} histogram")
+        total = n
+        for k, le in enumerate(buckets):
+            out.append(
+                f'{name}_bucket{{{lab},le="{float(le)}"}} {float(total * (k + 1) // len(buckets))}'
+            )
+        out.append(f'{name}_bucket{{{lab},le="+Inf"}} {float(total)}')
+        out.append(f"{name}_count{{{lab}}} {float(total)}")
+        out.append(f"{name}_sum{{{lab}}} {total * 1.2345}")
+        out.append(f"{name}_created{{{lab}}} 1.7e+09")
+    return "\n".join(out) + "\n"
+
+
+def _serve_endpoints(ports: list[int], ready: Any) -> None:
+    """Child process: 64 engine-like HTTP endpoints (their CPU is not the agent's)."""
+    from aiohttp import web
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def main() -> None:
+        rng = random.Random(1)
+        counter = {"n": 0}
+
+        async def metrics(_r: web.Request) -> web.Response:
+            counter["n"] += 1
+            return web.Response(text=exposition(rng, counter["n"]), content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        for p in ports:
+            await web.TCPSite(runner, "127.0.0.1", p).start()
+        ready.send(len(exposition(rng, 1)))
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+async def measure(args: argparse.Namespace, nats_url: str, ports: list[int]) -> dict[str, Any]:
+    from services.common.bus import Bus
+    from services.common.subjects import Subjects
+    from services.telemetry import engines, fake_nvml
+    from services.telemetry.app import Agent, AgentConfig
+    from services.telemetry.targets import Target
+
+    use_engines = args.mode in ("all", "engines")
+    use_gpus = args.mode in ("all", "gpus")
+    gpus = [
+        fake_nvml.FakeGpu(
+            sm_util=50 + i % 50,
+            mem_util=30,
+            mem_used=(40 + i % 30) * 2**30,
+            pcie_rx_rate=1e9,
+            pcie_tx_rate=5e8,
+        )
+        for i in range(args.gpus)
+    ]
+    sys.modules["pynvml"] = fake_nvml.make_module(gpus)
+    if args.full_parse:  # naive variant: the whole exposition goes through the parser
+        from prometheus_client.parser import text_string_to_metric_families
+
+        def naive(texts: list[str]) -> Any:
+            for fam in text_string_to_metric_families(texts[0]):
+                for s in fam.samples:
+                    yield s.name, s.labels, float(s.value)
+
+        engines.select_lines = lambda text: [text]  # type: ignore[assignment]
+        engines.iter_samples = naive  # type: ignore[assignment]
+    targets = {}
+    if use_engines:
+        targets = {
+            f"w{i}": Target(
+                worker_id=f"w{i}", url=f"http://127.0.0.1:{p}/metrics", engine="vllm", static=True
+            )
+            for i, p in enumerate(ports)
+        }
+    gpu_map = {f"w{i}": (i % max(1, args.gpus),) for i in range(args.workers)}
+    bus = Bus(nats_url, "bench-telemetry", Subjects(f"bench{uuid.uuid4().hex[:8]}"))
+    await bus.connect(max_wait_s=10)
+    cfg = AgentConfig(
+        interval_s=1.0 / args.hz,
+        static_targets=targets,
+        gpu_map=gpu_map,
+        use_nvml=use_gpus,
+        mapping_refresh_s=3600,
+    )
+    agent = Agent(bus, cfg)
+    await agent.start()
+    await asyncio.sleep(args.warmup)  # warm-up period of the benchmark, not a synchronisation
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0, c0, p0, tick0 = time.monotonic(), time.process_time(), agent.published, agent.ticks
+    await asyncio.sleep(args.duration)  # the measurement window
+    t1, c1, p1, tick1 = time.monotonic(), time.process_time(), agent.published, agent.ticks
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    stale = sum(1 for load in agent.latest_loads().values() if load.stale)
+    await agent.stop()
+    await bus.close()
+    wall = t1 - t0
+    cpu = c1 - c0
+    return {
+        "mode": args.mode,
+        "full_parse": args.full_parse,
+        "workers": len(targets),
+        "gpus": args.gpus if use_gpus else 0,
+        "hz": args.hz,
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 3),
+        "cpu_pct_of_one_core": round(100.0 * cpu / wall, 2),
+        "user_pct": round(100.0 * (r1.ru_utime - r0.ru_utime) / wall, 2),
+        "system_pct": round(100.0 * (r1.ru_stime - r0.ru_stime) / wall, 2),
+        "target_pct": TARGET_PCT,
+        "publishes_per_s": round((p1 - p0) / wall, 1),
+        "expected_publishes_per_s": len(targets) * args.hz,
+        "ticks_per_s": round((tick1 - tick0) / wall, 2),
+        "stale_workers_at_end": stale,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--workers", type=int, default=64)
+    p.add_argument("--gpus", type=int, default=64)
+    p.add_argument("--hz", type=float, default=10.0)
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--mode", choices=["all", "engines", "gpus"], default="all")
+    p.add_argument("--full-parse", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print a cProfile of the agent")
+    p.add_argument("--nats-url", default="")
+    p.add_argument("--out", default="bench/results/telemetry")
+    args = p.parse_args(argv)
+
+    from services.common.embedded import EmbeddedNats, free_port, port_open
+    from services.common.logging import configure_logging
+
+    configure_logging("bench-telemetry", "warning", "console")
+    server = None
+    nats_url = args.nats_url
+    if not nats_url:
+        if port_open("127.0.0.1", 4222):
+            nats_url = "nats://127.0.0.1:4222"
+        else:
+            server = EmbeddedNats(Path(tempfile.mkdtemp(prefix="bench-nats-")))
+            server.start()
+            nats_url = server.url
+    ports = [free_port() for _ in range(args.workers)]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_endpoints, args=(ports, child), daemon=True)
+    proc.start()
+    try:
+        body_bytes = parent.recv()
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+        if args.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            result = prof.runcall(asyncio.run, measure(args, nats_url, ports))
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        else:
+            result = asyncio.run(measure(args, nats_url, ports))
+        result["exposition_bytes"] = body_bytes
+        result["cpu_count"] = os.cpu_count()
+    finally:
+        proc.terminate()
+        proc.join(5)
+        if server is not None:
+            server.stop()
+    ok = result["cpu_pct_of_one_core"] <= TARGET_PCT
+    print(json.dumps(result, indent=2))
+    print(
+        f"\ntelemetry agent: {result['cpu_pct_of_one_core']:.2f}% of one core "
+        f"(target <= {TARGET_PCT}%: {'met' if ok else 'MISSED by %.1fx' % (result['cpu_pct_of_one_core'] / TARGET_PCT)})"
+        f" | {result['workers']} endpoints x {args.hz:g} Hz, {result['gpus']} GPUs, "
+        f"{result['publishes_per_s']}/{result['expected_publishes_per_s']:g} publishes/s"
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{args.mode}{'-fullparse' if args.full_parse else ''}.json"
+    (out / name).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
