@@ -189,6 +189,8 @@ def test_compose_services_come_up_route_and_stop_cleanly(
         if name in SERVICES:
             out[HOST_VARS[name]] = "127.0.0.1"
             out[SERVICES[name][1]] = str(port)
+        if "KVGATE_SIM_ADVERTISE_HOST" in environment_of(svc):  # no Docker DNS here
+            out["KVGATE_SIM_ADVERTISE_HOST"] = "127.0.0.1"
         return {k: v for k, v in out.items() if k in environment_of(svc) or k.endswith("_PORT")}
 
     kvgate = [sys.executable, "-m", "services.cli"]
