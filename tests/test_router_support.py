@@ -31,7 +31,7 @@ from services.common.schemas import (
 )
 from services.common.service import start_http
 from services.common.tokenizer import ByteTokenizer, prompt_from_request
-from services.router.app import Router
+from services.router.app import Router, start_router_http
 from services.router.cli import settings
 
 BS = 16
@@ -316,7 +316,7 @@ class RouterProc:
         await self.bus.connect(max_wait_s=10)
         self.router = Router(st, self.bus)
         await self.router.start()
-        self._runner = await start_http(self.router.make_app(), "127.0.0.1", self.port)
+        self._runner = await start_router_http(self.router, "127.0.0.1", self.port, shutdown_s=0.5)
         return self
 
     async def stop(self) -> None:

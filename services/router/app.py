@@ -1013,15 +1013,26 @@ class _Upstream5xx(Exception):
         self.detail = detail
 
 
+async def start_router_http(
+    router: Router, host: str, port: int, shutdown_s: float = 5.0
+) -> web.AppRunner:
+    """Serve the router's app; on stop, in-flight requests get ``shutdown_s`` to finish."""
+    runner = web.AppRunner(
+        router.make_app(), access_log=None, handle_signals=False, shutdown_timeout=shutdown_s
+    )
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    return runner
+
+
 async def serve(st: Any, stop: asyncio.Event) -> None:
-    from services.common.service import start_http
     from services.common.subjects import Subjects
 
     bus = Bus(st.nats_url, f"router-{st.router_id or 'r'}", Subjects(st.subject_prefix))
     await bus.connect()
     router = Router(st, bus)
     await router.start()
-    runner = await start_http(router.make_app(), st.host, st.port)
+    runner = await start_router_http(router, st.host, st.port)
     log.info(
         "router listening",
         host=st.host,
