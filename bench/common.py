@@ -137,8 +137,10 @@ def parse_policies(text: str) -> list[tuple[str, dict[str, Any]]]:
         else:
             name, params = item, {}
         label = name.strip()
+        if params:
+            label += json.dumps(params, sort_keys=True, separators=(",", ":"))
         if label in seen:
-            label = f"{label}{json.dumps(params, sort_keys=True, separators=(',', '='))}"
+            raise ValueError(f"policy {label!r} is listed twice")
         seen.add(label)
         out.append((label, {"name": name.strip(), "params": params}))
     if not out:

@@ -219,7 +219,12 @@ def test_poisson_arrivals_rate():
 def test_policy_list_parsing():
     got = parse_policies('round_robin, kv_aware:{"max_inflight": 8, "seed": 1},kv_aware')
     assert got[0] == ("round_robin", {"name": "round_robin", "params": {}})
-    assert got[1] == ("kv_aware", {"name": "kv_aware", "params": {"max_inflight": 8, "seed": 1}})
-    assert got[2][0] != "kv_aware" and got[2][1] == {"name": "kv_aware", "params": {}}
+    assert got[1] == (
+        'kv_aware{"max_inflight":8,"seed":1}',
+        {"name": "kv_aware", "params": {"max_inflight": 8, "seed": 1}},
+    )
+    assert got[2] == ("kv_aware", {"name": "kv_aware", "params": {}})
+    with pytest.raises(ValueError, match="twice"):
+        parse_policies("prefix,prefix")
     with pytest.raises(ValueError, match="not JSON"):
         parse_policies("kv_aware:{oops}")
