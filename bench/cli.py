@@ -201,7 +201,10 @@ def main(args: argparse.Namespace) -> int:
     stack: BenchStack | None = None
     try:
         if args.router_url:
-            urls = {u: u for u in args.worker_urls}
+            urls = {}
+            for u in args.worker_urls:
+                h = http_json(u.rstrip("/") + "/health") or {}
+                urls[str(h.get("worker_id") or u)] = u
             res = measure(args.router_url, workload, urls, args, bar)
             report["runs"].append({"label": "target", "router": args.router_url, **res})
         else:
