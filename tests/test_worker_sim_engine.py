@@ -246,3 +246,70 @@ def test_abort_frees_blocks_and_reports_abort():
     out = e.step(1.0)
     assert {f.request_id: f.finish_reason for f in out.finished} == {"x": "abort", "y": "abort"}
     assert e.num_running == 0 and e.kv_usage == 0.0 and not e.has_work
+
+
+def test_vllm_admission_allocates_on_demand_and_preempts_like_vllm():
+    """admission="vllm": seed 001's eight long requests run two at a time, decode blocks are
+    allocated as tokens are generated, and a pool that runs out preempts the most recently
+    admitted request, which is recomputed later and still yields the same tokens."""
+    cfg = EngineConfig(
+        num_gpu_blocks=2560 // BS, max_num_seqs=64, max_model_len=4096, admission="vllm"
+    )
+    e = Engine(cfg)
+    for i in range(8):
+        e.add_request(SimRequest(f"r{i}", prompt(100 + i, 1024), 1024))
+    out = e.step(0.0)
+    assert (e.num_running, e.num_waiting) == (2, 6)
+    assert e.num_free_blocks == 160 - 2 * 64  # prompts only, no reservation for decode
+    now = out.duration_s
+    tokens: dict[str, list[int]] = {rid: list(t) for rid, t in out.tokens.items()}
+    held: set[int] = {k for ev in out.kv_events if isinstance(ev, BlockStored) for k in ev.keys}
+    finished = {}
+    max_running = 2
+    while e.has_work:
+        out = e.step(now)
+        now += out.duration_s
+        max_running = max(max_running, e.num_running)
+        assert 0.0 <= e.kv_usage <= 1.0
+        for rid, toks in out.tokens.items():
+            tokens.setdefault(rid, []).extend(toks)
+        for ev in out.kv_events:
+            if isinstance(ev, BlockStored):
+                held.update(ev.keys)
+            elif isinstance(ev, BlockRemoved):
+                held.difference_update(ev.keys)
+        finished.update({f.request_id: f for f in out.finished})
+    assert e.num_preemptions > 0 and max_running == 2
+    assert all(
+        f.completion_tokens == 1024 and f.finish_reason == "length" for f in finished.values()
+    )
+    assert all(len(t) == 1024 for t in tokens.values())
+    assert {k for ev in e.dump_cache() for k in ev.keys} == held
+    assert e.prefix_cache_queries == 8 * 1024  # counted once per request
+    # the same requests without pressure generate the same tokens (position-determined)
+    roomy = Engine(EngineConfig(num_gpu_blocks=4096, max_model_len=4096, admission="vllm"))
+    roomy.add_request(SimRequest("r7", prompt(107, 1024), 1024))
+    _, outs = run(roomy)
+    assert [t for o in outs for t in o.tokens.get("r7", [])] == tokens["r7"]
+    assert roomy.num_preemptions == 0
+
+
+def test_vllm_admission_kv_usage_grows_with_decode():
+    e = Engine(small(num_gpu_blocks=64, admission="vllm"))
+    e.add_request(SimRequest("g", prompt(9, 100), 200))
+    e.step(0.0)
+    assert 64 - e.num_free_blocks == 7  # ceil(100 / 16): prompt blocks only
+    _, outs = run(e, 1.0)
+    used_max = 0
+    e.add_request(SimRequest("g2", prompt(10, 100), 200))
+    now = 2.0
+    while e.has_work:
+        o = e.step(now)
+        now += o.duration_s
+        used_max = max(used_max, 64 - e.num_free_blocks)
+    assert used_max == blocks_needed(100, 199, BS)  # the last token's KV is never computed
+
+
+def test_admission_mode_is_validated():
+    with pytest.raises(ValueError, match="admission"):
+        EngineConfig(admission="greedy")

@@ -294,3 +294,37 @@ async def test_local_huggingface_tokenizer(tmp_path):
         assert chat.usage.prompt_tokens == len(tok.encode("user hello cats assistant"))
     finally:
         await w.close()
+
+
+async def test_seed_001_with_vllm_admission_runs_two_and_preempts():
+    """The same load with --admission vllm: prompts are admitted while they fit, decode blocks
+    come on demand, and the pool running out shows as preemptions in the metrics."""
+    engine = {"num_gpu_blocks": 160, "max_num_seqs": 64, "max_model_len": 4096, "admission": "vllm"}
+    async with sim_worker(worker_id="s001v", speedup=2.0, engine=engine) as w:
+        c = client(w.url)
+        tasks = [
+            asyncio.create_task(
+                c.completions.create(model="m", prompt=f"{i} " + "y" * 1022, max_tokens=1024)
+            )
+            for i in range(8)
+        ]
+
+        async def queued() -> bool:
+            v = metric_values(await get_text(w.url + "/metrics"))
+            return one(v, "vllm:num_requests_running") + one(v, "vllm:num_requests_waiting") == 8
+
+        await until(queued, what="eight requests in the engine")
+        v = metric_values(await get_text(w.url + "/metrics"))
+        assert one(v, "vllm:num_requests_running") == 2
+        assert one(v, "vllm:num_requests_waiting") == 6
+        ((labels, _),) = v["vllm:cache_config_info"]
+        assert labels["admission"] == "vllm"
+
+        async def preempting() -> bool:
+            v = metric_values(await get_text(w.url + "/metrics"))
+            return one(v, "vllm:num_preemptions_total") > 0
+
+        await until(preempting, what="a preemption")
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -32,6 +32,7 @@ _ENGINE_FIELDS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_model_len",
+    "admission",
     "hash_seed",
     "seed",
     "step_overhead_s",

@@ -6,7 +6,7 @@ import argparse
 
 from services.common import settings as S
 from services.common.service import run_service
-from services.worker_sim.engine import EngineConfig
+from services.worker_sim.engine import ADMISSION_MODES, EngineConfig
 from services.worker_sim.zmq_wire import BATCH_FORMS, EVENT_FORMS, HASH_MODES
 
 _D = EngineConfig()
@@ -82,6 +82,14 @@ OPTIONS = S.COMMON + (
         _D.max_model_len,
         "max prompt + completion tokens",
         env="KVGATE_SIM_MAX_MODEL_LEN",
+    ),
+    S.option(
+        "admission",
+        _D.admission,
+        "reserve: admit only when all blocks a request can need fit (TensorRT-LLM "
+        "guaranteed-no-evict; reproduces seed 001); vllm: allocate on demand and preempt",
+        choices=list(ADMISSION_MODES),
+        env="KVGATE_SIM_ADMISSION",
     ),
     S.HASH_SEED,
     S.option("seed", 0, "seed of the generated tokens and fault dice", env="KVGATE_SIM_SEED"),

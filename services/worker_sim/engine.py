@@ -42,6 +42,9 @@ from services.worker_sim.kvcache import BlockPool, EventMeta
 DEFAULT_OUTPUT_VOCAB: tuple[int, ...] = tuple(range(ord("a"), ord("z") + 1)) + (32, 32, 32, 32)
 
 
+ADMISSION_MODES: tuple[str, ...] = ("reserve", "vllm")
+
+
 class AdmissionError(ValueError):
     """The request can never run on this engine (too long for the model or the KV cache)."""
 
@@ -61,6 +64,11 @@ class EngineConfig:
     max_model_len: int = 8192
     hash_seed: int = 0
     seed: int = 0
+    # "reserve": admit only when all blocks a request can need fit (TensorRT-LLM's
+    # guaranteed-no-evict; reproduces seed 001). "vllm": admit when the prompt's blocks fit
+    # (keeping a 1 % watermark free), allocate decode blocks on demand and, when the pool runs
+    # out, preempt the most recently admitted request (freed, recomputed later), like vLLM V1.
+    admission: str = "reserve"
     # step-time model (seconds)
     step_overhead_s: float = 0.0065  # weights read once per forward pass + launch overhead
     prefill_token_s: float = 4.0e-5  # per uncached prompt token (~25k tok/s of dense GEMM)
@@ -87,6 +95,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
         if not self.output_vocab:
             raise ValueError("EngineConfig.output_vocab must not be empty")
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(
+                f"EngineConfig.admission must be one of {ADMISSION_MODES}, got {self.admission!r}"
+            )
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -147,6 +159,10 @@ class _Seq:
     num_registered: int = 0  # leading full blocks entered in the prefix cache
     generated: int = 0
     first_token_time: float | None = None
+    prefill_target: int = (
+        0  # tokens to compute before sampling (prompt; all tokens after a preemption)
+    )
+    admitted: bool = False  # admitted at least once (counts and cached_tokens are first-admission)
 
     @property
     def prompt_len(self) -> int:
@@ -154,7 +170,7 @@ class _Seq:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < self.prompt_len
+        return self.num_computed < self.prefill_target
 
 
 class Engine:
@@ -170,6 +186,7 @@ class Engine:
         self.prefix_cache_hits = 0  # prompt tokens found cached
         self.num_steps = 0
         self.num_finished = 0
+        self.num_preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -253,6 +270,7 @@ class Engine:
             seed=seed,
             gen_seed=gen_seed,
             tokens=list(req.prompt_token_ids),
+            prefill_target=len(req.prompt_token_ids),
         )
         self.waiting.append(seq)
         self._ids.add(req.request_id)
@@ -305,24 +323,64 @@ class Engine:
             + c.decode_kv_token_s * kv_read
         )
 
-    def _try_admit(self, s: _Seq) -> bool:
+    def _try_admit(self, s: _Seq, first_chunk: int) -> bool:
+        """Take blocks for a waiting request if they fit. ``first_chunk``: prompt tokens the
+        step could compute for it (vLLM mode allocates for what is computed, not the rest)."""
         c = self.config
-        prompt_len = s.prompt_len
-        # like vLLM, always compute at least the last prompt token (its logits are needed)
-        max_hit_blocks = (prompt_len - 1) // c.block_size
-        hit = self.pool.match_prefix(s.keys[:max_hit_blocks])
-        total = blocks_needed(prompt_len, s.req.max_tokens, c.block_size)
-        new = total - len(hit)
-        if not self.pool.can_allocate(hit, new):
+        bs = c.block_size
+        # like vLLM, always compute at least the last token (its logits are needed)
+        max_hit_blocks = (s.prefill_target - 1) // bs
+        hit = self.pool.match_prefix(s.all_keys[:max_hit_blocks])
+        hit_tokens = len(hit) * bs
+        if c.admission == "reserve":
+            new = blocks_needed(s.prompt_len, s.req.max_tokens, bs) - len(hit)
+            ok = self.pool.can_allocate(hit, new)
+        else:
+            n = min(s.prefill_target - hit_tokens, first_chunk)
+            new = max(0, -(-(hit_tokens + n) // bs) - len(hit))
+            # keep a watermark free for running requests' growth (none needed when idle)
+            watermark = max(1, c.num_gpu_blocks // 100) if self.running else 0
+            ok = self.pool.can_allocate(hit, new + watermark)
+        if not ok:
             return False
         self.pool.touch(hit)
         s.blocks = hit + self.pool.allocate(new)
-        s.num_cached = s.num_computed = len(hit) * c.block_size
+        s.num_computed = hit_tokens
         s.num_registered = len(hit)
-        self.prefix_cache_queries += prompt_len
-        self.prefix_cache_hits += s.num_cached
-        self.prompt_tokens_total += prompt_len
+        if not s.admitted:
+            s.admitted = True
+            s.num_cached = hit_tokens
+            self.prefix_cache_queries += s.prompt_len
+            self.prefix_cache_hits += hit_tokens
+            self.prompt_tokens_total += s.prompt_len
         return True
+
+    def _grow(self, s: _Seq, n: int) -> bool:
+        """vLLM mode: blocks for ``n`` more computed tokens of running request ``s``,
+        preempting the most recently admitted requests while the pool is short. False when
+        ``s`` itself had to be preempted."""
+        bs = self.config.block_size
+        need = -(-(s.num_computed + n) // bs) - len(s.blocks)
+        while need > self.pool.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is s:
+                return False
+        if need > 0:
+            s.blocks += self.pool.allocate(need)
+        return True
+
+    def _preempt(self, s: _Seq) -> None:
+        """Recompute preemption: free the request's blocks and put it back at the head of the
+        queue; when readmitted it recomputes all its tokens (prefix-cache hits permitting)."""
+        self.running.remove(s)
+        self.pool.free(s.blocks)
+        s.blocks = []
+        s.num_computed = 0
+        s.num_registered = 0
+        s.prefill_target = len(s.tokens)
+        self.waiting.appendleft(s)
+        self.num_preemptions += 1
 
     def step(self, now: float = 0.0) -> StepOutput | None:
         """Run one forward pass starting at ``now``; None when there is nothing to do."""
@@ -331,19 +389,27 @@ class Engine:
         c = self.config
         budget = c.max_num_batched_tokens
         scheduled: list[tuple[_Seq, int]] = []  # (seq, tokens computed this step)
-        for s in self.running:
+        vllm_mode = c.admission == "vllm"
+        preemptions_before = self.num_preemptions
+        for s in list(self.running):
             if budget <= 0:
                 break
-            n = min(s.prompt_len - s.num_computed, budget) if s.in_prefill else 1
+            if s not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(s.prefill_target - s.num_computed, budget) if s.in_prefill else 1
+            if vllm_mode and not self._grow(s, n):
+                break  # s itself was preempted
             scheduled.append((s, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+        # like vLLM: no new admissions in a step that had to preempt
+        preempted = self.num_preemptions > preemptions_before
+        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs and not preempted:
             s = self.waiting[0]
-            if not self._try_admit(s):
+            if not self._try_admit(s, budget):
                 break  # FCFS: the head waits for blocks, and so does everyone behind it
             self.waiting.popleft()
             self.running.append(s)
-            n = min(s.prompt_len - s.num_computed, budget)
+            n = min(s.prefill_target - s.num_computed, budget)
             scheduled.append((s, n))
             budget -= n
 
@@ -365,7 +431,7 @@ class Engine:
         self._aborted = []
         for s, n in scheduled:
             s.num_computed += n
-            if s.num_computed >= s.prompt_len:  # prefill done (this step or before): sample
+            if s.num_computed >= s.prefill_target:  # prefill done (now or before): sample
                 tok = self._next_token(s)
                 s.tokens.append(tok)
                 s.generated += 1

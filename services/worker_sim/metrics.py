@@ -13,6 +13,7 @@ vllm:gpu_cache_usage_perc                   gauge        same (older vLLM name)
 vllm:prefix_cache_queries_total             counter      prompt tokens looked up
 vllm:prefix_cache_hits_total                counter      prompt tokens found cached
 vllm:cache_config_info                      gauge = 1    labels block_size, num_gpu_blocks, ...
+vllm:num_preemptions_total                  counter      (admission "vllm" only)
 vllm:prompt_tokens_total                    counter
 vllm:generation_tokens_total                counter
 vllm:request_success_total                  counter      label finished_reason
@@ -104,6 +105,7 @@ class WorkerCollector(Collector):
             "max_num_batched_tokens",
             "max_model_len",
             "enable_prefix_caching",
+            "admission",
         ]
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "KV cache configuration", labels=info_labels
@@ -117,10 +119,12 @@ class WorkerCollector(Collector):
                 str(c.max_num_batched_tokens),
                 str(c.max_model_len),
                 "True",
+                c.admission,
             ],
             1.0,
         )
         yield info
+        yield counter("vllm:num_preemptions", "Requests preempted", e.num_preemptions)
         yield counter("vllm:prompt_tokens", "Prompt tokens admitted", e.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Tokens generated", e.generation_tokens_total)
         succ = CounterMetricFamily(
