@@ -14,6 +14,8 @@ Scheduling (one call of :meth:`Engine.step` = one forward pass of the batch):
    fit in the free pool (TensorRT-LLM's guaranteed-no-evict policy, so nothing is ever preempted).
    The head of the queue blocks the rest (FCFS), as in vLLM. This is what makes the seed-001
    failure reproduce: with 2560 tokens of KV and requests of 2048 tokens, one runs, seven wait.
+   (``admission="vllm"`` instead admits on the first prompt chunk's blocks, grows requests
+   block by block and preempts the most recently admitted one when the pool runs out.)
 3. The step's duration comes from :class:`EngineConfig`'s cost model (see :meth:`step_time`).
 4. After the step, full blocks of computed tokens (prompt and generated) are keyed with the
    canonical chained keys and entered into the prefix cache; each new key is a BlockStored
