@@ -4,12 +4,15 @@ Target (issue 6): <= 2% of one core. Measures the agent's process CPU time
 (``time.process_time``: all its threads, including the NVML sampling thread) over a fixed
 window while it scrapes, parses, samples, publishes to a real NATS and runs its detectors.
 The 64 endpoints are served from a separate process, so their CPU is not counted; each returns
-a vLLM-like exposition of realistic size (HELP/TYPE lines, ~15 histograms, process metrics)
-whose gauges change on every request.
+what vLLM's /metrics is made of: a prometheus-client registry with vLLM's metric names (gauges,
+counters, ~13 histograms with vLLM's buckets, process/platform/GC collectors; ~30 kB), rendered
+like prometheus-client's exposition app (``name[]`` filter honoured), values changing on every
+request.
 
 Run: ``python -m bench.bench_telemetry [--duration 20] [--workers 64] [--gpus 64]``
-(``--mode engines|gpus|all`` isolates the parts; ``--full-parse`` measures the naive variant
-that hands the whole exposition to prometheus-client's parser, for comparison). Writes JSON to
+(``--mode engines|gpus|all`` isolates the parts; ``--no-filter`` scrapes whole expositions, as
+for engines that ignore ``name[]``; ``--full-parse`` additionally hands the whole exposition to
+prometheus-client's parser -- the naive agent -- for comparison). Writes JSON to
 ``bench/results/telemetry/``.
 """
 
@@ -176,72 +179,70 @@ HIST = {
 }
 
 
-def exposition(rng: random.Random, n: int) -> str:
-    """A vLLM-like /metrics body; gauges and counters move with ``n`` (request number)."""
-    lab = 'engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"'
-    out: list[str] = []
-    for i, name in enumerate(
-        ("python_gc_objects_collected", "python_gc_objects_uncollectable", "python_gc_collections")
-    ):
-        out.append(f"# HELP {name}_total Python GC stat\n# TYPE {name}_total counter")
-        for gen in range(3):
-            out.append(f'{name}_total{{generation="{gen}"}} {1000.0 * (i + 1) + gen}')
-    for name in (
-        "process_virtual_memory_bytes",
-        "process_resident_memory_bytes",
-        "process_start_time_seconds",
-        "process_cpu_seconds_total",
-        "process_open_fds",
-        "process_max_fds",
-    ):
-        out.append(f"# HELP {name} process stat\n# TYPE {name} gauge\n{name} {1.7e9 + n}")
-    running = rng.randint(0, 64)
-    waiting = rng.randint(0, 20)
-    for name, value in (
-        ("vllm:num_requests_running", running),
-        ("vllm:num_requests_waiting", waiting),
-        ("vllm:kv_cache_usage_perc", round(rng.random(), 4)),
-        ("vllm:engine_sleep_state", 0),
-    ):
-        out.append(f"# HELP {name} gauge\n# TYPE {name} gauge\n{name}{{{lab}}} {value}")
-    for name, value in (
-        ("vllm:num_preemptions", n // 100),
-        ("vllm:prompt_tokens", 1000.0 * n),
-        ("vllm:generation_tokens", 200.0 * n),
-        ("vllm:prefix_cache_queries", 1000.0 * n),
-        ("vllm:prefix_cache_hits", 600.0 * n),
-    ):
-        out.append(f"# HELP {name} counter\n# TYPE {name} counter")
-        out.append(f"{name}_total{{{lab}}} {float(value)}")
-        out.append(f"{name}_created{{{lab}}} 1.7e+09")
-    out.append("# HELP vllm:request_success requests\n# TYPE vllm:request_success counter")
-    for reason in ("stop", "length", "abort"):
-        out.append(f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {float(n)}')
-    out.append(
-        "# HELP vllm:cache_config_info cache config\n# TYPE vllm:cache_config_info gauge\n"
-        'vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",'
-        'cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",'
-        'is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="27000",'
-        'num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256",sliding_window="None",'
-        'swap_space="4"} 1.0'
+def _registry() -> Any:
+    """A prometheus-client registry with vLLM's metric names and shapes (what vLLM's own
+    /metrics is made of), plus the process / platform / GC collectors of a default registry."""
+    from prometheus_client import (
+        CollectorRegistry,
+        Counter,
+        Gauge,
+        Histogram,
     )
+    from prometheus_client.gc_collector import GCCollector
+    from prometheus_client.platform_collector import PlatformCollector
+    from prometheus_client.process_collector import ProcessCollector
+
+    reg = CollectorRegistry()
+    ProcessCollector(registry=reg)
+    PlatformCollector(registry=reg)
+    GCCollector(registry=reg)
+    lab = ["engine", "model_name"]
+    m: dict[str, Any] = {}
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:engine_sleep_state",
+    ):
+        m[name] = Gauge(name, "gauge", lab, registry=reg)
+    for name in (
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+    ):
+        m[name] = Counter(name, "counter", lab, registry=reg)
+    m["vllm:request_success"] = Counter(
+        "vllm:request_success", "requests", lab + ["finished_reason"], registry=reg
+    )
+    info = Gauge(
+        "vllm:cache_config_info",
+        "cache config",
+        [
+            "block_size",
+            "cache_dtype",
+            "enable_prefix_caching",
+            "engine",
+            "gpu_memory_utilization",
+            "num_gpu_blocks",
+            "num_cpu_blocks",
+            "sliding_window",
+        ],
+        registry=reg,
+    )
+    info.labels("16", "auto", "True", "0", "0.9", "27000", "None", "None").set(1)
     for name, buckets in HIST.items():
-        out.append(f"# HELP {name} histogram\n# TYPE {name} histogram")
-        total = n
-        for k, le in enumerate(buckets):
-            out.append(
-                f'{name}_bucket{{{lab},le="{float(le)}"}} {float(total * (k + 1) // len(buckets))}'
-            )
-        out.append(f'{name}_bucket{{{lab},le="+Inf"}} {float(total)}')
-        out.append(f"{name}_count{{{lab}}} {float(total)}")
-        out.append(f"{name}_sum{{{lab}}} {total * 1.2345}")
-        out.append(f"{name}_created{{{lab}}} 1.7e+09")
-    return "\n".join(out) + "\n"
+        m[name] = Histogram(name, "histogram", lab, buckets=buckets, registry=reg)
+    return reg, m
 
 
 def _serve_endpoints(ports: list[int], ready: Any) -> None:
-    """Child process: 64 engine-like HTTP endpoints (their CPU is not the agent's)."""
+    """Child process: 64 engine-like HTTP endpoints (their CPU is not the agent's). Each answers
+    like prometheus-client's exposition app (``make_asgi_app``, which vLLM mounts at /metrics):
+    the whole registry, or only the ``name[]`` series asked for."""
     from aiohttp import web
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     try:
         import uvloop
@@ -250,13 +251,24 @@ def _serve_endpoints(ports: list[int], ready: Any) -> None:
     except ImportError:
         pass
 
+    reg, m = _registry()
+    model = ("0", "meta-llama/Llama-3.1-8B-Instruct")
+
     async def main() -> None:
         rng = random.Random(1)
-        counter = {"n": 0}
 
-        async def metrics(_r: web.Request) -> web.Response:
-            counter["n"] += 1
-            return web.Response(text=exposition(rng, counter["n"]), content_type="text/plain")
+        async def metrics(r: web.Request) -> web.Response:
+            m["vllm:num_requests_running"].labels(*model).set(rng.randint(0, 64))
+            m["vllm:num_requests_waiting"].labels(*model).set(rng.randint(0, 4))
+            m["vllm:kv_cache_usage_perc"].labels(*model).set(round(rng.random(), 4))
+            m["vllm:prefix_cache_queries"].labels(*model).inc(1000)
+            m["vllm:prefix_cache_hits"].labels(*model).inc(600)
+            m["vllm:request_success"].labels(*model, "stop").inc()
+            for name in HIST:
+                m[name].labels(*model).observe(rng.random() * 100)
+            names = r.query.getall("name[]", [])
+            body = generate_latest(reg.restricted_registry(names) if names else reg)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         app = web.Application()
         app.router.add_get("/metrics", metrics)
@@ -264,7 +276,7 @@ def _serve_endpoints(ports: list[int], ready: Any) -> None:
         await runner.setup()
         for p in ports:
             await web.TCPSite(runner, "127.0.0.1", p).start()
-        ready.send(len(exposition(rng, 1)))
+        ready.send(len(generate_latest(reg)))
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -312,6 +324,7 @@ async def measure(args: argparse.Namespace, nats_url: str, ports: list[int]) -> 
     bus = Bus(nats_url, "bench-telemetry", Subjects(f"bench{uuid.uuid4().hex[:8]}"))
     await bus.connect(max_wait_s=10)
     cfg = AgentConfig(
+        filter_query=not args.no_filter,
         interval_s=1.0 / args.hz,
         static_targets=targets,
         gpu_map=gpu_map,
@@ -334,6 +347,7 @@ async def measure(args: argparse.Namespace, nats_url: str, ports: list[int]) -> 
     return {
         "mode": args.mode,
         "full_parse": args.full_parse,
+        "name_filter": not args.no_filter,
         "workers": len(targets),
         "gpus": args.gpus if use_gpus else 0,
         "hz": args.hz,
@@ -361,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--mode", choices=["all", "engines", "gpus"], default="all")
     p.add_argument("--full-parse", action="store_true")
+    p.add_argument(
+        "--no-filter",
+        action="store_true",
+        help="do not send the name[] filter (engines that ignore it, e.g. Triton)",
+    )
     p.add_argument("--profile", action="store_true", help="print a cProfile of the agent")
     p.add_argument("--nats-url", default="")
     p.add_argument("--out", default="bench/results/telemetry")
@@ -418,7 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"{args.mode}{'-fullparse' if args.full_parse else ''}.json"
+    name = (
+        f"{args.mode}{'-fullparse' if args.full_parse else ''}"
+        f"{'-nofilter' if args.no_filter else ''}.json"
+    )
     (out / name).write_text(json.dumps(result, indent=2))
     return 0
 

@@ -84,6 +84,7 @@ class _Worker:
     pids: set[int] = field(default_factory=set)
     filter_ok: bool = True  # the endpoint answers the name[] filter usefully
     detected: str | None = None  # engine seen in the last reading (when not configured)
+    filtered_url: tuple[str, str] = ("", "")  # (cache key, URL with the name[] filter)
 
 
 class Agent:
@@ -336,8 +337,10 @@ class Agent:
         if not query:
             reading = parse_metrics(await self._fetch(t.url), t.engine)
         else:
-            sep = "&" if "?" in t.url else "?"
-            text = await self._fetch(t.url + sep + query)
+            if w.filtered_url[0] != t.url + query:  # built once per (url, engine)
+                sep = "&" if "?" in t.url else "?"
+                w.filtered_url = (t.url + query, t.url + sep + query)
+            text = await self._fetch(w.filtered_url[1])
             try:
                 reading = parse_metrics(text, t.engine)
             except ValueError:

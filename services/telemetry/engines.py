@@ -30,9 +30,11 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,10 +83,9 @@ FILTER_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
+@functools.cache
 def filter_query(engine: str | None) -> str:
     """``name[]=a&name[]=b...`` for the engine ('' when it has no filterable exposition)."""
-    from urllib.parse import quote
-
     names = FILTER_NAMES.get(engine or "")
     return "&".join("name%5B%5D=" + quote(n, safe="") for n in names) if names else ""
 

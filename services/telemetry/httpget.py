@@ -159,6 +159,11 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
+def _expire(fut: asyncio.Future[tuple[int, bytes]]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError("scrape timed out"))
+
+
 class FastGet:
     """GET over one kept-alive connection per (host, port)."""
 
@@ -187,21 +192,27 @@ class FastGet:
         addr, req = self._request(url)
         loop = asyncio.get_running_loop()
         conn = self._conns.get(addr)
+        deadline = loop.time() + timeout
         try:
-            async with asyncio.timeout(timeout):
-                if conn is None or conn.closed:
-                    try:
-                        _, conn = await loop.create_connection(
-                            lambda: _Conn(self.max_body), addr[0], addr[1]
-                        )
-                    except OSError as exc:
-                        raise HttpError("connect", f"cannot connect: {exc}") from None
-                    self._conns[addr] = conn
-                conn.buf.clear()  # nothing may be pending between requests
-                conn.waiter = loop.create_future()
-                assert conn.transport is not None
-                conn.transport.write(req)
-                return await conn.waiter
+            if conn is None or conn.closed:
+                try:
+                    _, conn = await asyncio.wait_for(
+                        loop.create_connection(lambda: _Conn(self.max_body), addr[0], addr[1]),
+                        timeout,
+                    )
+                except OSError as exc:
+                    raise HttpError("connect", f"cannot connect: {exc}") from None
+                self._conns[addr] = conn
+            conn.buf.clear()  # nothing may be pending between requests
+            fut = conn.waiter = loop.create_future()
+            assert conn.transport is not None
+            conn.transport.write(req)
+            # a plain timer on the future: cheaper than asyncio.timeout() at 640 requests/s
+            timer = loop.call_at(deadline, _expire, fut)
+            try:
+                return await fut
+            finally:
+                timer.cancel()
         except BaseException:
             if conn is not None:
                 conn.close()
