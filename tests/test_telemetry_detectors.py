@@ -201,6 +201,13 @@ def test_xid_fires_on_new_errors_and_holds() -> None:
     assert f is not None and "last XID 79" in f.summary
     assert rule.check("w", [Observation(ts=T0 + 5, gpus=(g1,))], T0 + 5) is not None
     assert rule.check("w", [Observation(ts=T0 + 12, gpus=(g1,))], T0 + 12) is None
+    # uncorrected ECC: the first count is a baseline, a rise is critical
+    e = XidErrors(hold_s=10)
+    base = GpuSample(index=2, ecc_errors=3)
+    assert e.check("w", [Observation(ts=T0, gpus=(base,))], T0) is None
+    rose = GpuSample(index=2, ecc_errors=4)
+    f = e.check("w", [Observation(ts=T0 + 1, gpus=(rose,))], T0 + 1)
+    assert f is not None and "uncorrected ECC errors rose to 4" in f.summary
 
 
 def test_no_kv_events_when_serving_with_prefix_caching() -> None:

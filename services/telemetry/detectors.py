@@ -414,46 +414,59 @@ class StaleTelemetry:
 
 @dataclass
 class XidErrors:
-    """A GPU of this worker reported a critical XID error within the last ``hold_s``."""
+    """A GPU of this worker reported a critical XID error, or its volatile uncorrected ECC
+    count grew, within the last ``hold_s``. (XID counts start at the agent's start, so any is
+    new; the ECC count is a baseline at first sight and only increases count.)"""
 
     kind: str = "xid_error"
     severity: str = "critical"
     hold_s: float = 300.0
-    _state: dict[tuple[str, int], tuple[int, float, int | None]] = field(
+    _state: dict[tuple[str, int, str], tuple[int, float, int | None]] = field(
         default_factory=dict, repr=False
     )
 
+    def _see(self, key: tuple[str, int, str], count: int, code: int | None, now: float) -> None:
+        prev = self._state.get(key)
+        if prev is None:
+            new = key[2] == "xid" and count > 0
+            self._state[key] = (count, now if new else -math.inf, code)
+        elif count > prev[0]:
+            self._state[key] = (count, now, code)
+        elif count < prev[0]:  # counter reset (driver reload / agent restart): new baseline
+            self._state[key] = (count, prev[1], prev[2])
+
     def check(self, worker: str, window: Sequence[Observation], now: float) -> Finding | None:
-        recent: list[tuple[int, int, int | None]] = []
         for o in window[-1:]:
             for g in o.gpus:
-                if g.xid_errors is None:
-                    continue
-                key = (worker, g.index)
-                prev = self._state.get(key)
-                if prev is None:
-                    # first sight: errors counted before now are "new" only if nonzero
-                    self._state[key] = (
-                        g.xid_errors,
-                        now if g.xid_errors else -math.inf,
-                        g.last_xid,
-                    )
-                elif g.xid_errors > prev[0]:
-                    self._state[key] = (g.xid_errors, now, g.last_xid)
-        for (w, idx), (count, at, code) in self._state.items():
-            if w == worker and now - at < self.hold_s:
-                recent.append((idx, count, code))
+                if g.xid_errors is not None:
+                    self._see((worker, g.index, "xid"), g.xid_errors, g.last_xid, now)
+                if g.ecc_errors is not None:
+                    self._see((worker, g.index, "ecc"), g.ecc_errors, None, now)
+        recent = sorted(
+            (idx, what, count, code)
+            for (w, idx, what), (count, at, code) in self._state.items()
+            if w == worker and now - at < self.hold_s
+        )
         if not recent:
             return None
-        parts = [f"GPU {i}: {c} XID error(s), last XID {x}" for i, c, x in recent]
+        parts = [
+            f"GPU {i}: {c} XID error(s), last XID {x}"
+            if what == "xid"
+            else f"GPU {i}: uncorrected ECC errors rose to {c}"
+            for i, what, c, x in recent
+        ]
         return Finding(
-            summary=f"{worker}: critical GPU XID errors: " + "; ".join(parts),
+            summary=f"{worker}: critical GPU errors: " + "; ".join(parts),
             remedy=(
                 "Drain the worker (kvgate cordon / drain) and check `nvidia-smi -q` and the "
-                "kernel log (dmesg, NVRM: Xid) for this XID; reset or replace the GPU if it "
-                "recurs."
+                "kernel log (dmesg, NVRM: Xid) for this XID / ECC error; reset or replace the "
+                "GPU if it recurs."
             ),
-            details={"gpus": [{"gpu": i, "count": c, "last_xid": x} for i, c, x in recent]},
+            details={
+                "gpus": [
+                    {"gpu": i, "error": what, "count": c, "last_xid": x} for i, what, c, x in recent
+                ]
+            },
         )
 
 
