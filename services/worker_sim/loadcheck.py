@@ -23,6 +23,7 @@ import time
 import aiohttp
 
 from services.common.embedded import free_port
+from services.common.logging import configure_logging
 from services.worker_sim.engine import EngineConfig
 
 PREFIX = f"loadcheck{os.getpid()}"
@@ -171,6 +172,7 @@ def main() -> None:
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     a = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the child is stopped too
+    configure_logging("loadcheck", "warning", "console")  # stdout stays pure JSON
     child, port = _start_child(a)
     try:
         result = asyncio.run(_run(a, child, port))
