@@ -106,13 +106,17 @@ async def _connect_bus(bus: Bus, workers: list[SimWorker], first_wait_s: float) 
     except ConnectionError:
         log.warning("NATS not reachable; serving HTTP, dropping KV events until it is")
         await bus.connect()  # retries forever with backoff
+    delay = 0.5
     while True:
         try:
             await ensure_kv_events_stream(bus)
             break
-        except Exception as exc:  # JetStream not ready yet
-            log.warning("cannot set up the KV events stream, retrying", error=repr(exc))
-            await asyncio.sleep(1.0)
+        except Exception as exc:  # JetStream not ready yet (or out of storage): back off
+            log.warning(
+                "cannot set up the KV events stream, retrying", error=repr(exc), retry_in_s=delay
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
     for w in workers:
         await w.attach_bus()
 
