@@ -12,7 +12,15 @@ import pytest
 from services.common.bus import Bus
 from services.common.schemas import RouterOutcome
 from services.common.streams import ensure_outcomes_stream
-from tests.test_router_support import Beats, FakeWorker, Indexer, RouterProc, post, wait_until
+from tests.test_router_support import (
+    Beats,
+    FakeWorker,
+    Indexer,
+    RouterProc,
+    post,
+    shutdown,
+    wait_until,
+)
 
 
 @pytest.fixture
@@ -26,11 +34,12 @@ async def cluster(nats_url, subjects, bus: Bus):
     try:
         yield router, workers, other, beats
     finally:
-        await router.stop()
-        await indexer.stop()
-        await beats.stop()
-        for w in [*workers, other]:
-            await w.stop()
+        await shutdown(
+            ("router", router.stop()),
+            ("indexer", indexer.stop()),
+            ("beats", beats.stop()),
+            *[(w.worker_id, w.stop()) for w in [*workers, other]],
+        )
 
 
 async def test_openai_client_chat_and_completions(cluster) -> None:

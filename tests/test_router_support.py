@@ -29,7 +29,6 @@ from services.common.schemas import (
     WorkerHeartbeat,
     WorkerLoad,
 )
-from services.common.service import start_http
 from services.common.tokenizer import ByteTokenizer, prompt_from_request
 from services.router.app import Router, start_router_http
 from services.router.cli import settings
@@ -44,6 +43,18 @@ async def wait_until(pred: Callable[[], bool], timeout: float = 10.0, what: str 
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {timeout}s: {what}")
         await asyncio.sleep(0.02)
+
+
+async def shutdown(*steps: tuple[str, Any], each_s: float = 15.0) -> None:
+    """Run teardown steps in order, each bounded, so one stuck step cannot hang the suite
+    (a stuck step is reported on stderr and the rest still run)."""
+    import sys
+
+    for name, coro in steps:
+        try:
+            await asyncio.wait_for(coro, each_s)
+        except TimeoutError:
+            print(f"teardown step {name!r} did not finish in {each_s}s", file=sys.stderr)
 
 
 @dataclass
@@ -94,7 +105,9 @@ class FakeWorker:
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
-        self._runner = await start_http(app, "127.0.0.1", self.port)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
         return self
 
     async def stop(self) -> None:

@@ -366,25 +366,28 @@ class Router:
         asyncio.create_task(send())
 
     # ================================================================== deciding
-    def _overlaps(self, parsed: Parsed, states: dict) -> tuple[dict[str, int], tuple[int, ...]]:
+    def _overlaps(self, parsed: Parsed, states: dict) -> dict[str, int]:
+        """Leading matched blocks per worker (hashing lazily: stops where no worker matches)."""
         index = self.index_source.index
         sizes = {s.capacity.block_size for s in states.values()}
         if not sizes:
-            return {}, ()
+            return {}
+        match = getattr(index, "match_prompt", None)
+
+        def one(bs: int) -> dict[str, int]:
+            if match is not None:
+                return match(parsed.token_ids, bs, parsed.seed)
+            return index.find_matches(self.parser.keys(parsed, bs))
+
         if len(sizes) == 1:
-            keys = self.parser.keys(parsed, next(iter(sizes)))
-            return index.find_matches(keys), tuple(keys)
+            return one(next(iter(sizes)))
         out: dict[str, int] = {}
-        first: tuple[int, ...] = ()
         for bs in sorted(sizes):
-            keys = self.parser.keys(parsed, bs)
-            first = first or tuple(keys)
-            m = index.find_matches(keys)
-            for wid, n in m.items():
+            for wid, n in one(bs).items():
                 s = states.get(wid)
                 if s is not None and s.capacity.block_size == bs:
                     out[wid] = n
-        return out, first
+        return out
 
     def decide_for(
         self,
@@ -397,13 +400,12 @@ class Router:
         states = self.state.states
         if excluded:
             states = {k: v for k, v in states.items() if k not in excluded}
-        overlaps, keys = self._overlaps(parsed, states)
+        overlaps = self._overlaps(parsed, states)
         req = RequestInfo(
             request_id=request_id,
             model=parsed.model,
             prompt_tokens=len(parsed.token_ids),
             max_tokens=parsed.max_tokens,
-            block_keys=keys,
             session_id=session_id,
         )
         snap = self.state.snapshot if not excluded else ClusterSnapshot(states, time.monotonic())
