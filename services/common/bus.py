@@ -33,6 +33,7 @@ from nats.js.api import (
 )
 from prometheus_client import Counter
 
+from services.common.aio import cancel_and_wait
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import SchemaError, decode, encode
 from services.common.subjects import Subjects
@@ -107,11 +108,7 @@ class Bus:
 
     async def close(self) -> None:
         """Stop consumer loops, then drain (deliver what is buffered) and close."""
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):

@@ -29,6 +29,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
@@ -640,23 +641,6 @@ class SimWorker:
                 return resp
             else:  # crash: cut the stream
                 return _cut(r, resp)
-
-
-async def cancel_and_wait(tasks: list[asyncio.Task[Any]], rounds: int = 20) -> None:
-    """Cancel tasks and wait until they are done. nats-py can swallow a CancelledError raised
-    inside a publish (it turns it into its own errors), so cancel again until they finish."""
-    pending = {t for t in tasks if not t.done()}
-    for _ in range(rounds):
-        if not pending:
-            break
-        for t in pending:
-            t.cancel()
-        _done, pending = await asyncio.wait(pending, timeout=0.25)
-    for t in pending:  # pragma: no cover - a task that ignores 20 cancellations
-        log.error("task did not stop", task=t.get_name())
-    for t in tasks:
-        if t.done() and not t.cancelled():
-            t.exception()  # retrieve, so asyncio does not log it as never retrieved
 
 
 async def _json_body(r: web.Request) -> dict[str, Any]:
