@@ -309,3 +309,32 @@ async def test_name_filter_is_used_where_honoured_and_dropped_where_not(
             assert filtered_last is (mode != "broken")
         finally:
             await agent.stop()
+
+
+async def test_stop_completes_even_if_a_library_swallows_the_cancellation(
+    bus: Bus, unused_port: int, monkeypatch
+) -> None:
+    """Python 3.11's asyncio.wait_for (used by nats-py's request) can lose a cancellation when
+    the reply lands at the same moment; the agent must still stop."""
+    from services.telemetry import app as app_mod
+
+    entered = asyncio.Event()
+
+    async def swallowing_raise_alert(_bus, _alert) -> None:
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            return  # the reply "won the race": the cancellation is lost
+
+    monkeypatch.setattr(app_mod, "raise_alert", swallowing_raise_alert)
+    agent = await start_agent(
+        bus,
+        use_nvml=False,
+        static_targets=parse_targets(f"gone=http://127.0.0.1:{unused_port}"),
+        detect_interval_s=0.05,
+        detectors={"stale_telemetry": {"after_s": 0.1}},
+    )
+    await asyncio.wait_for(entered.wait(), 10)
+    await asyncio.wait_for(agent.stop(), 8)
+    assert all(t.done() for t in agent._tasks) or not agent._tasks

@@ -108,6 +108,7 @@ class Agent:
         self._subs: list[Any] = []
         self._err_log = RateLimiter(60.0)
         self._gpu_busy = False
+        self._stopping = False
         self._outbox: list[WorkerLoad] = []
         self.ticks = 0
         self.published = 0
@@ -149,11 +150,14 @@ class Agent:
         self._spawn(self._mapping_loop(), "telemetry-mapping")
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
+        self._stopping = True  # loops end even if a library swallowed their cancellation
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=5.0)
+            if stuck:
+                log.warning("tasks did not stop in time", tasks=sorted(t.get_name() for t in stuck))
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -215,7 +219,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         interval = self.cfg.interval_s
         next_at = loop.time()
-        while True:
+        while not self._stopping:
             self.ticks += 1
             if self.gpu is not None and not self._gpu_busy:
                 self._spawn(self._sample_gpus(), "gpu-sample")
@@ -313,6 +317,7 @@ class Agent:
             await self.bus.publish(self.bus.subjects.telemetry(t.worker_id), load)
             self.published += 1
         except Exception as exc:
+            _raise_if_cancelling()
             exporter.PUBLISH_ERRORS.inc()
             self._log_once("publish", "telemetry publish failed", error=repr(exc))
 
@@ -324,6 +329,7 @@ class Agent:
                 await self.bus.publish(subjects.telemetry(load.worker_id), load)
                 self.published += 1
             except Exception as exc:
+                _raise_if_cancelling()
                 exporter.PUBLISH_ERRORS.inc()
                 self._log_once("publish", "telemetry publish failed", error=repr(exc))
 
@@ -442,11 +448,12 @@ class Agent:
 
     # ------------------------------------------------------------------ detection
     async def _detect_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.cfg.detect_interval_s)
             try:
                 await self.detect_once(time.time())
             except Exception as exc:  # a detector bug must not stop detection for good
+                _raise_if_cancelling()
                 self._log_once("detect", "detector evaluation failed", error=repr(exc))
 
     async def detect_once(self, now: float) -> list[Alert]:
@@ -474,6 +481,7 @@ class Agent:
             try:
                 await raise_alert(self.bus, alert)
             except Exception as exc:
+                _raise_if_cancelling()  # nats-py can turn a cancellation into a timeout error
                 exporter.ALERT_SEND_ERRORS.inc()
                 self._log_once("alert-send", "alert send failed, will retry", error=repr(exc))
                 return
@@ -491,7 +499,7 @@ class Agent:
 
     # ------------------------------------------------------------------ GPU mapping
     async def _mapping_loop(self) -> None:
-        while True:
+        while not self._stopping:
             if self.gpu is not None:
                 try:
                     await self.refresh_mapping()
@@ -536,6 +544,12 @@ class Agent:
     def _log_once(self, key: Any, event: str, **kw: Any) -> None:
         if self._err_log.allow(key):
             log.warning(event, suppressed=self._err_log.take_suppressed(key), **kw)
+
+
+def _raise_if_cancelling() -> None:
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class _ScrapeError(Exception):
