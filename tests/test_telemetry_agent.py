@@ -338,3 +338,40 @@ async def test_stop_completes_even_if_a_library_swallows_the_cancellation(
     await asyncio.wait_for(entered.wait(), 10)
     await asyncio.wait_for(agent.stop(), 8)
     assert all(t.done() for t in agent._tasks) or not agent._tasks
+
+
+@pytest.mark.slow
+async def test_alerts_reach_operators_through_the_api_alert_manager(
+    bus: Bus, fresh_database_url: str
+) -> None:
+    """Detector -> alerting.signals.telemetry -> the admin API's alert manager (real Postgres)
+    -> alerts.<severity>.<kind>: firing once while the condition holds, then resolved."""
+    from services.api.alerting import AlertManager
+    from services.api.db import Database
+    from services.api.testing import migrate
+
+    await migrate(fresh_database_url)
+    db = Database(fresh_database_url)
+    manager = AlertManager(db, bus)
+    await manager.start()
+    managed = await collect(bus, bus.subjects.alert("warning", "kv_starved"), Alert)
+    async with endpoint(trtllm_text(8, 1, max_batch=64, used=39, total=40, tpb=64)) as ep:
+        agent = await start_agent(
+            bus,
+            use_nvml=False,
+            static_targets=parse_targets(f"trt-9={ep.url}@trtllm"),
+            detect_interval_s=0.1,
+            clear_s=0.3,
+            detectors={"kv_starved": {"window_s": 0.6}},
+        )
+        try:
+            a = await next_matching(managed, lambda m: m.worker_id == "trt-9", timeout=15)
+            assert a.state == "firing" and a.alert_id and a.source == "telemetry"
+            assert "max_tokens_in_paged_kv_cache" in a.remedy
+            ep.text = trtllm_text(8, 8, max_batch=64, used=20, total=40, tpb=64)
+            r = await next_matching(managed, lambda m: m.worker_id == "trt-9", timeout=15)
+            assert r.state == "resolved" and r.alert_id == a.alert_id
+        finally:
+            await agent.stop()
+            await manager.stop()
+            await db.close()

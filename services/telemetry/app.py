@@ -124,7 +124,7 @@ class Agent:
                 open_collector, self._nvml_lib, self.cfg.gpu_slow_every
             )
         else:
-            self.nvml_reason = "GPU collection disabled (--no-nvml); engine metrics only"
+            self.nvml_reason = "GPU collection disabled (--nvml false); engine metrics only"
         if self.gpu is None:
             log.warning("no GPU telemetry", reason=self.nvml_reason)
         else:
