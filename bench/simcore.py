@@ -293,6 +293,7 @@ def simulate(
             prompt_token_ids=req.token_ids(),
             max_tokens=req.max_tokens,
             arrival_time=t,
+            prompt_block_keys=lv.keys,  # hashed once above; the engine checks they fit
         )
         try:
             engines[w].add_request(sreq, t)

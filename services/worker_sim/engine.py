@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -118,6 +119,10 @@ class SimRequest:
     max_tokens: int
     lora: str | None = None
     arrival_time: float = 0.0
+    # the prompt's canonical block keys when the caller already has them (the cluster simulator
+    # hashes every prompt once for the router); the engine computes them when None or when they
+    # do not match the prompt's length and first block
+    prompt_block_keys: Sequence[int] | None = None
 
 
 @dataclass
@@ -255,7 +260,7 @@ class Engine:
         self.check(len(req.prompt_token_ids), req.max_tokens)
         c = self.config
         seed = block_seed(c.hash_seed, req.lora)
-        keys = block_keys(req.prompt_token_ids, c.block_size, seed)
+        keys = self._prompt_keys(req, seed)
         gen_seed = xxhash.xxh3_64_intdigest(
             (keys[-1] if keys else 0).to_bytes(8, "little")
             + bytes(
@@ -276,6 +281,17 @@ class Engine:
         )
         self.waiting.append(seq)
         self._ids.add(req.request_id)
+
+    def _prompt_keys(self, req: SimRequest, seed: int) -> list[int]:
+        """Canonical keys of the prompt's full blocks; reuses ``req.prompt_block_keys`` when
+        their count and first key match the prompt (the rest of the chain is the caller's)."""
+        bs = self.config.block_size
+        given = req.prompt_block_keys
+        prompt = req.prompt_token_ids
+        if given is not None and len(given) == len(prompt) // bs:
+            if not given or block_keys(prompt[:bs], bs, seed)[0] == given[0]:
+                return list(given)
+        return block_keys(prompt, bs, seed)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (client went away); it is reported as finished with reason "abort"
@@ -386,41 +402,58 @@ class Engine:
 
     def step(self, now: float = 0.0) -> StepOutput | None:
         """Run one forward pass starting at ``now``; None when there is nothing to do."""
-        if not self.has_work:
+        running = self.running
+        waiting = self.waiting
+        if not (waiting or running or self._aborted):
             return None
         c = self.config
         budget = c.max_num_batched_tokens
-        scheduled: list[tuple[_Seq, int]] = []  # (seq, tokens computed this step)
+        # (seq, tokens computed this step), in running order (admitted requests last)
+        scheduled: list[tuple[_Seq, int]] = []
         vllm_mode = c.admission == "vllm"
         preemptions_before = self.num_preemptions
-        for s in list(self.running):
-            if budget <= 0:
-                break
-            if s not in self.running:  # preempted earlier in this loop
-                continue
-            n = min(s.prefill_target - s.num_computed, budget) if s.in_prefill else 1
-            if vllm_mode and not self._grow(s, n):
-                break  # s itself was preempted
-            scheduled.append((s, n))
-            budget -= n
+        if vllm_mode:
+            for s in list(running):
+                if budget <= 0:
+                    break
+                if s not in self.running:  # preempted earlier in this loop
+                    continue
+                left = s.prefill_target - s.num_computed
+                n = (left if left < budget else budget) if left > 0 else 1
+                if not self._grow(s, n):
+                    break  # s itself was preempted
+                scheduled.append((s, n))
+                budget -= n
+            running = self.running
+        else:  # nothing is ever preempted: no copy, no membership checks
+            for s in running:
+                if budget <= 0:
+                    break
+                left = s.prefill_target - s.num_computed
+                n = (left if left < budget else budget) if left > 0 else 1
+                scheduled.append((s, n))
+                budget -= n
         # like vLLM: no new admissions in a step that had to preempt
-        preempted = self.num_preemptions > preemptions_before
-        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs and not preempted:
-            s = self.waiting[0]
-            if not self._try_admit(s, budget):
-                break  # FCFS: the head waits for blocks, and so does everyone behind it
-            self.waiting.popleft()
-            self.running.append(s)
-            n = min(s.prefill_target - s.num_computed, budget)
-            scheduled.append((s, n))
-            budget -= n
+        if waiting and self.num_preemptions == preemptions_before:
+            max_seqs = c.max_num_seqs
+            while waiting and budget > 0 and len(running) < max_seqs:
+                s = waiting[0]
+                if not self._try_admit(s, budget):
+                    break  # FCFS: the head waits for blocks, and so does everyone behind it
+                waiting.popleft()
+                running.append(s)
+                left = s.prefill_target - s.num_computed
+                n = left if left < budget else budget
+                scheduled.append((s, n))
+                budget -= n
 
         prefill_tokens = prefill_attn = decode_seqs = kv_read = 0
         for s, n in scheduled:
-            if s.in_prefill:
+            a = s.num_computed
+            if a < s.prefill_target:
                 prefill_tokens += n
-                a, b = s.num_computed, s.num_computed + n  # positions a..b-1 attend to 0..p
-                prefill_attn += (a + b + 1) * n // 2
+                # positions a..a+n-1 attend to 0..p
+                prefill_attn += (a + a + n + 1) * n // 2
             else:
                 decode_seqs += 1
                 kv_read += len(s.tokens)
@@ -431,22 +464,33 @@ class Engine:
         tokens: dict[str, list[int]] = {}
         finished: list[FinishedRequest] = self._aborted
         self._aborted = []
+        done: list[_Seq] = []
+        bs = c.block_size
+        vocab = c.output_vocab
+        nvocab = len(vocab)
+        xxh3 = xxhash.xxh3_64_intdigest
         for s, n in scheduled:
-            s.num_computed += n
-            if s.num_computed >= s.prefill_target:  # prefill done (now or before): sample
-                tok = self._next_token(s)
+            computed = s.num_computed + n
+            s.num_computed = computed
+            if computed >= s.prefill_target:  # prefill done (now or before): sample
+                g = s.generated
+                tok = vocab[xxh3(g.to_bytes(8, "little"), seed=s.gen_seed) % nvocab]
                 s.tokens.append(tok)
-                s.generated += 1
+                s.generated = g = g + 1
                 tokens[s.req.request_id] = [tok]
                 if s.first_token_time is None:
                     s.first_token_time = end
+                if g >= s.req.max_tokens:
+                    done.append(s)
             # KV now exists for num_computed tokens (the token just sampled gets its KV in the
             # next step), so the full blocks among them can be shared
-            self._register_full_blocks(s)
+            if computed // bs > s.num_registered:
+                self._register_full_blocks(s)
         self.generation_tokens_total += len(tokens)
-        still: list[_Seq] = []
-        for s in self.running:
-            if s.generated >= s.req.max_tokens:
+        if done:
+            # only a request that generated a token in this step can have finished; ``done``
+            # is in running order, since ``scheduled`` is
+            for s in done:
                 self.pool.free(s.blocks)
                 s.blocks = []
                 self._ids.discard(s.req.request_id)
@@ -463,9 +507,8 @@ class Engine:
                         finish_time=end,
                     )
                 )
-            else:
-                still.append(s)
-        self.running = still
+            gone = {id(s) for s in done}
+            self.running = [s for s in self.running if id(s) not in gone]
         self.num_steps += 1
         events, meta = self.pool.take_events()
         return StepOutput(

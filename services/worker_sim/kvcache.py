@@ -9,26 +9,27 @@ chain are always older than their parents and are evicted first.
 
 Invariants:
 - ``num_free == len(empty) + len(lru)`` and every free block has ``ref == 0``;
-- every key in ``cached`` maps to exactly one block whose ``key`` is that key;
+- every key in ``cached`` maps to exactly one block ``b`` with ``block_key[b]`` that key, and
+  ``block_key[b]`` is None for every block that is not cached; ``block_parent[b]`` is the
+  parent key of cached block ``b``;
+- ``cached`` is in registration order (a dict keeps insertion order), which :meth:`dump` uses
+  to put parents before children;
 - every store of a key into ``cached`` and every removal of one is recorded as an event, in
   order, in the pending event list (drained by :meth:`take_events`).
+
+The pool is on the simulator's hot path (millions of blocks per simulated hour), so block state
+lives in flat lists and dicts and runs of blocks are handled with C-level bulk operations
+(slices, ``dict.update(zip(...))``, ``map``) instead of per-block Python objects.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import repeat
 
 from services.common.schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-
-
-@dataclass(slots=True)
-class Block:
-    block_id: int
-    ref: int = 0
-    key: int | None = None
-    parent_key: int | None = None
-    stored_seq: int = 0  # order of registration (for dumps: parents before children)
 
 
 @dataclass(slots=True)
@@ -44,19 +45,25 @@ class CacheFullError(RuntimeError):
     """Asked for more blocks than are free (callers check :meth:`can_allocate` first)."""
 
 
+def _consume(it: Iterable[object]) -> None:
+    """Run an iterator (of side effects) to its end in C."""
+    deque(it, maxlen=0)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be > 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.ref: list[int] = [0] * num_blocks  # references by running requests, per block
+        self.block_key: list[int | None] = [None] * num_blocks  # key of each cached block
+        self.block_parent: list[int | None] = [None] * num_blocks  # its parent key
         self.empty: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
         self.lru: OrderedDict[int, None] = OrderedDict()  # free cached blocks, oldest first
-        self.cached: dict[int, int] = {}  # key -> block id
+        self.cached: dict[int, int] = {}  # key -> block id, in registration order
         self._events: list[KvEvent] = []
         self._meta: list[EventMeta | None] = []
-        self._store_counter = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -74,66 +81,83 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 
-    def match_prefix(self, keys: list[int]) -> list[int]:
-        """Block ids of the longest leading run of ``keys`` that is cached."""
-        out: list[int] = []
-        for k in keys:
-            bid = self.cached.get(k)
-            if bid is None:
-                break
-            out.append(bid)
-        return out
+    def match_prefix(self, keys: list[int], limit: int | None = None) -> list[int]:
+        """Block ids of the longest leading run of ``keys`` (at most ``limit`` of them) that
+        is cached."""
+        cached = self.cached
+        if limit is not None and limit < len(keys):
+            keys = keys[:limit]
+        if not keys or keys[0] not in cached:
+            return []
+        ids = list(map(cached.get, keys))
+        try:
+            return ids[: ids.index(None)]
+        except ValueError:
+            return ids
 
     def can_allocate(self, hit_blocks: list[int], new_blocks: int) -> bool:
         """Whether ``hit_blocks`` can be referenced and ``new_blocks`` more allocated now.
         Hit blocks that are free count against the free pool (taking them removes them)."""
-        free_hits = sum(1 for b in hit_blocks if self.blocks[b].ref == 0)
+        free_hits = list(map(self.ref.__getitem__, hit_blocks)).count(0) if hit_blocks else 0
         return new_blocks + free_hits <= self.num_free
 
     # ------------------------------------------------------------------ mutation
     def touch(self, block_ids: list[int]) -> None:
         """Reference cached blocks (a prefix hit): they leave the free LRU while in use."""
+        ref = self.ref
+        lru = self.lru
         for b in block_ids:
-            blk = self.blocks[b]
-            if blk.ref == 0:
-                self.lru.pop(b, None)
-            blk.ref += 1
+            r = ref[b]
+            if r == 0:
+                lru.pop(b, None)
+            ref[b] = r + 1
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks for a request: empty blocks first, then evict LRU cached blocks."""
         if n > self.num_free:
             raise CacheFullError(f"need {n} blocks, {self.num_free} free")
-        out: list[int] = []
-        evicted: list[int] = []
-        for _ in range(n):
-            if self.empty:
-                b = self.empty.pop()
-            else:
-                b, _ = self.lru.popitem(last=False)
-                blk = self.blocks[b]
-                if blk.key is not None:
-                    del self.cached[blk.key]
-                    evicted.append(blk.key)
-                    blk.key = None
-                    blk.parent_key = None
-            self.blocks[b].ref = 1
-            out.append(b)
-        if evicted:
+        if n <= 0:
+            return []
+        empty = self.empty
+        k = min(n, len(empty))
+        if k:
+            out = empty[-k:]
+            out.reverse()  # the order repeated pop() would give
+            del empty[-k:]
+        else:
+            out = []
+        m = n - k
+        if m:  # evict the m least recently used cached blocks (every LRU block is cached)
+            pop = self.lru.popitem
+            victims = [pop(False)[0] for _ in range(m)]
+            block_key = self.block_key
+            evicted = list(map(block_key.__getitem__, victims))
+            _consume(map(self.cached.__delitem__, evicted))
+            _consume(map(block_key.__setitem__, victims, repeat(None)))
+            out += victims
+        ref = self.ref
+        for b in out:
+            ref[b] = 1
+        if m:
             self._emit(BlockRemoved(keys=evicted), None)
         return out
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each block, tail first, so leaves are evicted first."""
+        ref = self.ref
+        block_key = self.block_key
+        lru = self.lru
+        empty = self.empty
         for b in reversed(block_ids):
-            blk = self.blocks[b]
-            blk.ref -= 1
-            if blk.ref < 0:  # pragma: no cover - would be a scheduler bug
-                raise RuntimeError(f"block {b} freed twice")
-            if blk.ref == 0:
-                if blk.key is None:
-                    self.empty.append(b)
+            r = ref[b] - 1
+            ref[b] = r
+            if r == 0:
+                if block_key[b] is None:
+                    empty.append(b)
                 else:
-                    self.lru[b] = None
+                    lru[b] = None
+            elif r < 0:  # pragma: no cover - would be a scheduler bug
+                raise RuntimeError(f"block {b} freed twice")
 
     def register(
         self,
@@ -146,15 +170,37 @@ class BlockPool:
         """Full blocks have been computed: enter their keys into the prefix map (one
         BlockStored event per run of newly cached blocks). A key already cached by another
         block (two requests computed the same block at once) is not stored twice; the duplicate
-        block stays private and is recycled as empty when freed."""
+        block stays private and is recycled as empty when freed.
+
+        ``block_ids`` are blocks the caller allocated and has not registered yet (the engine
+        registers each block of a request once, in order), so none of them is cached."""
+        n = len(block_ids)
+        if n != len(keys):
+            raise ValueError(f"{n} blocks but {len(keys)} keys")
+        if n == 0:
+            return
+        # one pass in C: enter every new key; the result differs from block_ids exactly where
+        # a key was already cached (by another block, or earlier in this same list)
+        owners = list(map(self.cached.setdefault, keys, block_ids))
         bs = self.block_size
+        if owners == block_ids:  # the usual case: every key is new
+            parents: list[int | None] = [parent_key]
+            parents += keys[:-1]
+            _consume(map(self.block_key.__setitem__, block_ids, keys))
+            _consume(map(self.block_parent.__setitem__, block_ids, parents))
+            self._emit(
+                BlockStored(keys=list(keys), parent_key=parent_key, block_size=bs),
+                EventMeta(list(token_ids[: n * bs]), lora),
+            )
+            return
+        block_key = self.block_key
+        block_parent = self.block_parent
         run_keys: list[int] = []
         run_tokens: list[int] = []
         run_parent = parent_key
         prev = parent_key
-        for i, (b, k) in enumerate(zip(block_ids, keys, strict=True)):
-            blk = self.blocks[b]
-            if k in self.cached or blk.key is not None:
+        for i, (b, k, owner) in enumerate(zip(block_ids, keys, owners, strict=True)):
+            if owner != b:  # already cached elsewhere: this block stays private
                 if run_keys:
                     self._emit(
                         BlockStored(keys=run_keys, parent_key=run_parent, block_size=bs),
@@ -164,11 +210,8 @@ class BlockPool:
                 run_parent = k
                 prev = k
                 continue
-            blk.key = k
-            blk.parent_key = prev
-            self._store_counter += 1
-            blk.stored_seq = self._store_counter
-            self.cached[k] = b
+            block_key[b] = k
+            block_parent[b] = prev
             run_keys.append(k)
             run_tokens.extend(token_ids[i * bs : (i + 1) * bs])
             prev = k
@@ -181,12 +224,10 @@ class BlockPool:
     def clear(self) -> None:
         """Forget every cached key (vLLM reset_prefix_cache): one AllBlocksCleared event.
         Referenced blocks stay in use but are no longer shareable."""
-        for b in list(self.lru):
-            self.empty.append(b)
+        self.empty.extend(self.lru)
         self.lru.clear()
-        for blk in self.blocks:
-            blk.key = None
-            blk.parent_key = None
+        self.block_key = [None] * self.num_blocks
+        self.block_parent = [None] * self.num_blocks
         self.cached.clear()
         self._emit(AllBlocksCleared(), None)
 
@@ -204,24 +245,24 @@ class BlockPool:
         """The whole cache as BlockStored events, each block after its parent when the parent
         is cached too (consecutive chain members are merged into one event)."""
         bs = self.block_size
-        order = sorted(
-            (self.blocks[b] for b in self.cached.values()), key=lambda blk: blk.stored_seq
-        )
+        cached = self.cached
+        block_parent = self.block_parent
         done: set[int] = set()
         out: list[BlockStored] = []
-        for blk in order:
-            if blk.key in done:
+        for key, b in cached.items():  # registration order
+            if key in done:
                 continue
-            chain = [blk]
-            cur = blk
-            while cur.parent_key is not None and cur.parent_key not in done:
-                pb = self.cached.get(cur.parent_key)
+            chain = [key]
+            parent = block_parent[b]
+            while parent is not None and parent not in done:
+                pb = cached.get(parent)
                 if pb is None:
                     break
-                cur = self.blocks[pb]
-                chain.append(cur)
+                chain.append(parent)
+                parent = block_parent[pb]
             chain.reverse()
-            keys = [c.key for c in chain if c.key is not None]
-            done.update(keys)
-            out.append(BlockStored(keys=keys, parent_key=chain[0].parent_key, block_size=bs))
+            done.update(chain)
+            out.append(
+                BlockStored(keys=chain, parent_key=block_parent[cached[chain[0]]], block_size=bs)
+            )
         return out
