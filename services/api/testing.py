@@ -7,7 +7,6 @@ migrations, starts :class:`services.api.app.ApiService`, and serves HTTP on 127.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,20 +115,3 @@ async def start_api(
     h.admin = await make_token(database_url, "admin", "test-admin")
     h.viewer = await make_token(database_url, "viewer", "test-viewer")
     return await h.start()
-
-
-def private_nats(state_dir) -> Iterator[str]:
-    """A real nats-server (JetStream) of one's own for a test module.
-
-    The shared development server's JetStream storage is reserved by every stream's
-    ``max_bytes``; when other runs leave streams behind, creating ours fails with
-    "insufficient storage". A private server keeps these tests independent of that.
-    """
-    from services.common.embedded import EmbeddedNats
-
-    server = EmbeddedNats(state_dir)
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()

@@ -22,8 +22,9 @@ Decision rules, for the current step (traffic fraction ``steps[i]`` to the candi
   last step); too few samples -> ``hold`` (the step is extended until there are enough).
 - Otherwise ``hold``.
 
-At a 100 % step the control gets no traffic; the runner then passes the control stats of the
-latest earlier window as the baseline.
+At a 100 % step the control gets no traffic (its outcomes in that window are stragglers of the
+switch); the runner then passes the control stats of the latest earlier window with at least
+``min_samples`` control requests as the baseline.
 """
 
 from __future__ import annotations

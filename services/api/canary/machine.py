@@ -182,7 +182,9 @@ async def evaluation_inputs(
     control, candidate = stats["control"], stats["candidate"]
     extra: dict[str, Any] = {"window": c.window}
     min_samples = int(Criteria.from_dict(c.criteria).min_samples)
-    if control.requests < min_samples and float(c.steps[c.step_index]) >= 1.0:
+    if float(c.steps[c.step_index]) >= 1.0:
+        # at 100 % the control's outcomes in this window are only stragglers of the switch
+        # (requests routed before it): compare with the last window where control had traffic
         base, base_window = await baseline_control(session, c.id, c.window, min_samples)
         if base_window is not None:
             control = base

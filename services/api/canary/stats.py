@@ -6,6 +6,8 @@ Invariants:
   several API replicas add their share of outcomes to the same Postgres row.
 - TTFT is kept as a histogram over fixed log-spaced buckets (``GROWTH`` = 10 % wide), so a
   quantile is exact to within one bucket: ``bucket_upper(b) / GROWTH < q <= bucket_upper(b)``.
+- The latency sample of an outcome is its TTFT when the router measured one (streaming),
+  else its end-to-end time (a non-streamed answer's first byte arrives with its last).
 - ``cancelled`` outcomes (the client went away) count nowhere; ``rejected`` counts as an error.
 """
 

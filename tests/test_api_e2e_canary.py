@@ -1,0 +1,161 @@
+"""The canary story with the real parts: simulated workers (engine model, KV events), the
+kv_indexer, a router and the admin API on a real NATS and Postgres. Conversations (each with a
+session id, so it stays on one arm) share a system prompt; ``prefix`` (uncapped, as in the
+seed-000 incident) is the candidate against ``kv_aware``.
+
+What is asserted: the router splits traffic by arm, its outcomes (with real streamed TTFTs)
+reach the evaluator, every decision follows from the numbers it records, and the routers
+apply the final state within a second. Whether ``prefix`` is rolled back depends on whether
+its hot spot forms in that run: the router's admission caps in-flight requests per worker at
+the worker's batch size and the control arm spreads the shared prompt to every worker, so in
+this set-up it is rolled back only in some runs (see docs/api.md). The rollback path itself is
+tested deterministically in test_api_canary_flow.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import aiohttp
+import pytest
+
+from services.api.testing import start_api
+from services.common.bus import Bus
+from tests.test_router_e2e_sim import SYSTEM, SimCluster
+from tests.test_router_support import Indexer, RouterProc, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+async def _traffic(url: str, stop: asyncio.Event, conc: int, arms: Counter) -> None:
+    """``conc`` conversations, each with its session id (so it stays on one arm), all
+    sharing the system prompt; they start at once, like the seed-000 incident."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+
+        async def client(c: int) -> None:
+            i = 0
+            headers = {"x-session-id": f"conversation-{c}"}
+            while not stop.is_set():
+                i += 1
+                body = {
+                    "model": "m",
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": f"client {c} question {i}: why?"},
+                    ],
+                    "max_tokens": 16,
+                    "stream": True,  # the router measures TTFT on streams
+                }
+                async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                    await r.read()
+                    arms[
+                        (
+                            r.status,
+                            r.headers.get("x-kvgate-arm", "-"),
+                            r.headers.get("x-kvgate-worker", "-"),
+                        )
+                    ] += 1
+
+        await asyncio.gather(*(client(c) for c in range(conc)))
+
+
+async def test_canary_with_real_router_and_sim_workers(
+    fresh_database_url: str, nats_url: str, subjects, bus: Bus
+) -> None:
+    prefix = subjects.prefix.rstrip(".")
+    api = await start_api(fresh_database_url, nats_url, prefix)
+    sims = await SimCluster(nats_url, subjects, 4, max_num_seqs=16, speedup=5.0).start()
+    indexer = await Indexer(nats_url, subjects).start()
+    router = await RouterProc(nats_url, subjects, policy="round_robin").start()
+    stop = asyncio.Event()
+    used: Counter = Counter()
+    load: asyncio.Task | None = None
+    try:
+        await router.wait_workers(4, timeout=30)
+        # prefix as in the seed-000 incident: no per-worker cap, it piles onto the holder
+        for name, spec in (
+            ("kv", {"name": "kv_aware"}),
+            ("px", {"name": "prefix", "params": {"max_inflight": 1000}}),
+        ):
+            status, _ = await api.call("POST", "/api/v1/policies", {"name": name, "spec": spec})
+            assert status == 201
+        _, act = await api.call("POST", "/api/v1/policies/kv/activate")
+        r = router.router
+        assert r is not None
+        await wait_until(lambda: r.policies.revision >= act["revision"], 5, "policy applied")
+        assert r.policies.control.name == "kv_aware"
+        status, c = await api.call(
+            "POST",
+            "/api/v1/canaries",
+            {
+                "policy": "px",
+                "steps": [0.5, 1.0],
+                "step_duration_s": 6.0,
+                "criteria": {"min_samples": 30, "max_ttft_p95_ratio": 1.25},
+            },
+        )
+        assert status == 201
+        await wait_until(lambda: r.policies.canary_id == c["id"], 5, "canary applied")
+        # one request caches the system prompt on one worker, then the conversations start
+        async with aiohttp.ClientSession() as s:
+            warm = {
+                "model": "m",
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": "hello"},
+                ],
+            }
+            async with s.post(router.url + "/v1/chat/completions", json=warm) as resp:
+                assert resp.status == 200
+        await wait_until(lambda: len(r.index_source.index) > 0, 5, "prompt indexed")
+        load = asyncio.create_task(_traffic(router.url, stop, 24, used))
+        deadline = time.monotonic() + 60
+        while True:
+            _, body = await api.call("GET", f"/api/v1/canaries/{c['id']}")
+            if body["state"] not in ("running", "paused"):
+                break
+            assert time.monotonic() < deadline, body
+            await asyncio.sleep(0.2)  # polling the HTTP view; no event exists for it
+        story = [(d["action"], d["reason"][:200]) for d in body["decisions"]]
+        # every decision follows from the real numbers it recorded
+        actions = [d["action"] for d in body["decisions"]]
+        assert actions[0] == "start" and actions[-1] in ("complete", "rollback"), story
+        for d in body["decisions"][1:]:
+            nums = d["numbers"]
+            assert nums["candidate"]["requests"] >= 30, story
+            assert nums["candidate"]["ttft_samples"] >= 30, story  # real TTFTs from streams
+            failed = [x for x in nums["checks"] if not x["passed"]]
+            if d["action"] in ("advance", "complete"):
+                assert nums["checks"] and not failed, story
+            else:
+                assert failed and all(x["value"] > x["threshold"] for x in failed), story
+                assert all(x["name"] in d["reason"] for x in failed), story
+        # the routers apply the outcome within a second
+        final = "prefix" if body["state"] == "promoted" else "kv_aware"
+        await wait_until(
+            lambda: r.policies.canary_id is None and r.policies.control.name == final,
+            2,
+            "final policy applied",
+        )
+        arms = Counter(a for (st, a, _w), n in used.items() for _ in range(n) if st == 200)
+        assert arms["candidate"] >= 60 and arms["control"] >= 60, arms
+    finally:
+        stop.set()
+        # every step bounded: a part that swallowed a cancel must not hang the test run
+        for name, coro in (
+            ("traffic", load),
+            ("router", router.stop()),
+            ("indexer", indexer.stop()),
+            ("sims", sims.stop()),
+            ("api", api.close()),
+        ):
+            if coro is None:
+                continue
+            task = asyncio.ensure_future(coro)
+            done, _ = await asyncio.wait({task}, timeout=20)
+            if not done:
+                print(f"teardown: {name} did not stop within 20 s")
+                task.cancel()
