@@ -150,7 +150,7 @@ class StepOutput:
     kv_tokens_read: int = 0  # context tokens read by decode attention
 
 
-@dataclass
+@dataclass(slots=True)
 class _Seq:
     """A request inside the engine."""
 
@@ -457,8 +457,17 @@ class Engine:
             else:
                 decode_seqs += 1
                 kv_read += len(s.tokens)
+        # = self.step_time(...), inlined (same terms in the same order: same float result)
         duration = (
-            self.step_time(prefill_tokens, prefill_attn, decode_seqs, kv_read) if scheduled else 0.0
+            (
+                c.step_overhead_s
+                + c.prefill_token_s * prefill_tokens
+                + c.prefill_attn_s * prefill_attn
+                + c.decode_seq_s * decode_seqs
+                + c.decode_kv_token_s * kv_read
+            )
+            if scheduled
+            else 0.0
         )
         end = now + duration
         tokens: dict[str, list[int]] = {}
@@ -474,7 +483,9 @@ class Engine:
             s.num_computed = computed
             if computed >= s.prefill_target:  # prefill done (now or before): sample
                 g = s.generated
-                tok = vocab[xxh3(g.to_bytes(8, "little"), seed=s.gen_seed) % nvocab]
+                tok = vocab[
+                    xxh3(g.to_bytes(8, "little"), s.gen_seed) % nvocab
+                ]  # positional seed: cheaper
                 s.tokens.append(tok)
                 s.generated = g = g + 1
                 tokens[s.req.request_id] = [tok]

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import islice, repeat
 
 from services.common.schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -128,16 +128,15 @@ class BlockPool:
             out = []
         m = n - k
         if m:  # evict the m least recently used cached blocks (every LRU block is cached)
-            pop = self.lru.popitem
-            victims = [pop(False)[0] for _ in range(m)]
+            lru = self.lru
+            victims = list(islice(lru, m))
+            _consume(map(lru.__delitem__, victims))
             block_key = self.block_key
             evicted = list(map(block_key.__getitem__, victims))
             _consume(map(self.cached.__delitem__, evicted))
             _consume(map(block_key.__setitem__, victims, repeat(None)))
             out += victims
-        ref = self.ref
-        for b in out:
-            ref[b] = 1
+        _consume(map(self.ref.__setitem__, out, repeat(1)))
         if m:
             self._emit(BlockRemoved(keys=evicted), None)
         return out
@@ -173,7 +172,9 @@ class BlockPool:
         block stays private and is recycled as empty when freed.
 
         ``block_ids`` are blocks the caller allocated and has not registered yet (the engine
-        registers each block of a request once, in order), so none of them is cached."""
+        registers each block of a request once, in order), so none of them is cached.
+        ``keys`` and ``token_ids`` become part of the events: pass lists the caller will not
+        change afterwards (the engine passes fresh slices)."""
         n = len(block_ids)
         if n != len(keys):
             raise ValueError(f"{n} blocks but {len(keys)} keys")
@@ -188,9 +189,10 @@ class BlockPool:
             parents += keys[:-1]
             _consume(map(self.block_key.__setitem__, block_ids, keys))
             _consume(map(self.block_parent.__setitem__, block_ids, parents))
+            # the caller hands over fresh lists (slices): keep them rather than copy again
             self._emit(
-                BlockStored(keys=list(keys), parent_key=parent_key, block_size=bs),
-                EventMeta(list(token_ids[: n * bs]), lora),
+                BlockStored(keys=keys, parent_key=parent_key, block_size=bs),
+                EventMeta(token_ids if len(token_ids) == n * bs else token_ids[: n * bs], lora),
             )
             return
         block_key = self.block_key
