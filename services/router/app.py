@@ -116,6 +116,12 @@ class Router:
         self.hit_pred = M.HitRate("predicted")
         self.hit_reported = M.HitRate("reported")
         self.policy_applied = asyncio.Event()  # set on each applied policy.updated (tests)
+        self._t_stream = aiohttp.ClientTimeout(
+            total=None, sock_connect=st.connect_timeout, sock_read=st.stream_idle_timeout
+        )
+        self._t_whole = aiohttp.ClientTimeout(
+            total=st.request_timeout, sock_connect=st.connect_timeout, sock_read=st.request_timeout
+        )
 
     # ================================================================== lifecycle
     async def start(self) -> None:
@@ -233,6 +239,8 @@ class Router:
 
     # ================================================================== background
     def _notify_capacity(self) -> None:
+        if not self.queue_len:
+            return
         ev = self._cap_event
         self._cap_event = asyncio.Event()
         ev.set()
@@ -369,7 +377,7 @@ class Router:
     def _overlaps(self, parsed: Parsed, states: dict) -> dict[str, int]:
         """Leading matched blocks per worker (hashing lazily: stops where no worker matches)."""
         index = self.index_source.index
-        sizes = {s.capacity.block_size for s in states.values()}
+        sizes = self.state.block_sizes
         if not sizes:
             return {}
         match = getattr(index, "match_prompt", None)
@@ -540,11 +548,11 @@ class Router:
     def _finish(self, ctx: Ctx) -> None:
         e2e = time.perf_counter() - ctx.t0
         pol = ctx.arm.policy.name
-        M.REQUESTS.labels(pol, ctx.worker_id or "none", ctx.status).inc()
+        M.child(M.REQUESTS, pol, ctx.worker_id or "none", ctx.status).inc()
         if ctx.status == "ok":
-            M.E2E.labels(pol).observe(e2e)
+            M.child(M.E2E, pol).observe(e2e)
             if ctx.ttft is not None:
-                M.TTFT.labels(pol).observe(ctx.ttft)
+                M.child(M.TTFT, pol).observe(ctx.ttft)
             prompt = len(ctx.parsed.token_ids)
             M.PROMPT_TOKENS.inc(prompt)
             self.hit_pred.add(ctx.predicted_cached, prompt)
@@ -719,11 +727,7 @@ class Router:
         """Open the upstream request; connect errors, timeouts and 503 raise WorkerFailed."""
         assert self.session is not None
         url = self.state.states[wid].url + path
-        timeout = aiohttp.ClientTimeout(
-            total=None if ctx.parsed.stream else self.st.request_timeout,
-            sock_connect=self.st.connect_timeout,
-            sock_read=self.st.stream_idle_timeout if ctx.parsed.stream else self.st.request_timeout,
-        )
+        timeout = self._t_stream if ctx.parsed.stream else self._t_whole
         try:
             resp = await self.session.post(
                 url,

@@ -57,6 +57,18 @@ INFLIGHT = Gauge("kvgate_router_inflight", "Requests in flight through this rout
 WORKERS = Gauge("kvgate_router_workers", "Routable workers")
 
 
+_children: dict[tuple, object] = {}
+
+
+def child(metric, *labels: str):
+    """Cached ``metric.labels(*labels)`` (the label lookup is a hot-path cost)."""
+    key = (id(metric), labels)
+    c = _children.get(key)
+    if c is None:
+        c = _children[key] = metric.labels(*labels)
+    return c
+
+
 class HitRate:
     """Rolling cached/prompt token ratio over the last ``n`` requests."""
 
@@ -65,6 +77,8 @@ class HitRate:
         self.window: deque[tuple[int, int]] = deque(maxlen=n)
         self.cached = 0
         self.prompt = 0
+        self._cached_c = CACHED_TOKENS.labels(kind)
+        self._rate_g = HIT_RATE.labels(kind)
 
     def add(self, cached: int, prompt: int) -> None:
         if len(self.window) == self.window.maxlen:
@@ -74,5 +88,5 @@ class HitRate:
         self.window.append((cached, prompt))
         self.cached += cached
         self.prompt += prompt
-        CACHED_TOKENS.labels(self.kind).inc(cached)
-        HIT_RATE.labels(self.kind).set(self.cached / self.prompt if self.prompt else 0.0)
+        self._cached_c.inc(cached)
+        self._rate_g.set(self.cached / self.prompt if self.prompt else 0.0)

@@ -13,14 +13,14 @@ import contextlib
 
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
-from services.common.schemas import RouterOutcome
+from services.common.schemas import RouterOutcome, encode
 from services.router.metrics import OUTCOMES_DROPPED
 
 log = get_logger("router.outcomes")
 
 
 class OutcomePublisher:
-    def __init__(self, bus: Bus, maxsize: int = 10_000, concurrency: int = 32) -> None:
+    def __init__(self, bus: Bus, maxsize: int = 10_000, concurrency: int = 256) -> None:
         self.bus = bus
         self.queue: asyncio.Queue[RouterOutcome] = asyncio.Queue(maxsize=maxsize)
         self.concurrency = concurrency
@@ -48,15 +48,23 @@ class OutcomePublisher:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
 
-    async def _publish(self, o: RouterOutcome) -> None:
-        try:
-            await self.bus.js_publish(self.bus.subjects.router_outcomes, o, timeout=5.0)
-            self.published += 1
-        except Exception as exc:
-            self.dropped += 1
-            OUTCOMES_DROPPED.labels("publish_error").inc()
-            if self._log.allow("err"):
-                log.warning("outcome publish failed", error=repr(exc))
+    async def _publish(self, batch: list[RouterOutcome]) -> None:
+        """Core publishes to ``router.outcomes`` (the OUTCOMES stream stores them); a JetStream
+        ack per message would cost more than the request it describes. While the connection
+        is being re-established nats-py buffers them."""
+        subject = self.bus.subjects.router_outcomes
+        nc = self.bus.client
+        for i, o in enumerate(batch):
+            try:
+                await nc.publish(subject, encode(o))
+                self.published += 1
+            except Exception as exc:
+                n = len(batch) - i
+                self.dropped += n
+                OUTCOMES_DROPPED.labels("publish_error").inc(n)
+                if self._log.allow("err"):
+                    log.warning("outcome publish failed", error=repr(exc))
+                return
 
     async def _run(self) -> None:
         while True:
@@ -67,6 +75,6 @@ class OutcomePublisher:
             while not self.bus.is_connected:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.bus.connected.wait(), 1.0)
-            await asyncio.gather(*(self._publish(o) for o in batch))
+            await self._publish(batch)
             for _ in batch:
                 self.queue.task_done()

@@ -40,6 +40,7 @@ class Ticket:
 class _Local:
     inflight: int = 0
     prefill: int = 0
+    blocks: int = 0  # KV blocks reserved by this router's in-flight requests
 
 
 @dataclass
@@ -71,6 +72,7 @@ class ClusterState:
         self._controls: dict[str, str] = {}  # control may arrive before the first heartbeat
         self._breaker_open: set[str] = set()
         self.snapshot = ClusterSnapshot(self.states)
+        self.block_sizes: set[int] = set()
 
     # ------------------------------------------------------------------ inputs
     def on_heartbeat(self, hb: WorkerHeartbeat, now: float) -> bool:
@@ -88,6 +90,7 @@ class ClusterState:
             s = self.states[hb.worker_id] = WorkerState(hb.worker_id)
         s.model, s.url = hb.model, hb.url.rstrip("/")
         s.capacity = Capacity(c.block_size, c.num_gpu_blocks, c.max_num_seqs, c.max_model_len)
+        self.block_sizes = {x.capacity.block_size for x in self.states.values()}
         self._refresh(hb.worker_id, now)
         return new
 
@@ -161,6 +164,7 @@ class ClusterState:
         loc = self._local[worker_id]
         loc.inflight += 1
         loc.prefill += t.prefill
+        loc.blocks += t.blocks
         self._tickets[worker_id].append(t)
         self._refresh_load(worker_id)
         self._refresh_kv(worker_id)
@@ -183,6 +187,7 @@ class ClusterState:
         if loc is None:
             return
         loc.inflight -= 1
+        loc.blocks -= t.blocks
         tickets = self._tickets[t.worker_id]
         for i, x in enumerate(tickets):
             if x is t:
@@ -273,4 +278,5 @@ class ClusterState:
             reserved = sum(t.blocks for t in tickets if t.wall > since)
             s.kv_blocks_free = max(0, load.kv_blocks_free - reserved)
         else:
-            s.kv_blocks_free = max(0, s.capacity.num_gpu_blocks - sum(t.blocks for t in tickets))
+            loc = self._local.get(wid)
+            s.kv_blocks_free = max(0, s.capacity.num_gpu_blocks - (loc.blocks if loc else 0))
