@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -17,17 +17,10 @@ from services.api.canary.runner import EvaluatorLoop
 from services.api.canary.stats import ArmStats
 from services.api.db import Database
 from services.api.models import Canary
-from services.api.testing import ApiHarness, private_nats, start_api
+from services.api.testing import ApiHarness, start_api
 from services.common.bus import Bus
 from services.common.schemas import PolicyUpdated, RouterOutcome, decode
 from services.common.streams import ensure_outcomes_stream
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private real NATS server for this module (see services.api.testing.private_nats)."""
-    yield from private_nats(tmp_path_factory.mktemp("nats"))
-
 
 FAST = {
     "steps": [0.1, 0.5, 1.0],
@@ -314,3 +307,52 @@ async def test_pause_resume_promote_abort_by_hand(api: ApiHarness, bus: Bus) -> 
     assert status == 400 and body["error"]["field"] == "steps"
     status, body = await api.call("POST", "/api/v1/canaries", {"policy": "cand", "steps": [0, 1]})
     assert status == 400 and body["error"]["field"] == "steps[0]"
+
+
+async def test_outcomes_are_counted_per_arm_in_the_current_window(
+    api: ApiHarness, bus: Bus
+) -> None:
+    """Streamed outcomes count their TTFT, non-streamed ones their end-to-end time; outcomes
+    of other canaries, without a canary or from before the window are not counted."""
+    await setup_policies(api)
+    _, c = await api.call(
+        "POST", "/api/v1/canaries", {"policy": "cand", **FAST, "step_duration_s": 600}
+    )
+    await ensure_outcomes_stream(bus)
+    now = time.time()
+
+    def out(arm: str, **kw) -> RouterOutcome:
+        base = dict(
+            request_id="r",
+            router_id="x",
+            ts=now + 1,
+            policy="p",
+            arm=arm,
+            canary_id=c["id"],
+            prompt_tokens=100,
+            cached_tokens=40,
+        )
+        return RouterOutcome(**{**base, **kw})
+
+    msgs = (
+        [out("candidate", ttft_s=0.1, e2e_s=2.0) for _ in range(5)]
+        + [out("candidate", ttft_s=None, e2e_s=0.5) for _ in range(3)]
+        + [out("control", status="timeout") for _ in range(2)]
+        + [out("control", status="error"), out("control", status="cancelled")]
+        + [out("control", canary_id=None), out("control", canary_id="other")]
+        + [out("control", ts=now - 3600)]  # before the window
+    )
+    for m in msgs:
+        await bus.js_publish(bus.subjects.router_outcomes, m)
+    deadline = time.monotonic() + 10
+    while True:
+        _, body = await api.call("GET", f"/api/v1/canaries/{c['id']}")
+        cur = body["current"]
+        if cur["candidate"]["requests"] == 8 and cur["control"]["requests"] == 3:
+            break
+        assert time.monotonic() < deadline, cur
+        await asyncio.sleep(0.05)  # polling the HTTP view; no event exists for it
+    cand, ctrl = cur["candidate"], cur["control"]
+    assert cand["ttft_samples"] == 8 and cand["ttft_p50_s"] < 0.11 < cand["ttft_p95_s"] < 0.6
+    assert cand["cache_hit_rate"] == 0.4
+    assert (ctrl["timeouts"], ctrl["errors"], ctrl["ttft_samples"]) == (2, 1, 0)

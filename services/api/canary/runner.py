@@ -107,7 +107,8 @@ class OutcomeCollector:
                 o.arm,
                 o.ts,
                 o.status,
-                o.ttft_s,
+                # a non-streamed answer's first byte arrives with its last: use e2e there
+                o.ttft_s if o.ttft_s is not None else o.e2e_s,
                 o.prompt_tokens,
                 o.cached_tokens,
             )
