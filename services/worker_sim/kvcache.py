@@ -24,7 +24,7 @@ lives in flat lists and dicts and runs of blocks are handled with C-level bulk o
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice, repeat
@@ -60,7 +60,9 @@ class BlockPool:
         self.block_key: list[int | None] = [None] * num_blocks  # key of each cached block
         self.block_parent: list[int | None] = [None] * num_blocks  # its parent key
         self.empty: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
-        self.lru: OrderedDict[int, None] = OrderedDict()  # free cached blocks, oldest first
+        # free cached blocks, oldest first (a dict keeps insertion order; re-inserting moves a
+        # block to the end, and eviction takes from the front)
+        self.lru: dict[int, None] = {}
         self.cached: dict[int, int] = {}  # key -> block id, in registration order
         self._events: list[KvEvent] = []
         self._meta: list[EventMeta | None] = []
