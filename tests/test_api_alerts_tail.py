@@ -7,20 +7,11 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Iterator
 
-import pytest
-
-from services.api.testing import private_nats, start_api
+from services.api.testing import start_api
 from services.common.bus import Bus
 from services.common.schemas import Alert
 from services.common.streams import ensure_alert_streams, raise_alert
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private real NATS server for this module (see services.api.testing.private_nats)."""
-    yield from private_nats(tmp_path_factory.mktemp("nats"))
 
 
 async def _tail(nats_url: str, prefix: str, *args: str) -> str:

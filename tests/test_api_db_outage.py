@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import asyncpg
-import pytest
 
-from services.api.testing import private_nats, start_api
+from services.api.testing import start_api
 from services.common.bus import Bus
 from services.common.schemas import Alert
 from services.common.streams import ensure_alert_streams, raise_alert
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private real NATS server for this module (see services.api.testing.private_nats)."""
-    yield from private_nats(tmp_path_factory.mktemp("nats"))
 
 
 async def _set_reachable(admin_dsn: str, dbname: str, reachable: bool) -> None:

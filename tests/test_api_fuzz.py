@@ -13,17 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.api.openapi import aiohttp_path_names
-from services.api.testing import private_nats, start_api
+from services.api.testing import start_api
 from services.common.bus import Bus
 from services.common.subjects import Subjects
 from tests.conftest import _delete_streams
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private real NATS server for this module (see services.api.testing.private_nats)."""
-    yield from private_nats(tmp_path_factory.mktemp("nats"))
-
 
 pytestmark = pytest.mark.slow
 

@@ -8,12 +8,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from services.api.testing import ApiHarness, private_nats, start_api
+from services.api.testing import ApiHarness, start_api
 from services.common.bus import Bus
 from services.common.schemas import (
     Alert,
@@ -25,13 +25,6 @@ from services.common.schemas import (
     decode,
 )
 from services.common.streams import ensure_alert_streams, ensure_policy_stream, raise_alert
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private real NATS server for this module (see services.api.testing.private_nats)."""
-    yield from private_nats(tmp_path_factory.mktemp("nats"))
-
 
 BOOT = "bootstrap-secret-token-for-tests"
 
