@@ -262,6 +262,10 @@ async def _throughput(url: str, conns: int, seconds: float) -> tuple[float, int]
     return done / el, errors
 
 
+def _spawn(argv: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen:
+    return subprocess.Popen(argv, env=env, **kw)
+
+
 def _free_port() -> int:
     from services.common.embedded import free_port
 
@@ -269,7 +273,11 @@ def _free_port() -> int:
 
 
 async def bench_proxy(
-    requests: int, seconds: float, conns: int, with_sglang: bool
+    requests: int,
+    seconds: float,
+    conns: int,
+    with_sglang: bool,
+    processes: tuple[int, ...] = (1, 2),
 ) -> dict[str, Any]:
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
@@ -289,37 +297,15 @@ async def bench_proxy(
     try:
         wport = _free_port()
         procs.append(
-            subprocess.Popen(
+            _spawn(
                 [sys.executable, "-m", "bench.bench_router", "worker", "--port", str(wport)],
                 env=env,
             )
         )
         wurl = f"http://127.0.0.1:{wport}"
         await _wait_http(wurl + "/health", 20)
-        # our router, with heartbeats for the worker published from here
-        rport = _free_port()
+        # our router(s), with heartbeats for the worker published from here
         prefix = "benchrouter"
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "services.cli",
-                    "router",
-                    "--port",
-                    str(rport),
-                    "--nats-url",
-                    nats.url,
-                    "--subject-prefix",
-                    prefix,
-                    "--log-level",
-                    "warning",
-                    "--policy",
-                    "kv_aware",
-                ],
-                env=env,
-            )
-        )
         bus = Bus(nats.url, "bench", Subjects(prefix))
         await bus.connect(max_wait_s=10)
         hb = WorkerHeartbeat(
@@ -339,16 +325,42 @@ async def bench_proxy(
                 await asyncio.sleep(0.5)
 
         beat_task = asyncio.create_task(beats())
-        rurl = f"http://127.0.0.1:{rport}"
-        await _wait_http(rurl + "/health", 30, lambda j: j.get("workers", 0) >= 1)
-        targets = {"direct": wurl, "kvgate": rurl}
+        targets = {"direct": wurl}
+        for n in processes:
+            rport = _free_port()
+            procs.append(
+                _spawn(
+                    [
+                        sys.executable,
+                        "-m",
+                        "services.cli",
+                        "router",
+                        "--port",
+                        str(rport),
+                        "--nats-url",
+                        nats.url,
+                        "--subject-prefix",
+                        prefix,
+                        "--log-level",
+                        "warning",
+                        "--policy",
+                        "kv_aware",
+                        "--processes",
+                        str(n),
+                    ],
+                    env=env,
+                )
+            )
+            rurl = f"http://127.0.0.1:{rport}"
+            await _wait_http(rurl + "/health", 30, lambda j: j.get("workers", 0) >= 1)
+            targets["kvgate" if n == 1 else f"kvgate-{n}proc"] = rurl
         if with_sglang:
             try:
                 import sglang_router  # noqa: F401
 
                 sport, mport = _free_port(), _free_port()
                 procs.append(
-                    subprocess.Popen(
+                    _spawn(
                         [
                             sys.executable,
                             "-m",
@@ -400,6 +412,11 @@ async def bench_proxy(
             sg = results["sglang-router"]
             results["sglang_added_p50_ms"] = sg["p50_ms"] - d
             results["throughput_ratio_vs_sglang"] = k["throughput_rps"] / sg["throughput_rps"]
+            for name in list(results):
+                if name.startswith("kvgate-") and isinstance(results[name], dict):
+                    r = results[name]["throughput_rps"] / sg["throughput_rps"]
+                    results[f"throughput_ratio_{name}_vs_sglang"] = r
+                    print(f"{name}: throughput {r:.2f}x sglang-router's")
             line += (
                 f"; sglang-router added p50 {sg['p50_ms'] - d:.3f} ms; throughput kvgate/sglang "
                 f"{results['throughput_ratio_vs_sglang']:.2f}x (target >= 0.6x: "
@@ -438,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="seconds per throughput run")
     ap.add_argument("--conns", type=int, default=64, help="connections for throughput")
     ap.add_argument("--no-sglang", action="store_true", help="skip sglang-router")
+    ap.add_argument(
+        "--kvgate-processes", default="1,2", help="router process counts to measure (--processes)"
+    )
     ap.add_argument("--port", type=int, default=0, help="(worker) port")
     ap.add_argument("--out", default=str(RESULTS), help="directory for the JSON result")
     a = ap.parse_args(argv)
@@ -451,7 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.what in ("all", "decision"):
         res["decision"] = bench_decision(a.iters, a.workers, a.blocks)
     if a.what in ("all", "proxy"):
-        res["proxy"] = asyncio.run(bench_proxy(a.requests, a.seconds, a.conns, not a.no_sglang))
+        procs = tuple(int(x) for x in a.kvgate_processes.split(",") if x.strip())
+        res["proxy"] = asyncio.run(
+            bench_proxy(a.requests, a.seconds, a.conns, not a.no_sglang, procs)
+        )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"bench_router_{int(time.time())}.json"

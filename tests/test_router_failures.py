@@ -13,7 +13,7 @@ from services.common.bus import Bus
 from services.common.schemas import Alert, RouterOutcome, WorkerControl
 from services.common.streams import ensure_alert_streams, ensure_outcomes_stream
 from services.router import metrics as M
-from tests.test_router_support import Beats, FakeWorker, RouterProc, post, wait_until
+from tests.test_router_support import Beats, FakeWorker, RouterProc, post, shutdown, wait_until
 
 
 async def _cluster(nats_url, subjects, bus, n=2, **router_kw):
@@ -25,10 +25,12 @@ async def _cluster(nats_url, subjects, bus, n=2, **router_kw):
 
 
 async def _teardown(router, workers, beats):
-    await router.stop()
-    await beats.stop()
-    for w in workers:
-        await w.stop()
+    await shutdown(
+        ("router", router.stop()),
+        ("beats", beats.stop()),
+        *[(w.worker_id, w.stop()) for w in workers],
+        each_s=5,
+    )
 
 
 def _sse_text(raw: bytes, chat: bool) -> tuple[str, list[dict]]:

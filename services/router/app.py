@@ -60,6 +60,7 @@ from services.router.policy.types import ClusterSnapshot
 from services.router.proxy import Ctx, StreamBroken, WorkerFailed, read_error, upstream_body
 from services.router.state import ClusterState, Ticket
 from services.router.tokenize import BadRequest, Parsed, RequestParser
+from services.router.upstream import FastClient, UpstreamError
 
 log = get_logger("router")
 _json_decode = msgspec.json.decode
@@ -116,6 +117,7 @@ class Router:
         self.hit_pred = M.HitRate("predicted")
         self.hit_reported = M.HitRate("reported")
         self.policy_applied = asyncio.Event()  # set on each applied policy.updated (tests)
+        self.fast = FastClient(st.connect_timeout)
         self._t_stream = aiohttp.ClientTimeout(
             total=None, sock_connect=st.connect_timeout, sock_read=st.stream_idle_timeout
         )
@@ -161,6 +163,7 @@ class Router:
             await self.index_source.stop()
         if self.session is not None:
             await self.session.close()
+        await self.fast.close()
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
@@ -752,6 +755,8 @@ class Router:
     async def _send(self, request: web.Request, ctx: Ctx, ticket: Ticket) -> web.StreamResponse:
         wid = ticket.worker_id
         raw_body = upstream_body(ctx, migrate=False)
+        if not ctx.parsed.stream:
+            return await self._send_fast(ctx, wid, raw_body or await request.read(), ticket)
         try:
             resp = await self._post(ctx, wid, ctx.path, raw_body, await request.read())
         except _Upstream5xx as exc:
@@ -765,6 +770,47 @@ class Router:
         if not ctx.parsed.stream or resp.status != 200:
             return await self._send_whole(ctx, wid, resp, ticket)
         return await self._send_stream(request, ctx, wid, resp, ticket)
+
+    async def _send_fast(self, ctx: Ctx, wid: str, body: bytes, ticket: Ticket) -> web.Response:
+        """Non-streaming: one request / response on a kept-alive connection (upstream.py)."""
+        try:
+            resp = await self.fast.post(
+                self.state.states[wid].url,
+                ctx.path,
+                body,
+                {"x-request-id": ctx.request_id},
+                self.st.request_timeout,
+            )
+        except UpstreamError as exc:
+            if exc.kind == "timeout":
+                raise WorkerFailed(wid, "timeout before response", timeout=True) from exc
+            if exc.kind == "connect":
+                raise WorkerFailed(wid, f"connect failed: {exc.detail}") from exc
+            raise WorkerFailed(wid, f"response broken: {exc.detail}") from exc
+        status = resp.status
+        if status == 503:
+            raise WorkerFailed(
+                wid, f"503 from worker: {resp.body[:200].decode('utf-8', 'replace')}"
+            )
+        if status >= 500:
+            self._breaker_failure(wid, f"{status} from worker")
+            ctx.status = "error"
+        else:
+            self._breaker_success(wid)
+            if status >= 400:
+                ctx.status = "error"
+        self.state.first_token(ticket)
+        ctx.http_status = status
+        if status < 400:
+            try:
+                usage = _json_decode(resp.body).get("usage") or {}
+                ctx.completion_tokens = int(usage.get("completion_tokens") or 0)
+                ctx.cached_reported = sse.cached_tokens_of(usage)
+            except Exception:
+                pass
+        headers = self._headers(ctx, wid)
+        headers["Content-Type"] = resp.headers.get("content-type", "application/json")
+        return web.Response(body=resp.body, status=status, headers=headers)
 
     async def _send_whole(
         self, ctx: Ctx, wid: str, resp: aiohttp.ClientResponse, ticket: Ticket
@@ -1020,14 +1066,14 @@ class _Upstream5xx(Exception):
 
 
 async def start_router_http(
-    router: Router, host: str, port: int, shutdown_s: float = 5.0
+    router: Router, host: str, port: int, shutdown_s: float = 5.0, reuse_port: bool = False
 ) -> web.AppRunner:
     """Serve the router's app; on stop, in-flight requests get ``shutdown_s`` to finish."""
     runner = web.AppRunner(
         router.make_app(), access_log=None, handle_signals=False, shutdown_timeout=shutdown_s
     )
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    await web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None).start()
     return runner
 
 
@@ -1038,7 +1084,9 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     await bus.connect()
     router = Router(st, bus)
     await router.start()
-    runner = await start_router_http(router, st.host, st.port)
+    runner = await start_router_http(
+        router, st.host, st.port, reuse_port=getattr(st, "reuse_port", False)
+    )
     log.info(
         "router listening",
         host=st.host,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from services.common import settings as S
 from services.common.service import run_service
@@ -105,6 +106,13 @@ OPTIONS = S.COMMON + (
         env="KVGATE_ROUTER_OUTCOME_BUFFER",
     ),
     S.option(
+        "processes",
+        1,
+        "router processes sharing the port (SO_REUSEPORT); each is a replica that shares "
+        "in-flight counts with the others over NATS",
+        env="KVGATE_ROUTER_PROCESSES",
+    ),
+    S.option(
         "load_interval",
         1.0,
         "seconds between RouterLoad publications when nothing changes",
@@ -136,4 +144,42 @@ def main(args: argparse.Namespace) -> int:
         parse_policy_option(st.policy)
     except (PolicyError, ValueError) as exc:
         raise SystemExit(f"invalid --policy: {exc}") from None
+    child = os.environ.get(_CHILD_ENV)
+    st.reuse_port = st.processes > 1 or bool(child)
+    if child:
+        st.router_id = os.environ.get("KVGATE_ROUTER_ID", st.router_id)
+    if st.processes > 1 and not child:
+        return _run_replicas(st)
     return run_service("router", serve, st)
+
+
+_CHILD_ENV = "KVGATE_ROUTER_REPLICA_OF"
+
+
+def _run_replicas(st: S.Settings) -> int:
+    """Start ``processes - 1`` more router processes on the same port, serve in this one,
+    and stop them all together."""
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from services.router.app import serve
+
+    base = st.router_id or f"router-{uuid.uuid4().hex[:8]}"
+    st.router_id = f"{base}-0"
+    children = []
+    for i in range(1, st.processes):
+        env = {**os.environ, _CHILD_ENV: base, "KVGATE_ROUTER_ID": f"{base}-{i}"}
+        argv = [a for a in sys.argv[1:]]
+        children.append(subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env))
+    try:
+        return run_service("router", serve, st)
+    finally:
+        for c in children:
+            c.send_signal(signal.SIGTERM)
+        for c in children:
+            try:
+                c.wait(15)
+            except subprocess.TimeoutExpired:
+                c.kill()

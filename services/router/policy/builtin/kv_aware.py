@@ -1,20 +1,42 @@
 """``kv_aware`` (default): lowest estimated time to first token, in prefill-token equivalents.
 
     cost(w) = pending_prefill(w)              # uncached prompt tokens queued ahead (all routers)
-            + uncached(w)                     # this prompt minus the prefix w already holds
+            + uncached_weight * uncached(w)   # this prompt minus the prefix w already holds
             + decode_weight * inflight(w)     # each running sequence slows every step
             + kv_pressure_weight * kv_usage(w)
 
+``inflight`` and ``pending_prefill`` are the snapshot's global figures (every router replica).
+
 Seed 000 (one shared system prompt): pure prefix affinity sends everything to the first holder.
 Here the holder wins only while its extra queue is smaller than the prefill it saves, and the
-**hot-prefix rule** spreads the prefix: when the request matches at least ``hot_min_blocks``
-blocks and every candidate holding that prefix has ``spread_margin`` or more requests in flight
-than the least-loaded candidate, non-holders are credited ``spread_credit`` of the prefix (they
-will hold it after this request), so the least-loaded one takes it and becomes a holder.
+**hot-prefix rule** spreads a prefix whose holders are the bottleneck. A request is *hot* when
+it matches at least ``hot_min_blocks`` blocks; its *holders* are the candidates with the longest
+match. Every decision attributes one unit of demand to the holders of its prefix (split evenly)
+over the last ``demand_window`` decisions, so a holder's *demand share* is the fraction of
+recent traffic that wanted a prefix it holds (no block keys needed). The prefix is spread when
+
+- the least-loaded holder's demand share exceeds ``hot_share`` x its fair share (1 / number of
+  candidates) **and** it has ``spread_margin`` or more requests in flight than the least-loaded
+  candidate (the holders carry more than their share of traffic *and* are busier), or
+- the least-loaded holder has ``overload_margin`` or more requests in flight than the least-loaded
+  candidate, whatever the demand (absolute overload).
+
+Spreading credits every non-holder with ``spread_credit`` of the prefix (it will hold it after
+this request), so the least-loaded one takes the request at once and becomes a holder; the
+number of holders therefore grows until each carries about ``hot_share`` / N of the traffic:
+one shared system prompt ends up on every worker within a few requests, while with many
+prefix groups (each a small share of traffic) a group stays on its worker and keeps its hits.
+New prefixes (no match) go to the least-loaded worker by the cost formula.
 The per-worker cap (``max_inflight``, default max_num_seqs) is enforced by admission.
+
+Invariant: state lives only in :class:`PolicyState` (``extra["kv_aware_demand"]``), updated by
+:meth:`costs` deterministically from its inputs, so the same inputs give the same decisions.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
 
 from services.router.policy.base import PolicyImpl, PolicyState, register
 from services.router.policy.types import RequestInfo, WorkerState
@@ -27,27 +49,75 @@ def _num(desc: str, default: float, maximum: float | None = None) -> dict:
     return s
 
 
+def _int(desc: str, default: int, minimum: int = 1) -> dict:
+    return {"type": "integer", "minimum": minimum, "default": default, "description": desc}
+
+
+@dataclass
+class Demand:
+    """Sliding window of the last ``size`` hot decisions' holder sets; ``share[w]`` is the sum
+    over the window of 1/len(holders) for every entry holding ``w`` (invariant: equals the
+    window's contents; ``total`` = number of entries, cold decisions included as empty)."""
+
+    size: int
+    window: deque = field(default_factory=deque)
+    share: dict[str, float] = field(default_factory=dict)
+
+    def add(self, holders: tuple[str, ...]) -> None:
+        self.window.append(holders)
+        if holders:
+            unit = 1.0 / len(holders)
+            for h in holders:
+                self.share[h] = self.share.get(h, 0.0) + unit
+        while len(self.window) > self.size:
+            old = self.window.popleft()
+            if old:
+                unit = 1.0 / len(old)
+                for h in old:
+                    v = self.share[h] - unit
+                    if v <= 1e-9:
+                        del self.share[h]
+                    else:
+                        self.share[h] = v
+
+    def fraction(self, worker: str) -> float:
+        n = len(self.window)
+        return self.share.get(worker, 0.0) / n if n else 0.0
+
+
 @register
 class KvAware(PolicyImpl):
     name = "kv_aware"
     description = "lowest estimated TTFT: queued prefill + uncached prompt + decode load"
     PARAMS = {
         "decode_weight": _num("prefill-token equivalents per in-flight request", 32.0),
+        "uncached_weight": _num(
+            "weight of this request's uncached prompt tokens (> 1: leaving a prefix's holder "
+            "also costs the copy's compute and the later requests' hits)",
+            2.0,
+        ),
         "kv_pressure_weight": _num("prefill-token equivalents at 100% KV usage", 256.0),
-        "hot_min_blocks": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 2,
-            "description": "matched blocks from which the hot-prefix rule applies",
-        },
-        "spread_margin": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 2,
-            "description": "holders' in-flight excess over the least loaded that spreads a prefix",
-        },
+        "hot_min_blocks": _int("matched blocks from which the hot-prefix rule applies", 2),
+        "spread_margin": _int(
+            "holders' in-flight excess over the least loaded that spreads a prefix whose "
+            "holders carry more than hot_share x their fair share of traffic",
+            2,
+        ),
+        "hot_share": _num(
+            "demand share (x fair share 1/N) above which a prefix's holders are hot", 1.5
+        ),
+        "overload_margin": _int(
+            "holders' in-flight excess over the least loaded that spreads any prefix", 16
+        ),
+        "demand_window": _int("decisions over which holders' demand share is measured", 128),
         "spread_credit": _num("fraction of the hot prefix credited to non-holders", 1.0, 1.0),
     }
+
+    def _demand(self, state: PolicyState) -> Demand:
+        d = state.extra.get("kv_aware_demand")
+        if d is None or d.size != self.p["demand_window"]:
+            d = state.extra["kv_aware_demand"] = Demand(self.p["demand_window"])
+        return d
 
     def costs(
         self,
@@ -59,14 +129,23 @@ class KvAware(PolicyImpl):
         p = self.p
         dw = p["decode_weight"]
         kw = p["kv_pressure_weight"]
+        uw = p["uncached_weight"]
         prompt = req.prompt_tokens
         ovs = [overlaps.get(w.worker_id, 0) for w in cands]
         best = max(ovs)
+        demand = self._demand(state)
         spread_to = 0
         if best >= p["hot_min_blocks"]:
-            holder_min = min(w.inflight for w, o in zip(cands, ovs, strict=True) if o >= best)
-            if holder_min - min(w.inflight for w in cands) >= p["spread_margin"]:
-                spread_to = int(best * p["spread_credit"])
+            holders = [w for w, o in zip(cands, ovs, strict=True) if o >= best]
+            demand.add(tuple(w.worker_id for w in holders))
+            if len(holders) < len(cands):
+                lead = min(holders, key=lambda w: (w.inflight, w.worker_id))
+                excess = lead.inflight - min(w.inflight for w in cands)
+                hot = demand.fraction(lead.worker_id) * len(cands) > p["hot_share"]
+                if excess >= p["overload_margin"] or (hot and excess >= p["spread_margin"]):
+                    spread_to = int(best * p["spread_credit"])
+        else:
+            demand.add(())
         out: dict[str, float] = {}
         for w, ov in zip(cands, ovs, strict=True):
             if ov < spread_to:
@@ -79,5 +158,5 @@ class KvAware(PolicyImpl):
                 usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
             else:
                 usage = w.kv_usage or 0.0
-            out[w.worker_id] = w.pending_prefill_tokens + uncached + dw * w.inflight + kw * usage
+            out[w.worker_id] = w.pending_prefill_tokens + uw * uncached + dw * w.inflight + kw * usage
         return out
