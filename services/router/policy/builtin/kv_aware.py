@@ -158,5 +158,7 @@ class KvAware(PolicyImpl):
                 usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
             else:
                 usage = w.kv_usage or 0.0
-            out[w.worker_id] = w.pending_prefill_tokens + uw * uncached + dw * w.inflight + kw * usage
+            out[w.worker_id] = (
+                w.pending_prefill_tokens + uw * uncached + dw * w.inflight + kw * usage
+            )
         return out
