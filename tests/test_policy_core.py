@@ -188,9 +188,11 @@ def test_kv_aware_credits_overlap_against_load() -> None:
     # w0 holds 50 of 64 blocks of a 1024-token prompt: wins while idle
     d = decide(p, req(1024), ClusterSnapshot(ws), {"w0": 50})
     assert d.worker_id == "w0" and d.cached_tokens == 800 and d.overlap_blocks == 50
-    assert d.scores["w1"] - d.scores["w0"] == pytest.approx(800)
+    # the saved prefill counts uncached_weight times (leaving a holder costs the copy too)
+    uw = p.params["uncached_weight"]
+    assert d.scores["w1"] - d.scores["w0"] == pytest.approx(800 * uw)
     # ...but not once it has much more prefill queued than the prefix saves
-    ws["w0"].pending_prefill_tokens = 2000
+    ws["w0"].pending_prefill_tokens = int(800 * uw) + 200
     d = decide(p, req(1024), ClusterSnapshot(ws), {"w0": 50})
     assert d.worker_id == "w1"
 
