@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -102,7 +103,7 @@ class Agent:
         self.assignment = GpuAssignment()
         self._session: aiohttp.ClientSession | None = None  # https targets
         self._fast = FastGet(config.max_body_bytes)  # http targets (the common case)
-        self._sem = asyncio.Semaphore(config.max_concurrency)
+        self._slots = _Slots(config.max_concurrency)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending_alerts: deque[Alert] = deque(maxlen=10_000)
         self._subs: list[Any] = []
@@ -226,7 +227,8 @@ class Agent:
             for w in self.workers.values():
                 if not w.inflight:
                     w.inflight = True
-                    self._spawn(self._scrape(w), "scrape")
+                    if not self._send(w):  # no open connection yet, https, or no free slot
+                        self._spawn(self._scrape(w), "scrape")
             if self.cfg.batch_publish:
                 # publish what finished by mid-tick in one burst (one socket write for all)
                 await asyncio.sleep(max(0.0, next_at + interval / 2 - loop.time()))
@@ -257,13 +259,24 @@ class Agent:
 
     async def _fetch(self, url: str) -> str:
         if url.startswith("http://"):
-            async with self._sem:
+            await self._slots.take()
+            try:
                 status, body = await self._fast.get(url, self.cfg.scrape_timeout_s)
+            finally:
+                self._slots.give()
             if status != 200:
                 raise _ScrapeError("http", f"HTTP {status} from {url}")
             return body.decode("utf-8", errors="replace")
         assert self._session is not None
-        async with self._sem, self._session.get(url) as resp:
+        await self._slots.take()
+        try:
+            return await self._fetch_aiohttp(url)
+        finally:
+            self._slots.give()
+
+    async def _fetch_aiohttp(self, url: str) -> str:
+        assert self._session is not None
+        async with self._session.get(url) as resp:
             if resp.status != 200:
                 raise _ScrapeError("http", f"HTTP {resp.status} from {url}")
             body = await resp.content.read(self.cfg.max_body_bytes + 1)
@@ -273,20 +286,101 @@ class Agent:
                 )
             return body.decode("utf-8", errors="replace")
 
-    async def _scrape(self, w: _Worker) -> None:
-        t = w.target
-        started = time.time()
+    def _send(self, w: _Worker) -> bool:
+        """The cheap path of a scrape: the request goes out on the target's open kept-alive
+        connection and :meth:`_on_answer` runs from the I/O callback (no task, coroutine or
+        future). False, with nothing started, where that is not possible."""
+        url, filtered = self._scrape_url(w)
+        if not url.startswith("http://") or not self._slots.try_take():
+            return False
+        done = functools.partial(
+            self._on_answer, w, url, filtered, time.time(), time.perf_counter()
+        )
+        if self._fast.send(url, self.cfg.scrape_timeout_s, done):
+            return True
+        self._slots.give()
+        return False
+
+    def _on_answer(
+        self,
+        w: _Worker,
+        url: str,
+        filtered: bool,
+        started: float,
+        t0: float,
+        status: int,
+        body: bytes,
+        exc: BaseException | None,
+    ) -> None:
+        """Completion of a :meth:`_send` request (called by the HTTP protocol; never raises)."""
+        self._slots.give()
+        if self._stopping:
+            w.inflight = False
+            return
+        reading: EngineReading | None = None
+        try:
+            if exc is not None:
+                raise exc
+            if status != 200:
+                raise _ScrapeError("http", f"HTTP {status} from {url}")
+            try:
+                reading = parse_metrics(body.decode("utf-8", errors="replace"), w.target.engine)
+            except ValueError:
+                if not filtered:
+                    raise
+                self._drop_filter(w)  # scrape again in full, in a task (rare, once per target)
+                self._spawn(self._scrape(w, started), "scrape")
+                return
+            w.detected = reading.source
+        except Exception as err:
+            exc = err
+        try:
+            load = self._finish(w, started, t0, reading, exc)
+            if not self.cfg.batch_publish:
+                self._spawn(self._publish(load), "publish")
+        except Exception as err:  # a bug here must not break the connection's callbacks
+            w.inflight = False
+            self._log_once("scrape-finish", "scrape bookkeeping failed", error=repr(err))
+
+    async def _scrape(self, w: _Worker, started: float | None = None) -> None:
+        """The general path of a scrape (first connection, https, name[] fallback)."""
+        started = started or time.time()
         t0 = time.perf_counter()
+        reading: EngineReading | None = None
+        exc: Exception | None = None
         try:
             reading = await self._read_engine(w)
-            load = self._load_from(w, reading, started)
-            typ = self._typicals(w, reading)
-            _SCRAPES_OK.inc()
         except asyncio.CancelledError:
             w.inflight = False
             raise
-        except Exception as exc:
-            reason, text = _classify(exc)
+        except Exception as err:
+            exc = err
+        load = self._finish(w, started, t0, reading, exc)
+        if not self.cfg.batch_publish:
+            await self._publish(load)
+
+    def _finish(
+        self,
+        w: _Worker,
+        started: float,
+        t0: float,
+        reading: EngineReading | None,
+        exc: BaseException | None,
+    ) -> WorkerLoad:
+        """A scrape's result -> the worker's :class:`WorkerLoad` (stale with the error text
+        when it failed), remembered for the detectors and queued for the next publish burst."""
+        t = w.target
+        load: WorkerLoad | None = None
+        typ: tuple[float | None, float | None] = (None, None)
+        if reading is not None:
+            try:
+                load = self._load_from(w, reading, started)
+                typ = self._typicals(w, reading)
+                _SCRAPES_OK.inc()
+            except Exception as err:
+                load, exc = None, err
+        if load is None:
+            reason, text = _classify(exc or ValueError("no reading"))
             _SCRAPES_ERR.inc()
             exporter.SCRAPE_ERRORS.labels(t.worker_id, reason).inc()
             self._log_once(
@@ -305,16 +399,17 @@ class Agent:
                 error=text[:500],
                 gpus=self._gpus_for(t.worker_id),
             )
-        finally:
-            exporter.SCRAPE_SECONDS.observe(time.perf_counter() - t0)
+        exporter.SCRAPE_SECONDS.observe(time.perf_counter() - t0)
         w.inflight = False
         w.last = load
         self._remember(w, load, typ)
         if self.cfg.batch_publish:
             self._outbox.append(load)
-            return
+        return load
+
+    async def _publish(self, load: WorkerLoad) -> None:
         try:
-            await self.bus.publish(self.bus.subjects.telemetry(t.worker_id), load)
+            await self.bus.publish(self.bus.subjects.telemetry(load.worker_id), load)
             self.published += 1
         except Exception as exc:
             _raise_if_cancelling()
@@ -333,26 +428,37 @@ class Agent:
                 exporter.PUBLISH_ERRORS.inc()
                 self._log_once("publish", "telemetry publish failed", error=repr(exc))
 
+    def _scrape_url(self, w: _Worker) -> tuple[str, bool]:
+        """(URL to fetch, whether it carries the ``name[]`` filter)."""
+        t = w.target
+        query = (
+            filter_query(t.engine or w.detected) if self.cfg.filter_query and w.filter_ok else ""
+        )
+        if not query:
+            return t.url, False
+        if w.filtered_url[0] != t.url + query:  # built once per (url, engine)
+            sep = "&" if "?" in t.url else "?"
+            w.filtered_url = (t.url + query, t.url + sep + query)
+        return w.filtered_url[1], True
+
+    def _drop_filter(self, w: _Worker) -> None:
+        w.filter_ok = False
+        log.info("metrics name filter not usable, scraping in full", worker=w.target.worker_id)
+
     async def _read_engine(self, w: _Worker) -> EngineReading:
         """Scrape and parse; asks for just the needed series (``name[]`` filter) where the
         engine's exposition supports it, and drops the filter for good for a target whose
         filtered answer holds none of them (an exposition that reads the query differently)."""
         t = w.target
-        engine = t.engine or w.detected
-        query = filter_query(engine) if self.cfg.filter_query and w.filter_ok else ""
-        if not query:
+        url, filtered = self._scrape_url(w)
+        text = await self._fetch(url)
+        try:
+            reading = parse_metrics(text, t.engine)
+        except ValueError:
+            if not filtered:
+                raise
+            self._drop_filter(w)
             reading = parse_metrics(await self._fetch(t.url), t.engine)
-        else:
-            if w.filtered_url[0] != t.url + query:  # built once per (url, engine)
-                sep = "&" if "?" in t.url else "?"
-                w.filtered_url = (t.url + query, t.url + sep + query)
-            text = await self._fetch(w.filtered_url[1])
-            try:
-                reading = parse_metrics(text, t.engine)
-            except ValueError:
-                w.filter_ok = False
-                log.info("metrics name filter not usable, scraping in full", worker=t.worker_id)
-                reading = parse_metrics(await self._fetch(t.url), t.engine)
         w.detected = reading.source
         return reading
 
@@ -550,6 +656,41 @@ def _raise_if_cancelling() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+class _Slots:
+    """At most ``n`` scrapes in flight, counted over both paths: :meth:`try_take` for the
+    callback path (never waits), :meth:`take` for tasks (waits, first come first served)."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def try_take(self) -> bool:
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        if self.try_take():
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut  # a slot handed over by give()
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.give()  # handed a slot, then cancelled: pass it on
+            raise
+
+    def give(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
 
 
 class _ScrapeError(Exception):
