@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conns", type=int, default=64, help="connections for throughput")
     ap.add_argument("--no-sglang", action="store_true", help="skip sglang-router")
     ap.add_argument(
-        "--kvgate-processes", default="1,2", help="router process counts to measure (--processes)"
+        "--kvgate-processes", default="1", help="router process counts to measure (--processes)"
     )
     ap.add_argument("--port", type=int, default=0, help="(worker) port")
     ap.add_argument("--out", default=str(RESULTS), help="directory for the JSON result")
