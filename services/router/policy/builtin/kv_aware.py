@@ -90,7 +90,7 @@ class KvAware(PolicyImpl):
     name = "kv_aware"
     description = "lowest estimated TTFT: queued prefill + uncached prompt + decode load"
     PARAMS = {
-        "decode_weight": _num("prefill-token equivalents per in-flight request", 32.0),
+        "decode_weight": _num("prefill-token equivalents per in-flight request", 64.0),
         "uncached_weight": _num(
             "weight of this request's uncached prompt tokens (> 1: leaving a prefix's holder "
             "also costs the copy's compute and the later requests' hits)",
@@ -146,8 +146,19 @@ class KvAware(PolicyImpl):
                     spread_to = int(best * p["spread_credit"])
         else:
             demand.add(())
+        # ties (e.g. workers each computing the same cold prefix) go to the worker whose queued
+        # prefill is oldest: it started first, so it finishes first
+        busy: dict[str, int] = state.extra.setdefault("kv_aware_busy", {})
+        tick = state.extra["kv_aware_tick"] = state.extra.get("kv_aware_tick", 0) + 1
         out: dict[str, float] = {}
         for w, ov in zip(cands, ovs, strict=True):
+            wid = w.worker_id
+            if w.pending_prefill_tokens > 0:
+                since = busy.setdefault(wid, tick)
+                age = tick - since if tick - since < 1000 else 1000
+            else:
+                busy.pop(wid, None)
+                age = 0
             if ov < spread_to:
                 ov = spread_to
             cap = w.capacity
@@ -158,7 +169,7 @@ class KvAware(PolicyImpl):
                 usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
             else:
                 usage = w.kv_usage or 0.0
-            out[w.worker_id] = (
-                w.pending_prefill_tokens + uw * uncached + dw * w.inflight + kw * usage
+            out[wid] = (
+                w.pending_prefill_tokens + uw * uncached + dw * w.inflight + kw * usage - 1e-4 * age
             )
         return out
