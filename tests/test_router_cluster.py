@@ -261,3 +261,72 @@ async def test_routes_while_nats_is_down_and_reconnects(embedded_nats) -> None:
         for w in workers:
             await w.stop()
         await wbus.close()
+
+
+async def test_processes_option_runs_replicas_on_one_port(nats_url, subjects, bus: Bus) -> None:
+    """``kvgate router --processes 2``: two replicas share the port and report load separately."""
+    import os
+    import subprocess
+    import sys
+
+    from services.common.embedded import free_port
+    from services.common.schemas import RouterLoad
+
+    w = await FakeWorker("w0").start(bus)
+    beats = Beats(bus, [w]).start()
+    ids: set[str] = set()
+    both = asyncio.Event()
+
+    async def on_load(rl: RouterLoad, _raw) -> None:
+        ids.add(rl.router_id)
+        if len(ids) >= 2:
+            both.set()
+
+    await bus.subscribe(bus.subjects.router_load_all, RouterLoad, on_load)
+    port = free_port()
+    env = {**os.environ, "NO_PROXY": "127.0.0.1"}
+    proc = subprocess.Popen(  # noqa: ASYNC220
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "router",
+            "--port",
+            str(port),
+            "--nats-url",
+            nats_url,
+            "--subject-prefix",
+            subjects.prefix.rstrip("."),
+            "--processes",
+            "2",
+            "--router-id",
+            "rp",
+            "--load-interval",
+            "0.2",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+    )
+    try:
+        await asyncio.wait_for(both.wait(), 30)
+        assert ids == {"rp-0", "rp-1"}
+        async with aiohttp.ClientSession() as s:
+            ok = 0
+            deadline = time.monotonic() + 20
+            while ok < 10 and time.monotonic() < deadline:  # connections land on either replica
+                async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                    ok = ok + 1 if (await r.json())["workers"] >= 1 else 0
+                    if not ok:
+                        await asyncio.sleep(0.1)
+            assert ok >= 10
+            for i in range(10):
+                st, h, _ = await post(
+                    s, f"http://127.0.0.1:{port}/v1/completions", {"model": "m", "prompt": f"{i}"}
+                )
+                assert st == 200 and h["x-kvgate-worker"] == "w0"
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 20)
+        await beats.stop()
+        await w.stop()

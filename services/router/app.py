@@ -107,6 +107,7 @@ class Router:
         self._load_dirty = asyncio.Event()
         self._load_seq = 0
         self._tasks: list[asyncio.Task[Any]] = []
+        self._bg: set[asyncio.Task[Any]] = set()
         self._subs: list[Any] = []
         self._alert_log = RateLimiter(30.0)
         self._policy_lock = asyncio.Lock()
@@ -289,7 +290,7 @@ class Router:
                 if br.tick(now) == "half_open" and not br.probing:
                     br.start_probe()
                     self.state.set_breaker_open(wid, True)
-                    asyncio.create_task(self._probe(wid))
+                    self._spawn(self._probe(wid))
                 if before != br.state:
                     M.BREAKER.labels(wid).set(STATE_VALUE[br.state])
 
@@ -310,6 +311,12 @@ class Router:
             self._breaker_success(wid)
         else:
             self._breaker_failure(wid, "health probe failed")
+
+    def _spawn(self, coro: Any) -> None:
+        """Fire-and-forget task, referenced until done (so it cannot be garbage-collected)."""
+        t = asyncio.create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
 
     # ================================================================== breakers
     def breaker_state(self, wid: str) -> str:
@@ -374,7 +381,7 @@ class Router:
                 if self._alert_log.allow(wid):
                     log.warning("alert not sent", worker=wid, error=repr(exc))
 
-        asyncio.create_task(send())
+        self._spawn(send())
 
     # ================================================================== deciding
     def _overlaps(self, parsed: Parsed, states: dict) -> dict[str, int]:

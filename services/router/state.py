@@ -146,6 +146,7 @@ class ClusterState:
             if now - e.seen > self.forget_after and not self._local[wid].inflight:
                 del self._entries[wid]
                 self.states.pop(wid, None)
+                self.block_sizes = {x.capacity.block_size for x in self.states.values()}
                 changed = True
                 continue
             before = (self.states[wid].healthy, self.states[wid].telemetry_stale)
