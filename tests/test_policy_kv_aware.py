@@ -164,3 +164,31 @@ def test_many_prefix_groups_keep_their_hits_and_use_every_worker() -> None:
         }
     )
     assert reuse > old_reuse, (reuse, old_reuse)
+
+
+def test_routed_memory_sends_a_new_groups_second_request_after_its_first() -> None:
+    """With block keys and ``routed_ttl``, the second request of a new prefix follows the first
+    before the index knows (no KV events yet); without it, it goes to the least loaded."""
+    prefix = [42] * 512
+    keys1 = tuple(block_keys(prefix + [1] * 64, 16))
+    keys2 = tuple(block_keys(prefix + [2] * 64, 16))
+    r1 = RequestInfo("r1", "m", 576, 16, keys1)
+    r2 = RequestInfo("r2", "m", 576, 16, keys2)
+    for ttl, follows in ((256, True), (0, False)):
+        ws = workers(4)
+        p = build_policy({"name": "kv_aware", "params": {"routed_ttl": ttl}})
+        first = decide(p, r1, ClusterSnapshot(ws), {}).worker_id
+        assert first is not None
+        ws[first].inflight += 1
+        ws[first].pending_prefill_tokens += 576
+        second = decide(p, r2, ClusterSnapshot(ws), {}).worker_id  # index: still empty
+        assert (second == first) is follows, (ttl, first, second)
+    # the memory expires: after routed_ttl decisions the index alone decides
+    ws = workers(4)
+    p = build_policy({"name": "kv_aware", "params": {"routed_ttl": 2}})
+    first = decide(p, r1, ClusterSnapshot(ws), {}).worker_id
+    ws[first].inflight += 1
+    ws[first].pending_prefill_tokens += 576
+    for i in range(3):
+        decide(p, req(10 + i), ClusterSnapshot(ws), {})
+    assert decide(p, r2, ClusterSnapshot(ws), {}).worker_id != first

@@ -27,10 +27,22 @@ number of holders therefore grows until each carries about ``hot_share`` / N of 
 one shared system prompt ends up on every worker within a few requests, while with many
 prefix groups (each a small share of traffic) a group stays on its worker and keeps its hits.
 New prefixes (no match) go to the least-loaded worker by the cost formula.
+
+``uncached_weight`` (default 2) counts this request's uncached prompt tokens twice: leaving a
+holder costs the copy's compute *and* splits the prefix's later hits, so a holder keeps its
+prefix until its extra queue exceeds twice the prefill the prefix saves. Ties (e.g. workers all
+computing the same cold prefix) go to the worker whose queued prefill is oldest.
+
+Optional ``routed_ttl`` (off by default): when the request carries its block keys, overlaps are
+raised by where this policy *sent* the same prefix within the last ``routed_ttl`` decisions, so
+the second request of a new prefix group follows the first before the first's KV events reach
+the index (what sglang-router's approximate tree does). The live router does not pass block
+keys yet, so it is off by default to keep ``kvgate simulate`` and ``kvgate bench`` alike.
 The per-worker cap (``max_inflight``, default max_num_seqs) is enforced by admission.
 
-Invariant: state lives only in :class:`PolicyState` (``extra["kv_aware_demand"]``), updated by
-:meth:`costs` deterministically from its inputs, so the same inputs give the same decisions.
+Invariant: state lives only in :class:`PolicyState` (``extra["kv_aware_*"]``: demand window,
+decision tick, busy-since ticks, routed-prefix memory), updated by :meth:`costs` / :meth:`pick`
+deterministically from their inputs, so the same inputs give the same decisions.
 """
 
 from __future__ import annotations
@@ -51,6 +63,10 @@ def _num(desc: str, default: float, maximum: float | None = None) -> dict:
 
 def _int(desc: str, default: int, minimum: int = 1) -> dict:
     return {"type": "integer", "minimum": minimum, "default": default, "description": desc}
+
+
+ROUTED_STRIDE = 8  # routed-prefix memory: one block key every 8 blocks (128 tokens)
+ROUTED_MAX_KEYS = 200_000  # bound on its size (oldest entries go first)
 
 
 @dataclass
@@ -110,6 +126,13 @@ class KvAware(PolicyImpl):
             "holders' in-flight excess over the least loaded that spreads any prefix", 16
         ),
         "demand_window": _int("decisions over which holders' demand share is measured", 128),
+        "routed_ttl": _int(
+            "decisions for which a prefix counts as held by the worker it was routed to "
+            "(before its KV events arrive); 0 = off; needs the request's block keys "
+            "(RequestInfo.block_keys)",
+            0,
+            minimum=0,
+        ),
         "spread_credit": _num("fraction of the hot prefix credited to non-holders", 1.0, 1.0),
     }
 
@@ -118,6 +141,50 @@ class KvAware(PolicyImpl):
         if d is None or d.size != self.p["demand_window"]:
             d = state.extra["kv_aware_demand"] = Demand(self.p["demand_window"])
         return d
+
+    def _with_routed(
+        self,
+        keys: tuple[int, ...],
+        cands: list[WorkerState],
+        ovs: list[int],
+        state: PolicyState,
+        tick: int,
+    ) -> list[int]:
+        """Overlaps raised by where this router recently *sent* the same prefix (its KV events
+        may not have reached the index yet: the first request of a group is still computing
+        it). Remembers the block key at every ``ROUTED_STRIDE``-th block and the last one."""
+        mem: dict[int, tuple[str, int]] = state.extra.setdefault("kv_aware_routed", {})
+        n = len(keys)
+        depths = list(range(n - n % ROUTED_STRIDE, 0, -ROUTED_STRIDE))
+        if n % ROUTED_STRIDE:
+            depths.insert(0, n)
+        state.extra["kv_aware_last"] = (keys, depths, tick)
+        ttl = self.p["routed_ttl"]
+        floor = self.p["hot_min_blocks"]
+        routed: dict[str, int] = {}
+        for d in depths:
+            if d < floor:
+                break
+            e = mem.get(keys[d - 1])
+            if e is not None and tick - e[1] <= ttl and e[0] not in routed:
+                routed[e[0]] = d
+        if not routed:
+            return ovs
+        return [max(o, routed.get(w.worker_id, 0)) for w, o in zip(cands, ovs, strict=True)]
+
+    def pick(self, costs: dict[str, float], state: PolicyState) -> str:
+        wid = super().pick(costs, state)
+        last = state.extra.pop("kv_aware_last", None)
+        if last is not None:
+            keys, depths, tick = last
+            mem: dict[int, tuple[str, int]] = state.extra["kv_aware_routed"]
+            for d in depths:
+                k = keys[d - 1]
+                mem.pop(k, None)
+                mem[k] = (wid, tick)
+            while len(mem) > ROUTED_MAX_KEYS:
+                del mem[next(iter(mem))]
+        return wid
 
     def costs(
         self,
@@ -132,6 +199,10 @@ class KvAware(PolicyImpl):
         uw = p["uncached_weight"]
         prompt = req.prompt_tokens
         ovs = [overlaps.get(w.worker_id, 0) for w in cands]
+        tick = state.extra["kv_aware_tick"] = state.extra.get("kv_aware_tick", 0) + 1
+        keys = req.block_keys
+        if keys and p["routed_ttl"] > 0:
+            ovs = self._with_routed(keys, cands, ovs, state, tick)
         best = max(ovs)
         demand = self._demand(state)
         spread_to = 0
@@ -149,7 +220,6 @@ class KvAware(PolicyImpl):
         # ties (e.g. workers each computing the same cold prefix) go to the worker whose queued
         # prefill is oldest: it started first, so it finishes first
         busy: dict[str, int] = state.extra.setdefault("kv_aware_busy", {})
-        tick = state.extra["kv_aware_tick"] = state.extra.get("kv_aware_tick", 0) + 1
         out: dict[str, float] = {}
         for w, ov in zip(cands, ovs, strict=True):
             wid = w.worker_id
