@@ -21,7 +21,7 @@ from services.common import settings as S
 from services.common.bus import Bus
 from services.common.embedded import port_open
 from services.router import metrics as M
-from tests.test_router_support import Indexer, RouterProc, wait_until
+from tests.test_router_support import Indexer, RouterProc, shutdown, wait_until
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite sources. " * 16  # ~1 kB
 
@@ -142,9 +142,9 @@ async def test_shared_system_prompt_live(nats_url, subjects, bus: Bus, policy: s
             r.hit_reported.prompt,
         )
     finally:
-        await router.stop()
-        await indexer.stop()
-        await sims.stop()
+        await shutdown(
+            ("router", router.stop()), ("indexer", indexer.stop()), ("sims", sims.stop()), each_s=10
+        )
 
 
 @pytest.mark.slow
@@ -180,5 +180,4 @@ async def test_sim_worker_crash_mid_stream_migrates(nats_url, subjects, bus: Bus
         assert len(text) == 60  # byte-level: 60 tokens = 60 characters, across both workers
         assert M.MIGRATIONS.labels("completed")._value.get() == before + 1
     finally:
-        await router.stop()
-        await sims.stop()
+        await shutdown(("router", router.stop()), ("sims", sims.stop()), each_s=10)

@@ -419,11 +419,16 @@ class Router:
         if excluded:
             states = {k: v for k, v in states.items() if k not in excluded}
         overlaps = self._overlaps(parsed, states)
+        keys: tuple[int, ...] = ()
+        if policy.params.get("routed_ttl") and len(self.state.block_sizes) == 1:
+            # only policies that remember where they sent a prefix need the full key chain
+            keys = tuple(self.parser.keys(parsed, next(iter(self.state.block_sizes))))
         req = RequestInfo(
             request_id=request_id,
             model=parsed.model,
             prompt_tokens=len(parsed.token_ids),
             max_tokens=parsed.max_tokens,
+            block_keys=keys,
             session_id=session_id,
         )
         snap = self.state.snapshot if not excluded else ClusterSnapshot(states, time.monotonic())
