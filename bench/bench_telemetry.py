@@ -322,13 +322,18 @@ async def measure(args: argparse.Namespace, nats_url: str, ports: list[int]) -> 
     if args.full_parse:  # naive variant: the whole exposition goes through the parser
         from prometheus_client.parser import text_string_to_metric_families
 
-        def naive(texts: list[str]) -> Any:
-            for fam in text_string_to_metric_families(texts[0]):
-                for s in fam.samples:
-                    yield s.name, s.labels, float(s.value)
+        def esc(v: str) -> str:
+            return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
-        engines.select_lines = lambda text: [text]  # type: ignore[assignment]
-        engines.iter_samples = naive  # type: ignore[assignment]
+        def naive(text: str) -> list[tuple[str, str]]:
+            out = []
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    labels = ",".join(f'{k}="{esc(v)}"' for k, v in s.labels.items())
+                    out.append((f"{s.name}{{{labels}}}" if labels else s.name, repr(s.value)))
+            return out
+
+        engines.sample_pairs = naive  # type: ignore[assignment]
     targets = {}
     if use_engines:
         targets = {
@@ -421,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     proc = ctx.Process(target=_serve_endpoints, args=(ports, child), daemon=True)
     proc.start()
     try:
+        while not parent.poll(0.5):  # the endpoints process may die at start (port taken)
+            if not proc.is_alive():
+                raise SystemExit(f"endpoint process exited with code {proc.exitcode}; run again")
         body_bytes = parent.recv()
         try:
             import uvloop

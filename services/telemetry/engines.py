@@ -20,9 +20,11 @@ Engines and the names read (verified against each project's documentation / exam
   (``sim:max_num_seqs``, or a ``max_num_seqs`` label on ``vllm:cache_config_info``).
 
 Invariants:
-- Only lines of the families above are parsed: a regex selects them from the (often 30-100 kB,
-  histogram-heavy) exposition first. prometheus-client's parser reads each distinct series
-  (``name{labels}``) once and the result is memoised; per scrape only the values are converted.
+- Only lines of the families above are parsed: one regex picks (series, value) pairs of them
+  out of the (often 30-100 kB, histogram-heavy) exposition. prometheus-client's parser reads
+  each distinct series (``name{labels}``) once; what the series means for the reading (which
+  sum it adds to, or which labels it carries) is decided then and memoised, so per scrape only
+  the values are converted and added up. A sample line without a value is skipped.
 - A value the engine did not expose stays ``None``; nothing is defaulted to 0.
 - Several label sets of one gauge (data-parallel ranks, models) are summed for counts and
   averaged for fractions.
@@ -104,8 +106,16 @@ _WANTED = (
 # a sample line starts (after a newline) with one of the wanted names and then '{' or a blank;
 # the leading literal newline lets the regex engine skip quickly between line starts
 _LINE_RE = re.compile(r"\n((?:" + "|".join(_WANTED) + r")[ \t{][^\n]*)")
+# the same lines as (series, value): the series ends at the line's last '}' that is followed
+# by blanks and a value (labels may hold '}' and blanks inside quotes); a timestamp is ignored
+_PAIR_RE = re.compile(r"\n((?:" + "|".join(_WANTED) + r")(?:\{[^\n]*\})?)[ \t]+([^ \t\n]+)")
 _SERIES_MAX = 100_000
 _series_cache: dict[str, tuple[str, dict[str, str]]] = {}
+# what a series contributes to a reading: (_ACC, sum key, None) | (_INFO, "", labels)
+# | (_MAX_SEQS, "", None) | (_GPU, name, gpu index)
+_ACC, _INFO, _MAX_SEQS, _GPU = range(4)
+_Plan = tuple[int, str, object]
+_plans: dict[str, _Plan] = {}
 
 
 @dataclass
@@ -149,6 +159,32 @@ def _series(key: str) -> tuple[str, dict[str, str]]:
         sample = next(iter(text_string_to_metric_families(key + " 0\n"))).samples[0]
         hit = _series_cache[key] = (sample.name, sample.labels)
     return hit
+
+
+def sample_pairs(text: str) -> list[tuple[str, str]]:
+    """(series, value text) of each sample line of the families we read."""
+    return _PAIR_RE.findall("\n" + text)
+
+
+def _plan(key: str) -> _Plan:
+    """What series ``key`` adds to a reading (decided once per distinct series)."""
+    name, labels = _series(key)
+    if name.startswith("nv_trt_llm_request_"):
+        plan: _Plan = (_ACC, "trt:req:" + labels.get("request_type", ""), None)
+    elif name.startswith("nv_trt_llm_kv_cache_block_"):
+        plan = (_ACC, "trt:kv:" + labels.get("kv_cache_block_type", ""), None)
+    elif name == "vllm:cache_config_info":
+        plan = (_INFO, "", labels)
+    elif name == "sim:max_num_seqs":
+        plan = (_MAX_SEQS, "", None)
+    elif name.startswith("sim:gpu_"):
+        plan = (_GPU, name, _as_int(labels.get("gpu")) or 0)
+    else:
+        plan = (_ACC, name.removesuffix("_total"), None)
+    if len(_plans) >= _SERIES_MAX:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
 
 
 def iter_samples(lines: list[str]) -> Iterator[tuple[str, dict[str, str], float]]:
@@ -229,22 +265,22 @@ def parse_metrics(text: str, engine: str | None = None) -> EngineReading:
     engine) so the caller reports the scrape as failed rather than publishing empties.
     """
     acc = _Acc()
+    sums, counts = acc.sums, acc.counts
     info: dict[str, str] = {}
     gpus: dict[int, dict[str, float]] = {}
-    for name, labels, value in iter_samples(select_lines(text)):
-        if name.startswith("nv_trt_llm_request_"):
-            acc.add("trt:req:" + labels.get("request_type", ""), value)
-        elif name.startswith("nv_trt_llm_kv_cache_block_"):
-            acc.add("trt:kv:" + labels.get("kv_cache_block_type", ""), value)
-        elif name == "vllm:cache_config_info":
-            info.update(labels)
-        elif name == "sim:max_num_seqs":
+    plans = _plans
+    for key, text_value in sample_pairs(text):
+        kind, target, arg = plans.get(key) or _plan(key)
+        value = float(text_value)  # also NaN, +Inf, -Inf
+        if kind == _ACC:
+            sums[target] = sums.get(target, 0.0) + value
+            counts[target] = counts.get(target, 0) + 1
+        elif kind == _INFO:
+            info.update(arg)  # type: ignore[call-overload]
+        elif kind == _MAX_SEQS:
             info.setdefault("max_num_seqs", str(value))
-        elif name.startswith("sim:gpu_"):
-            idx = _as_int(labels.get("gpu")) or 0
-            gpus.setdefault(idx, {})[name] = value
         else:
-            acc.add(name.removesuffix("_total"), value)
+            gpus.setdefault(arg, {})[target] = value  # type: ignore[call-overload]
     if not acc.sums and not info and not gpus:
         raise ValueError("no vLLM, SGLang, TensorRT-LLM or sim metrics in the response")
     if engine is None:
