@@ -767,7 +767,7 @@ class Router:
     async def _send(self, request: web.Request, ctx: Ctx, ticket: Ticket) -> web.StreamResponse:
         wid = ticket.worker_id
         raw_body = upstream_body(ctx, migrate=False)
-        if not ctx.parsed.stream:
+        if not ctx.parsed.stream and self.state.states[wid].url.startswith("http://"):
             return await self._send_fast(ctx, wid, raw_body or await request.read(), ticket)
         try:
             resp = await self._post(ctx, wid, ctx.path, raw_body, await request.read())
