@@ -420,7 +420,11 @@ def main(argv: list[str] | None = None) -> int:
             server = EmbeddedNats(Path(tempfile.mkdtemp(prefix="bench-nats-")))
             server.start()
             nats_url = server.url
-    ports = [free_port() for _ in range(args.workers)]
+    ports: list[int] = []
+    while len(ports) < args.workers:  # free_port() may hand out the same port twice
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_serve_endpoints, args=(ports, child), daemon=True)

@@ -86,6 +86,9 @@ class _Worker:
     filter_ok: bool = True  # the endpoint answers the name[] filter usefully
     detected: str | None = None  # engine seen in the last reading (when not configured)
     filtered_url: tuple[str, str] = ("", "")  # (cache key, URL with the name[] filter)
+    # the last answer and its reading: an identical answer (an idle engine) is not parsed again
+    last_answer: tuple[bytes, str | None] = (b"", None)
+    last_reading: EngineReading | None = None
 
 
 class Agent:
@@ -323,14 +326,20 @@ class Agent:
                 raise exc
             if status != 200:
                 raise _ScrapeError("http", f"HTTP {status} from {url}")
-            try:
-                reading = parse_metrics(body.decode("utf-8", errors="replace"), w.target.engine)
-            except ValueError:
-                if not filtered:
-                    raise
-                self._drop_filter(w)  # scrape again in full, in a task (rare, once per target)
-                self._spawn(self._scrape(w, started), "scrape")
-                return
+            answer = (body, w.target.engine)
+            if answer == w.last_answer and w.last_reading is not None:
+                reading = w.last_reading  # readings are never modified once made
+            else:
+                w.last_reading = None
+                try:
+                    reading = parse_metrics(body.decode("utf-8", errors="replace"), answer[1])
+                except ValueError:
+                    if not filtered:
+                        raise
+                    self._drop_filter(w)  # scrape again in full, in a task (once per target)
+                    self._spawn(self._scrape(w, started), "scrape")
+                    return
+                w.last_answer, w.last_reading = answer, reading
             w.detected = reading.source
         except Exception as err:
             exc = err

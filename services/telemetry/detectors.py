@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -82,9 +83,17 @@ def _covered(window: Sequence[Observation], now: float, span: float, coverage: f
     return bool(window) and now - window[0].ts >= coverage * span
 
 
+def _ts(o: Observation) -> float:
+    return o.ts
+
+
 def _in(window: Sequence[Observation], now: float, span: float) -> list[Observation]:
+    """The samples of the last ``span`` seconds. ``window`` is in ``ts`` order (a worker has
+    one scrape in flight at a time), so a binary search finds the start: the agent keeps
+    ~40 s of history per worker and evaluates every rule every second."""
     start = now - span
-    return [o for o in window if o.ts >= start]
+    seq = window if isinstance(window, list) else list(window)
+    return seq[bisect.bisect_left(seq, start, key=_ts) :]
 
 
 def _gib(n: float | None) -> str:
