@@ -198,16 +198,19 @@ class KvAware(PolicyImpl):
         kw = p["kv_pressure_weight"]
         uw = p["uncached_weight"]
         prompt = req.prompt_tokens
-        ovs = [overlaps.get(w.worker_id, 0) for w in cands]
+        # the hot-prefix rule looks at the index (workers that hold the prefix *now*); the costs
+        # also credit where the prefix was just routed (it will be there before this request runs)
+        idx = [overlaps.get(w.worker_id, 0) for w in cands]
         tick = state.extra["kv_aware_tick"] = state.extra.get("kv_aware_tick", 0) + 1
         keys = req.block_keys
+        ovs = idx
         if keys and p["routed_ttl"] > 0:
-            ovs = self._with_routed(keys, cands, ovs, state, tick)
-        best = max(ovs)
+            ovs = self._with_routed(keys, cands, idx, state, tick)
+        best = max(idx)
         demand = self._demand(state)
         spread_to = 0
         if best >= p["hot_min_blocks"]:
-            holders = [w for w, o in zip(cands, ovs, strict=True) if o >= best]
+            holders = [w for w, o in zip(cands, idx, strict=True) if o >= best]
             demand.add(tuple(w.worker_id for w in holders))
             if len(holders) < len(cands):
                 lead = min(holders, key=lambda w: (w.inflight, w.worker_id))
