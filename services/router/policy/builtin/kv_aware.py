@@ -33,11 +33,11 @@ holder costs the copy's compute *and* splits the prefix's later hits, so a holde
 prefix until its extra queue exceeds twice the prefill the prefix saves. Ties (e.g. workers all
 computing the same cold prefix) go to the worker whose queued prefill is oldest.
 
-Optional ``routed_ttl`` (off by default): when the request carries its block keys, overlaps are
-raised by where this policy *sent* the same prefix within the last ``routed_ttl`` decisions, so
-the second request of a new prefix group follows the first before the first's KV events reach
-the index (what sglang-router's approximate tree does). The live router does not pass block
-keys yet, so it is off by default to keep ``kvgate simulate`` and ``kvgate bench`` alike.
+``routed_ttl`` (256 decisions; 0 = off): when the request carries its block keys (the live
+router and the simulator pass them while this is > 0), the costs also credit where this policy
+*sent* the same prefix within the last ``routed_ttl`` decisions, so the second request of a
+new prefix group follows the first before the first's KV events reach the index (what
+sglang-router's approximate tree does). The hot-prefix rule itself looks at the index only.
 The per-worker cap (``max_inflight``, default max_num_seqs) is enforced by admission.
 
 Invariant: state lives only in :class:`PolicyState` (``extra["kv_aware_*"]``: demand window,
@@ -129,8 +129,8 @@ class KvAware(PolicyImpl):
         "routed_ttl": _int(
             "decisions for which a prefix counts as held by the worker it was routed to "
             "(before its KV events arrive); 0 = off; needs the request's block keys "
-            "(RequestInfo.block_keys)",
-            0,
+            "(RequestInfo.block_keys; the live router passes them when this is > 0)",
+            256,
             minimum=0,
         ),
         "spread_credit": _num("fraction of the hot prefix credited to non-holders", 1.0, 1.0),
