@@ -233,6 +233,7 @@ class Bus:
         max_msgs_per_subject: int = -1,
         storage: StorageType = StorageType.FILE,
         retention: RetentionPolicy = RetentionPolicy.LIMITS,
+        num_replicas: int = 1,
     ) -> None:
         """Create the stream or bring an existing one to this config (idempotent)."""
         config = StreamConfig(
@@ -243,6 +244,7 @@ class Bus:
             max_age=max_age_s,
             max_bytes=max_bytes,
             max_msgs_per_subject=max_msgs_per_subject,
+            num_replicas=num_replicas,
         )
         try:
             await self.js.stream_info(name)

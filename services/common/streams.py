@@ -31,52 +31,69 @@ STREAM_STORAGE_MB = S.option(
 )
 
 
-def _budget(fraction: float) -> int:
-    raw = os.environ.get(STREAM_STORAGE_MB.env_var, "")
+STREAM_REPLICAS = S.option(
+    "stream_replicas",
+    1,
+    "replicas of each JetStream stream (3 on a NATS cluster); re-applied at every service start",
+)
+
+
+def _env_int(opt: S.Option) -> int:
+    raw = os.environ.get(opt.env_var, "")
     try:
-        total_mb = int(raw) if raw else STREAM_STORAGE_MB.default
+        return int(raw) if raw else opt.default
     except ValueError:
-        raise SystemExit(f"invalid {STREAM_STORAGE_MB.env_var}={raw!r}: an integer (MiB)") from None
-    return max(1 << 20, int(total_mb * fraction) << 20)
+        raise SystemExit(f"invalid {opt.env_var}={raw!r}: an integer") from None
+
+
+def _budget(fraction: float) -> int:
+    return max(1 << 20, int(_env_int(STREAM_STORAGE_MB) * fraction) << 20)
+
+
+async def _ensure(bus: Bus, name: str, subjects: list[str], **config) -> str:
+    await bus.ensure_stream(name, subjects, num_replicas=_env_int(STREAM_REPLICAS), **config)
+    return name
 
 
 async def ensure_kv_events_stream(bus: Bus) -> str:
     s = bus.subjects
-    await bus.ensure_stream(
-        s.kv_events_stream, [s.kv_events_all], max_age_s=HOUR, max_bytes=_budget(0.5)
+    return await _ensure(
+        bus, s.kv_events_stream, [s.kv_events_all], max_age_s=HOUR, max_bytes=_budget(0.5)
     )
-    return s.kv_events_stream
 
 
 async def ensure_outcomes_stream(bus: Bus) -> str:
     s = bus.subjects
-    await bus.ensure_stream(
-        s.outcomes_stream, [s.router_outcomes], max_age_s=24 * HOUR, max_bytes=_budget(0.25)
+    return await _ensure(
+        bus, s.outcomes_stream, [s.router_outcomes], max_age_s=24 * HOUR, max_bytes=_budget(0.25)
     )
-    return s.outcomes_stream
 
 
 async def ensure_policy_stream(bus: Bus) -> str:
     s = bus.subjects
-    await bus.ensure_stream(
+    return await _ensure(
+        bus,
         s.policy_stream,
         [s.policy_updated],
         max_msgs_per_subject=1,
         max_age_s=365 * 24 * HOUR,
         max_bytes=1 << 20,
     )
-    return s.policy_stream
 
 
 async def ensure_alert_streams(bus: Bus) -> tuple[str, str]:
     s = bus.subjects
-    await bus.ensure_stream(
-        s.alert_signals_stream, [s.alert_signals_all], max_age_s=24 * HOUR, max_bytes=_budget(0.1)
+    signals = await _ensure(
+        bus,
+        s.alert_signals_stream,
+        [s.alert_signals_all],
+        max_age_s=24 * HOUR,
+        max_bytes=_budget(0.1),
     )
-    await bus.ensure_stream(
-        s.alerts_stream, [s.alerts_all], max_age_s=7 * 24 * HOUR, max_bytes=_budget(0.1)
+    alerts = await _ensure(
+        bus, s.alerts_stream, [s.alerts_all], max_age_s=7 * 24 * HOUR, max_bytes=_budget(0.1)
     )
-    return s.alert_signals_stream, s.alerts_stream
+    return signals, alerts
 
 
 async def raise_alert(bus: Bus, alert: Alert) -> None:
