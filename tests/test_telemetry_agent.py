@@ -375,3 +375,35 @@ async def test_alerts_reach_operators_through_the_api_alert_manager(
             await agent.stop()
             await manager.stop()
             await db.close()
+
+
+async def test_identical_answers_are_parsed_once_and_a_change_is_seen(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle engine answers the same bytes every tick: the reading is reused (at most one
+    parse per path), and the first different answer is parsed and published."""
+    import services.telemetry.app as app_mod
+
+    calls = {"n": 0}
+    real_parse = app_mod.parse_metrics
+
+    def counting(text: str, engine: str | None = None):
+        calls["n"] += 1
+        return real_parse(text, engine)
+
+    monkeypatch.setattr(app_mod, "parse_metrics", counting)
+    q = await collect(bus, bus.subjects.telemetry("w-idle"), WorkerLoad)
+    async with endpoint(vllm_text(3, 1, 0.25)) as ep:
+        agent = await start_agent(
+            bus, use_nvml=False, static_targets=parse_targets(f"w-idle={ep.url}@vllm")
+        )
+        try:
+            for _ in range(6):
+                load = await next_matching(q, lambda m: not m.stale)
+                assert (load.running, load.waiting) == (3, 1)
+            assert calls["n"] <= 2  # first scrape (task path) + first callback answer
+            ep.text = vllm_text(9, 4, 0.5)
+            load = await next_matching(q, lambda m: not m.stale and m.running == 9)
+            assert load.waiting == 4 and load.kv_usage == pytest.approx(0.5)
+        finally:
+            await agent.stop()

@@ -118,3 +118,32 @@ async def test_status_size_cap_garbage_timeout_and_refused() -> None:
     assert e.value.reason == "connect"
     with pytest.raises(ValueError, match="http:// URLs only"):
         await FastGet().get("https://127.0.0.1:1/metrics", 2)
+
+
+async def test_send_on_the_open_connection_answers_once_and_times_out() -> None:
+    """send(): nothing to send on before a connection exists; then the completion is called
+    exactly once per request from the protocol (answer, chunked answer, timeout), and a
+    timed-out connection is dropped so the late answer is never read."""
+    answers = {2: [ok(BODY[:100])[:40], ok(BODY[:100])[40:]], 3: None}
+    async with raw_server(lambda n: answers.get(n, ok())) as (url, conns):
+        fg = FastGet()
+        got: list[tuple[int, bytes, BaseException | None]] = []
+        q: asyncio.Queue[None] = asyncio.Queue()
+
+        def done(status: int, body: bytes, exc: BaseException | None) -> None:
+            got.append((status, body, exc))
+            q.put_nowait(None)
+
+        assert not fg.send(url, 2, done)  # no connection yet
+        assert await fg.get(url, 2) == (200, BODY)  # request 1 opens it
+        assert fg.send(url, 2, done)  # request 2: answer split in two writes
+        assert not fg.send(url, 2, done)  # busy: one request per connection at a time
+        await q.get()
+        assert got == [(200, BODY[:100], None)]
+        assert fg.send(url, 0.2, done)  # request 3 hangs
+        await q.get()
+        assert got[1][0] == 0 and isinstance(got[1][2], TimeoutError)
+        assert not fg.send(url, 2, done)  # the timed-out connection is gone
+        assert await fg.get(url, 2) == (200, BODY)
+        assert len(conns) == 2 and len(got) == 2
+        fg.close()
