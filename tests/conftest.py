@@ -22,6 +22,8 @@ from services.common.embedded import EmbeddedNats, EmbeddedPostgres, free_port, 
 from services.common.subjects import Subjects
 
 RUN_ID = uuid.uuid4().hex[:8]
+# KVGATE_TEST_EMBEDDED=1 ignores servers already running, as on a fresh machine.
+FORCE_EMBEDDED = os.environ.get("KVGATE_TEST_EMBEDDED", "") not in ("", "0")
 _counter = iter(range(1_000_000))
 
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
@@ -36,7 +38,7 @@ for _var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url = os.environ.get("KVGATE_TEST_NATS_URL", "nats://127.0.0.1:4222")
     host, _, port = url.removeprefix("nats://").partition(":")
-    if port_open(host, int(port or 4222)):
+    if not FORCE_EMBEDDED and port_open(host, int(port or 4222)):
         yield url
         return
     server = EmbeddedNats(tmp_path_factory.mktemp("nats"))
@@ -89,7 +91,7 @@ def _test_streams_cleanup(nats_url: str) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def pg_admin_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """asyncpg DSN of a maintenance database on a real Postgres."""
-    if port_open("127.0.0.1", 5432):
+    if not FORCE_EMBEDDED and port_open("127.0.0.1", 5432):
         yield os.environ.get("KVGATE_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
         return
     server = EmbeddedPostgres(tmp_path_factory.mktemp("pg"))

@@ -5,7 +5,6 @@ evaluator, state machine and publisher run. Step durations are sped up to ~1 s."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from services.api.canary.stats import ArmStats
 from services.api.db import Database
 from services.api.models import Canary
 from services.api.testing import ApiHarness, start_api
+from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.schemas import PolicyUpdated, RouterOutcome, decode
 from services.common.streams import ensure_outcomes_stream
@@ -72,9 +72,8 @@ class SyntheticRouter:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # re-cancels: nats-py can swallow a cancel that lands inside a publish
+            await cancel_and_wait([self._task])
 
     async def _run(self) -> None:
         while True:

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.embedded import free_port
 from services.common.keys import block_keys
@@ -271,9 +272,8 @@ class Beats:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # re-cancels: nats-py can swallow a cancel that lands inside a publish
+            await cancel_and_wait([self._task])
 
 
 class Indexer:
