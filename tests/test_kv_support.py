@@ -68,6 +68,9 @@ async def connected(nats_url: str, subjects: Subjects, name: str) -> AsyncIterat
 async def indexer(nats_url: str, subjects: Subjects, **kw) -> AsyncIterator[IndexerService]:
     async with connected(nats_url, subjects, "indexer") as b:
         kw.setdefault("tick_s", 0.02)
+        # tests send one heartbeat and then none: on a loaded machine a test can outlive the
+        # 3 s default and see its worker expire; the expiry tests set their own timeout
+        kw.setdefault("heartbeat_timeout_s", 60.0)
         svc = IndexerService(b, **kw)
         await svc.start()
         await asyncio.wait_for(svc.consuming.wait(), 10)
