@@ -32,33 +32,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from services.worker_sim.metrics import TTFT_BUCKETS
+
 TARGET_PCT = 2.0
 HIST = {
     "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
-    "vllm:time_to_first_token_seconds": [
-        0.001,
-        0.005,
-        0.01,
-        0.02,
-        0.04,
-        0.06,
-        0.08,
-        0.1,
-        0.25,
-        0.5,
-        0.75,
-        1.0,
-        2.5,
-        5.0,
-        7.5,
-        10.0,
-        20.0,
-        40.0,
-        80.0,
-        160.0,
-        640.0,
-        2560.0,
-    ],
+    "vllm:time_to_first_token_seconds": list(TTFT_BUCKETS),  # as the sim worker serves
     "vllm:inter_token_latency_seconds": [
         0.01,
         0.025,

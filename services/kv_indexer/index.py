@@ -100,6 +100,13 @@ class IndexState:
     tier_values: list[int] = field(default_factory=list)
 
 
+def _assign(mask: int, depth: int, names: list, result: dict[str, int]) -> None:
+    """Record ``depth`` for every worker whose slot bit is set in ``mask``. Called only where
+    the set of matching workers changes, so it stays off the per-block path."""
+    for slot in _bits(mask):
+        result[names[slot]] = depth
+
+
 class PrefixIndex:
     def __init__(self, max_blocks: int | None = None, record_evictions: bool = False) -> None:
         if max_blocks is not None and max_blocks <= 0:
@@ -410,20 +417,13 @@ class PrefixIndex:
             m = get(k, 0) & active
             if m != active:
                 if depth:
-                    gone = active ^ m
-                    while gone:
-                        low = gone & -gone
-                        result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
-                        gone ^= low
+                    _assign(active ^ m, depth, names, result)
                 active = m
                 if not m:
                     return result
             depth += 1
         if depth:
-            while active:
-                low = active & -active
-                result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
-                active ^= low
+            _assign(active, depth, names, result)
         return result
 
     def match_prompt(
@@ -456,19 +456,12 @@ class PrefixIndex:
                 m = get(h, 0) & active
                 if m != active:
                     if depth:
-                        gone = active ^ m
-                        while gone:
-                            low = gone & -gone
-                            result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
-                            gone ^= low
+                        _assign(active ^ m, depth, names, result)
                     active = m
                     if not m:
                         return result
                 depth += 1
-        while active:
-            low = active & -active
-            result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
-            active ^= low
+        _assign(active, depth, names, result)
         return result
 
     def find_matches_by_tier(self, keys: Sequence[int]) -> dict[str, tuple[int, int, int, int]]:
