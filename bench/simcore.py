@@ -366,6 +366,7 @@ def simulate(
                     st.pending_prefill_tokens = max(
                         0, st.pending_prefill_tokens - lv.prefill_tokens
                     )
+                    st.first_token_at = t  # like the live router's state.first_token(now)
                 elif lv.last is not None:
                     lv.result.itl_s.append(t - lv.last)
                 lv.last = t

@@ -431,7 +431,12 @@ class Router:
             block_keys=keys,
             session_id=session_id,
         )
-        snap = self.state.snapshot if not excluded else ClusterSnapshot(states, time.monotonic())
+        now = time.monotonic()  # the policy's clock (prefill progress), as in first_token
+        if excluded:
+            snap = ClusterSnapshot(states, now)
+        else:
+            snap = self.state.snapshot
+            snap.now = now
         return decide(policy, req, snap, overlaps), overlaps
 
     # ================================================================== HTTP
@@ -811,7 +816,7 @@ class Router:
             self._breaker_success(wid)
             if status >= 400:
                 ctx.status = "error"
-        self.state.first_token(ticket)
+        self.state.first_token(ticket, time.monotonic())
         ctx.http_status = status
         if status < 400:
             try:
@@ -835,7 +840,7 @@ class Router:
             raise WorkerFailed(wid, f"response broken: {type(exc).__name__}") from exc
         finally:
             resp.release()
-        self.state.first_token(ticket)
+        self.state.first_token(ticket, time.monotonic())
         self._breaker_success(wid)
         ctx.http_status = resp.status
         if resp.status >= 400:
@@ -922,7 +927,7 @@ class Router:
                 if info.text and ctx.ttft is None:
                     ctx.ttft = time.perf_counter() - ctx.t0
                 if info.text:
-                    self.state.first_token(ticket)
+                    self.state.first_token(ticket, time.monotonic())
                 ctx.generated += info.text
                 if reframe:
                     chunk = sse.as_client_chunk(info, chat, ctx.template)

@@ -171,13 +171,18 @@ class ClusterState:
         self._refresh_kv(worker_id)
         return t
 
-    def first_token(self, t: Ticket) -> None:
+    def first_token(self, t: Ticket, now: float | None = None) -> None:
+        """The request's prefill is done: release its queued prefill; ``now`` (monotonic) is
+        recorded as the worker's ``first_token_at`` (policies time prefills with it)."""
         if t.prefilling and not t.released:
             t.prefilling = False
             loc = self._local.get(t.worker_id)
             if loc is not None:
                 loc.prefill -= t.prefill
                 self._refresh_load(t.worker_id)
+            s = self.states.get(t.worker_id)
+            if now is not None and s is not None:
+                s.first_token_at = now
 
     def release(self, t: Ticket) -> None:
         if t.released:

@@ -51,6 +51,7 @@ class PolicyState:
     rng: random.Random
     counter: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    now: float = 0.0  # the snapshot's clock at the current decision (set by :func:`decide`)
 
 
 class PolicyImpl:
@@ -172,6 +173,7 @@ def decide(
             filtered=filtered,
             policy=policy.name,
         )
+    policy.state.now = snapshot.now
     costs = impl.costs(request, cands, overlaps, policy.state)
     wid = impl.pick(costs, policy.state)
     ov = overlaps.get(wid, 0)

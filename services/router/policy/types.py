@@ -9,6 +9,10 @@ Invariants:
   (telemetry minus blocks reserved by requests dispatched since); ``None`` means unknown.
 - ``overlaps[w]`` (passed to ``decide`` beside the snapshot) is the number of leading prompt
   blocks worker ``w`` holds, as :meth:`PrefixIndex.find_matches` returns it.
+- ``ClusterSnapshot.now`` and ``WorkerState.first_token_at`` are on one clock (the live router's
+  monotonic seconds, the simulator's virtual seconds); ``now`` never goes backwards between
+  decisions. A caller without a clock leaves both at their defaults (0.0 / None): policies then
+  get no elapsed time and fall back to clock-free estimates.
 - Costs in a :class:`Decision` are "lower is better" and comparable only within one decision.
 """
 
@@ -40,6 +44,7 @@ class WorkerState:
     # load
     inflight: int = 0  # global across router replicas
     pending_prefill_tokens: int = 0  # uncached prompt tokens of in-flight requests before 1st token
+    first_token_at: float | None = None  # ``now`` of the latest first token this router saw
     running: int | None = None  # engine-reported (telemetry)
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
