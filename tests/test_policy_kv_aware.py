@@ -19,7 +19,7 @@ from services.router.policy import (
     build_policy,
     decide,
 )
-from services.router.policy.builtin.kv_aware import Demand
+from services.router.policy.builtin.kv_aware import Demand, PrefillClock
 
 CAP = Capacity(block_size=16, num_gpu_blocks=100_000, max_num_seqs=64, max_model_len=8192)
 
@@ -73,18 +73,131 @@ def test_overload_margin_spreads_any_prefix() -> None:
 def test_demand_window_matches_its_contents() -> None:
     rng = random.Random(5)
     dem = Demand(size=16)
-    names = [f"w{i}" for i in range(5)]
+    ids = [None, "a", "b", ("w0",), ("w0", "w1")]
     for _ in range(200):
-        holders = tuple(rng.sample(names, rng.randint(0, 3)))
-        dem.add(holders)
+        dem.add(rng.choice(ids))
         assert len(dem.window) <= 16
-        expect: Counter = Counter()
-        for hs in dem.window:
-            for h in hs:
-                expect[h] += 1.0 / len(hs)
-        for w in names:
-            assert dem.share.get(w, 0.0) == pytest.approx(expect[w], abs=1e-6)
-            assert 0.0 <= dem.fraction(w) <= 1.0 + 1e-9
+        expect = Counter(x for x in dem.window if x is not None)
+        assert dem.count == dict(expect)
+        for pid in ids[1:]:
+            assert dem.fraction(pid) == pytest.approx(expect[pid] / len(dem.window))
+
+
+def _keys(prefix: list[int], i: int) -> tuple[int, ...]:
+    return tuple(block_keys(prefix + [i % 200 + 20] * 64, 16))
+
+
+def test_a_hot_prefix_with_keys_spreads_to_every_worker() -> None:
+    """One prefix is all the traffic: it deserves all N workers, so it keeps spreading while
+    its holders are busier than the least loaded, until every worker holds it."""
+    index = PrefixIndex()
+    prefix = [9] * 1024
+    ws = workers(8)
+    p = build_policy({"name": "kv_aware", "params": {"routed_ttl": 0}})
+    index.apply_stored("w0", block_keys(prefix, 16))
+    for i in range(40):
+        keys = _keys(prefix, i)
+        r = RequestInfo(f"r{i}", "m", 1088, 16, keys)
+        d = decide(p, r, ClusterSnapshot(ws), index.find_matches(keys))
+        assert d.worker_id is not None
+        ws[d.worker_id].inflight += 1  # nothing finishes: the holders stay the busier ones
+        index.apply_stored(d.worker_id, keys)
+    assert index.find_matches(_keys(prefix, 0)).keys() == set(ws)
+
+
+def test_group_prefixes_with_keys_stay_on_their_holders() -> None:
+    """With block keys each group is its own prefix: one of 8 groups carries 1/8 of the traffic,
+    its fair share, so its holder keeps it though it has more in flight than the others."""
+    ws = workers(8)
+    p = build_policy({"name": "kv_aware"})
+    ids = sorted(ws)
+    groups = [[100 + g] * 1024 for g in range(8)]
+    for i in range(64):
+        keys = _keys(groups[i % 8], i)
+        decide(p, RequestInfo(f"r{i}", "m", 1088, 16, keys), ClusterSnapshot(ws), {ids[i % 8]: 64})
+    ws["w0"].inflight = p.params["overload_margin"] - 1
+    keys = _keys(groups[0], 99)
+    d = decide(p, RequestInfo("r99", "m", 1088, 16, keys), ClusterSnapshot(ws), {"w0": 64})
+    assert d.worker_id == "w0", d.scores
+
+
+def test_routed_memory_remembers_every_worker_a_prefix_was_sent_to() -> None:
+    prefix = [5] * 1024
+    ws = workers(4)
+    p = build_policy({"name": "kv_aware"})
+    sent = []
+    for i in range(2):
+        d = decide(
+            p, RequestInfo(f"r{i}", "m", 1088, 16, _keys(prefix, i)), ClusterSnapshot(ws), {}
+        )
+        sent.append(d.worker_id)
+        ws[d.worker_id].pending_prefill_tokens += 5000  # the next one goes elsewhere
+    assert sent[0] != sent[1]
+    d = decide(p, RequestInfo("r9", "m", 1088, 16, _keys(prefix, 9)), ClusterSnapshot(ws), {})
+    # both were credited with the prefix: besides their queue, only the question is uncached
+    for w in sent:
+        assert d.scores[w] - 5000 < min(d.scores[x] for x in ws if x not in sent), d.scores
+
+
+def _cold_vs_busy(now: float, clock: bool = True) -> str | None:
+    """w0 holds a hot prefix but is overloaded; w1 is sent the prefix cold at t=10 (2112
+    tokens). Before, the policy saw a 2112-token cold prefill on w1 take 2 s (t=0 to t=2).
+    Which worker gets the next request of the hot prefix at ``now``?"""
+    ws = workers(2)
+    p = build_policy({"name": "kv_aware", "params": {"progress_slack": 1.0}})
+    t = lambda x: x if clock else 0.0  # noqa: E731
+    ws["w0"].inflight = 20
+    r = RequestInfo("a", "m", 2112, 16, _keys([8] * 2048, 0))
+    assert decide(p, r, ClusterSnapshot(ws, t(0.0)), {}).worker_id == "w1"
+    ws["w1"].pending_prefill_tokens = 0  # its first token came at t=2
+    ws["w1"].first_token_at = t(2.0)
+    hot = [7] * 2048
+    r = RequestInfo("b", "m", 2112, 16, _keys(hot, 1))
+    d = decide(p, r, ClusterSnapshot(ws, t(10.0)), {"w0": 128})
+    assert d.worker_id == "w1" and d.cached_tokens == 0  # overloaded holder: spread
+    ws["w1"].pending_prefill_tokens = 2112
+    ws["w1"].inflight = 1
+    r = RequestInfo("c", "m", 2112, 16, _keys(hot, 2))
+    return decide(p, r, ClusterSnapshot(ws, t(now)), {"w0": 128}).worker_id
+
+
+def test_a_cold_prefill_nearly_done_takes_the_next_request_of_its_prefix() -> None:
+    # just started: 2 s to go, the busy holder answers sooner
+    assert _cold_vs_busy(10.1) == "w0"
+    # 1.9 s in: w1 is about to hold the prefix and is idle otherwise
+    assert _cold_vs_busy(11.9) == "w1"
+    # without a clock nothing is known about its progress: the holder keeps it
+    assert _cold_vs_busy(11.9, clock=False) == "w0"
+
+
+def test_prefill_clock_learns_the_speed_from_first_tokens() -> None:
+    c = PrefillClock(min_tokens=256, slack=1.0)
+    w = WorkerState("w0", capacity=CAP)
+    c.dispatched("w0", 1.0, 2000, 2000)
+    w.pending_prefill_tokens = 2000
+    c.observe(w, 1.5)
+    assert c.spt is None and c.queued(w, 1.5) == 2000  # nothing learned yet: nothing done
+    w.pending_prefill_tokens = 0
+    w.first_token_at = 3.0  # 2 s for 2000 tokens, seen at the decision at t=4
+    c.observe(w, 4.0)
+    assert c.spt == pytest.approx(1e-3)
+    assert not c.fifo["w0"]
+    c.dispatched("w0", 10.0, 1000, 1000)
+    w.pending_prefill_tokens = 1000
+    assert c.queued(w, 10.0) == pytest.approx(1000)
+    assert c.queued(w, 10.5) == pytest.approx(500)
+    assert c.queued(w, 12.0) == 0
+    # another router's queued prefill on the same worker is counted as it is
+    w.pending_prefill_tokens = 1300
+    assert c.queued(w, 10.5) == pytest.approx(800)
+    # small batches (per-step overheads dominate) teach nothing
+    small = PrefillClock(min_tokens=256)
+    w.pending_prefill_tokens = 64
+    small.dispatched("w0", 30.0, 64, 64)
+    w.pending_prefill_tokens = 0
+    w.first_token_at = 30.4
+    small.observe(w, 31.0)
+    assert small.spt is None and not small.fifo["w0"]
 
 
 def test_ties_go_to_the_worker_whose_queued_prefill_is_oldest() -> None:
@@ -151,11 +264,20 @@ def _groups_run(spec: dict, groups: int = 16, steps: int = 300) -> tuple[Counter
 
 
 def test_many_prefix_groups_keep_their_hits_and_use_every_worker() -> None:
+    """16 groups of random popularity on 8 lightly loaded workers: no group carries more than
+    its share, so groups stay on their holders (no copies: reuse near the bound). The workers
+    then carry what their groups draw (two ~1/16 groups is a fair share, one is half): every
+    worker is used and none carries more than 1.5x; balancing further would cost copies, which
+    only pays once a holder is ``balance_margin`` requests busier than the least loaded."""
     used, reuse, bound = _groups_run({"name": "kv_aware"})
     assert len(used) == 8, used
     total = sum(used.values())
-    assert min(used.values()) >= 0.5 * total / 8 and max(used.values()) <= 1.5 * total / 8, used
-    assert reuse >= 0.9 * bound, (reuse, bound)
+    assert min(used.values()) >= 0.25 * total / 8 and max(used.values()) <= 1.5 * total / 8, used
+    assert reuse >= 0.98 * bound, (reuse, bound)
+    # balancing at 2 requests of excess spreads busy holders' groups: more even, fewer hits
+    used2, reuse2, _ = _groups_run({"name": "kv_aware", "params": {"balance_margin": 2}})
+    assert min(used2.values()) >= 0.5 * total / 8 and max(used2.values()) <= 1.5 * total / 8
+    assert reuse2 < reuse, (reuse2, reuse)
     # the rule this replaced (spread whenever holders have 2 more in flight) scatters groups
     _, old_reuse, _ = _groups_run(
         {

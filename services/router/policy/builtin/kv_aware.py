@@ -71,6 +71,34 @@ ROUTED_MAX_KEYS = 200_000  # bound on its size (oldest entries go first)
 
 @dataclass
 class Demand:
+    """Sliding window of the last ``size`` decisions' prefix ids (None for a request without a
+    shared prefix); ``count[pid]`` is how many entries of the window are ``pid`` (invariant:
+    equals the window's contents)."""
+
+    size: int
+    window: deque = field(default_factory=deque)
+    count: dict = field(default_factory=dict)
+
+    def add(self, pid: object) -> None:
+        self.window.append(pid)
+        if pid is not None:
+            self.count[pid] = self.count.get(pid, 0) + 1
+        while len(self.window) > self.size:
+            old = self.window.popleft()
+            if old is not None:
+                n = self.count[old] - 1
+                if n:
+                    self.count[old] = n
+                else:
+                    del self.count[old]
+
+    def fraction(self, pid: object) -> float:
+        n = len(self.window)
+        return self.count.get(pid, 0) / n if n else 0.0
+
+
+@dataclass
+class HolderDemand:
     """Sliding window of the last ``size`` hot decisions' holder sets; ``share[w]`` is the sum
     over the window of 1/len(holders) for every entry holding ``w`` (invariant: equals the
     window's contents; ``total`` = number of entries, cold decisions included as empty)."""
@@ -101,12 +129,111 @@ class Demand:
         return self.share.get(worker, 0.0) / n if n else 0.0
 
 
+@dataclass
+class PrefillClock:
+    """Where this policy's own dispatched prefills stand, on the snapshot's clock.
+
+    Per worker, a FIFO of ``[dispatched_at, pending, compute]`` for requests this policy sent
+    whose first token has not come back: ``pending`` is what the request added to the worker's
+    ``pending_prefill_tokens`` (uncached by the index), ``compute`` the tokens it will really
+    compute (uncached by index and routed-prefix memory). Engines prefill first come first
+    served, so when ``pending_prefill_tokens`` falls below the FIFO's total, its oldest entries
+    are done: they are dropped, and their duration (from when they could start to the worker's
+    ``first_token_at``) teaches ``spt``, seconds per computed prompt token (exponentially
+    weighted; only batches of ``min_tokens`` or more, where per-step overheads are small).
+
+    :meth:`progress` is the part of the FIFO's ``pending`` that the engine has probably computed
+    by ``now`` (each entry starts when the one before it ends, at ``spt`` per token): a worker
+    whose cold prefill is almost done is almost free, which ``pending_prefill_tokens`` (it drops
+    only at the first token) cannot tell. Invariant: ``own[w]`` = sum of ``fifo[w]``'s pending;
+    without a clock (``now`` always 0) no sample is ever taken and progress is 0.
+    """
+
+    min_tokens: int
+    slack: float = 1.5  # queued prefills are expected to take this x the learned speed
+    decay: float = 0.8
+    spt: float | None = None
+    dur_sum: float = 0.0
+    tok_sum: float = 0.0
+    fifo: dict[str, deque] = field(default_factory=dict)
+    own: dict[str, int] = field(default_factory=dict)
+    last_done: dict[str, float] = field(default_factory=dict)
+
+    MAX_ENTRIES = 512  # per worker: a bound if first tokens are never observed
+
+    def dispatched(self, wid: str, now: float, pending: int, compute: int) -> None:
+        """This policy sent a request: ``pending`` tokens were added to the worker's queued
+        prefill, of which it will compute ``compute``."""
+        if pending <= 0:
+            return
+        q = self.fifo.get(wid)
+        if q is None:
+            q = self.fifo[wid] = deque()
+        q.append((now, pending, compute))
+        self.own[wid] = self.own.get(wid, 0) + pending
+        if len(q) > self.MAX_ENTRIES:
+            self.own[wid] -= q.popleft()[1]
+
+    def observe(self, w: WorkerState, now: float) -> None:
+        """Drop the entries whose prefill is done (learning ``spt`` from them)."""
+        wid = w.worker_id
+        own = self.own.get(wid, 0)
+        left = w.pending_prefill_tokens
+        if own <= left:
+            return
+        q = self.fifo[wid]
+        first = q[0][0]
+        compute = 0
+        while q and own > left:
+            _, pend, comp = q.popleft()
+            own -= pend
+            compute += comp
+        self.own[wid] = own
+        done = w.first_token_at
+        if done is None or done < first or done > now:
+            done = now
+        start = self.last_done.get(wid, first)
+        if start < first:
+            start = first
+        self.last_done[wid] = done
+        if compute >= self.min_tokens and done > start:
+            self.dur_sum = self.decay * self.dur_sum + (done - start)
+            self.tok_sum = self.decay * self.tok_sum + compute
+            self.spt = self.dur_sum / self.tok_sum
+
+    def queued(self, w: WorkerState, now: float) -> float:
+        """The worker's queued prefill in computed tokens: what other routers queued (its
+        ``pending_prefill_tokens`` beyond this FIFO) plus, per FIFO entry, the ``compute``
+        tokens not yet done at ``now`` (each entry starts when the one before it ends and runs
+        at ``spt`` per token; without ``spt``, none is done)."""
+        wid = w.worker_id
+        q = self.fifo.get(wid)
+        if not q:
+            return w.pending_prefill_tokens
+        other = w.pending_prefill_tokens - self.own[wid]
+        left = float(other) if other > 0 else 0.0
+        spt = self.spt
+        if spt is None:
+            for _, _, comp in q:
+                left += comp
+            return left
+        spt *= self.slack
+        free = self.last_done.get(wid, 0.0)
+        for at, _, comp in q:
+            start = at if at > free else free
+            end = start + comp * spt
+            if now < end:
+                left += comp if now <= start else comp * (end - now) / (end - start)
+            free = end
+        return left
+
+
 @register
 class KvAware(PolicyImpl):
     name = "kv_aware"
     description = "lowest estimated TTFT: queued prefill + uncached prompt + decode load"
     PARAMS = {
-        "decode_weight": _num("prefill-token equivalents per in-flight request", 64.0),
+        "decode_weight": _num("prefill-token equivalents per in-flight request", 48.0),
         "uncached_weight": _num(
             "weight of this request's uncached prompt tokens (> 1: leaving a prefix's holder "
             "also costs the copy's compute and the later requests' hits)",
@@ -117,15 +244,27 @@ class KvAware(PolicyImpl):
         "spread_margin": _int(
             "holders' in-flight excess over the least loaded that spreads a prefix whose "
             "holders carry more than hot_share x their fair share of traffic",
-            2,
+            1,
+        ),
+        "hot_margin": _num(
+            "a prefix (requests with block keys) is hot when its share of recent traffic x N "
+            "(the workers its demand fills) exceeds its number of holders by more than this",
+            0.5,
         ),
         "hot_share": _num(
-            "demand share (x fair share 1/N) above which a prefix's holders are hot", 1.5
+            "a prefix's least-loaded holder is hot when the requests for prefixes it holds "
+            "exceed hot_share x its fair share (1/N) of recent traffic",
+            1.5,
+        ),
+        "balance_margin": _int(
+            "with block keys: holders' in-flight excess over the least loaded that spreads a "
+            "prefix whose holder is hot (hot_share) though the prefix itself is not",
+            8,
         ),
         "overload_margin": _int(
             "holders' in-flight excess over the least loaded that spreads any prefix", 16
         ),
-        "demand_window": _int("decisions over which holders' demand share is measured", 128),
+        "demand_window": _int("decisions over which a prefix's demand share is measured", 128),
         "routed_ttl": _int(
             "decisions for which a prefix counts as held by the worker it was routed to "
             "(before its KV events arrive); 0 = off; needs the request's block keys "
@@ -134,13 +273,34 @@ class KvAware(PolicyImpl):
             minimum=0,
         ),
         "spread_credit": _num("fraction of the hot prefix credited to non-holders", 1.0, 1.0),
+        "progress_min_tokens": _int(
+            "prefill batches of at least this many computed tokens teach the prefill speed "
+            "(seconds per token) that discounts a worker's queued prefill by the time elapsed",
+            256,
+        ),
+        "progress_slack": {
+            "type": "number",
+            "minimum": 1,
+            "default": 1.5,
+            "description": "a queued prefill is expected to take this x the learned speed "
+            "(the engine's steps and batching make it slower than its tokens alone)",
+        },
     }
 
-    def _demand(self, state: PolicyState) -> Demand:
+    def _demand(self, state: PolicyState) -> tuple[Demand, HolderDemand]:
         d = state.extra.get("kv_aware_demand")
-        if d is None or d.size != self.p["demand_window"]:
-            d = state.extra["kv_aware_demand"] = Demand(self.p["demand_window"])
+        if d is None or d[0].size != self.p["demand_window"]:
+            size = self.p["demand_window"]
+            d = state.extra["kv_aware_demand"] = (Demand(size), HolderDemand(size))
         return d
+
+    def _clock(self, state: PolicyState) -> PrefillClock:
+        c = state.extra.get("kv_aware_clock")
+        if c is None:
+            c = state.extra["kv_aware_clock"] = PrefillClock(
+                self.p["progress_min_tokens"], self.p["progress_slack"]
+            )
+        return c
 
     def _with_routed(
         self,
@@ -153,7 +313,7 @@ class KvAware(PolicyImpl):
         """Overlaps raised by where this router recently *sent* the same prefix (its KV events
         may not have reached the index yet: the first request of a group is still computing
         it). Remembers the block key at every ``ROUTED_STRIDE``-th block and the last one."""
-        mem: dict[int, tuple[str, int]] = state.extra.setdefault("kv_aware_routed", {})
+        mem: dict[int, dict[str, int]] = state.extra.setdefault("kv_aware_routed", {})
         n = len(keys)
         depths = list(range(n - n % ROUTED_STRIDE, 0, -ROUTED_STRIDE))
         if n % ROUTED_STRIDE:
@@ -166,8 +326,10 @@ class KvAware(PolicyImpl):
             if d < floor:
                 break
             e = mem.get(keys[d - 1])
-            if e is not None and tick - e[1] <= ttl and e[0] not in routed:
-                routed[e[0]] = d
+            if e is not None:
+                for wid, at in e.items():
+                    if tick - at <= ttl and wid not in routed:
+                        routed[wid] = d
         if not routed:
             return ovs
         return [max(o, routed.get(w.worker_id, 0)) for w, o in zip(cands, ovs, strict=True)]
@@ -177,13 +339,28 @@ class KvAware(PolicyImpl):
         last = state.extra.pop("kv_aware_last", None)
         if last is not None:
             keys, depths, tick = last
-            mem: dict[int, tuple[str, int]] = state.extra["kv_aware_routed"]
+            mem: dict[int, dict[str, int]] = state.extra["kv_aware_routed"]
             for d in depths:
                 k = keys[d - 1]
-                mem.pop(k, None)
-                mem[k] = (wid, tick)
+                e = mem.pop(k, None)  # re-inserted last: the dict is in least-recent order
+                if e is None:
+                    e = {}
+                else:
+                    e.pop(wid, None)
+                e[wid] = tick
+                mem[k] = e
             while len(mem) > ROUTED_MAX_KEYS:
                 del mem[next(iter(mem))]
+        disp = state.extra.pop("kv_aware_dispatch", None)
+        if disp is not None:
+            cands, idx, ovs, prompt = disp
+            for w, i, o in zip(cands, idx, ovs, strict=True):
+                if w.worker_id == wid:
+                    bs = w.capacity.block_size
+                    self._clock(state).dispatched(
+                        wid, state.now, max(0, prompt - i * bs), max(0, prompt - o * bs)
+                    )
+                    break
         return wid
 
     def costs(
@@ -198,6 +375,7 @@ class KvAware(PolicyImpl):
         kw = p["kv_pressure_weight"]
         uw = p["uncached_weight"]
         prompt = req.prompt_tokens
+        now = state.now
         # the hot-prefix rule looks at the index (workers that hold the prefix *now*); the costs
         # also credit where the prefix was just routed (it will be there before this request runs)
         idx = [overlaps.get(w.worker_id, 0) for w in cands]
@@ -207,31 +385,55 @@ class KvAware(PolicyImpl):
         if keys and p["routed_ttl"] > 0:
             ovs = self._with_routed(keys, cands, idx, state, tick)
         best = max(idx)
-        demand = self._demand(state)
+        demand, hdemand = self._demand(state)
         spread_to = 0
         if best >= p["hot_min_blocks"]:
             holders = [w for w, o in zip(cands, idx, strict=True) if o >= best]
-            demand.add(tuple(w.worker_id for w in holders))
+            hids = tuple(w.worker_id for w in holders)
+            hdemand.add(hids)
+            # the prefix's identity: its deepest matched block key (none without keys)
+            pid = keys[best - 1] if best <= len(keys) else None
+            demand.add(pid)
             if len(holders) < len(cands):
                 lead = min(holders, key=lambda w: (w.inflight, w.worker_id))
                 excess = lead.inflight - min(w.inflight for w in cands)
-                hot = demand.fraction(lead.worker_id) * len(cands) > p["hot_share"]
-                if excess >= p["overload_margin"] or (hot and excess >= p["spread_margin"]):
+                n = len(cands)
+                busy_holder = hdemand.fraction(lead.worker_id) * n > p["hot_share"]
+                if pid is not None:
+                    # a prefix wanted by more workers' worth of traffic than it has holders
+                    hot = demand.fraction(pid) * n > len(holders) + p["hot_margin"]
+                    spread = (hot and excess >= p["spread_margin"]) or (
+                        busy_holder and excess >= p["balance_margin"]
+                    )
+                else:  # without keys prefixes are told apart only by their holders
+                    spread = busy_holder and excess >= p["spread_margin"]
+                if spread or excess >= p["overload_margin"]:
                     spread_to = int(best * p["spread_credit"])
         else:
-            demand.add(())
+            demand.add(None)
+            hdemand.add(())
+        clock = self._clock(state)
+        fifo = clock.fifo
+        state.extra["kv_aware_dispatch"] = (cands, idx, ovs, prompt)
         # ties (e.g. workers each computing the same cold prefix) go to the worker whose queued
         # prefill is oldest: it started first, so it finishes first
         busy: dict[str, int] = state.extra.setdefault("kv_aware_busy", {})
         out: dict[str, float] = {}
         for w, ov in zip(cands, ovs, strict=True):
             wid = w.worker_id
-            if w.pending_prefill_tokens > 0:
+            queued = w.pending_prefill_tokens
+            if queued > 0:
                 since = busy.setdefault(wid, tick)
                 age = tick - since if tick - since < 1000 else 1000
+                if fifo.get(wid):
+                    # what is left to compute of the queue, by the time since it was sent
+                    clock.observe(w, now)
+                    queued = clock.queued(w, now)
             else:
                 busy.pop(wid, None)
                 age = 0
+                if fifo.get(wid):
+                    clock.observe(w, now)
             if ov < spread_to:
                 ov = spread_to
             cap = w.capacity
@@ -242,7 +444,5 @@ class KvAware(PolicyImpl):
                 usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
             else:
                 usage = w.kv_usage or 0.0
-            out[wid] = (
-                w.pending_prefill_tokens + uw * uncached + dw * w.inflight + kw * usage - 1e-4 * age
-            )
+            out[wid] = queued + uw * uncached + dw * w.inflight + kw * usage - 1e-4 * age
         return out
