@@ -19,9 +19,16 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 
+# A C compiler for the "fast" extra (cykhash, the router index's lookup mirror, ships as
+# source only). Only this stage has it: the runtime stage copies the built environment.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first (their own layer, rebuilt only when pyproject.toml changes).
 COPY pyproject.toml ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['fast']))" > requirements.txt \
     && pip install --no-cache-dir -r requirements.txt
 
 # Then the project itself (non-editable; migrations ship inside the package).

@@ -15,8 +15,10 @@ Measures, on one core (the process pins itself to one CPU unless --no-pin):
 3. query: a 4096-token prompt's keys + per-worker overlap over 8 workers and N stored blocks
    (ours: ``PrefixIndex.match_prompt``; Dynamo: ``compute_block_hash_for_seq`` +
    ``find_matches``), p50 / p99, for prompts fully cached on one worker and for prompts that
-   share only a 512-token system prefix;
-4. memory per stored (worker, block) pair (RSS delta of a fresh process, both sides), and the
+   share only a 512-token system prefix; on a router's index (dict + the C lookup mirror of
+   services/kv_indexer/fastmask.py; the indexer's own index keeps no mirror);
+4. memory per stored (worker, block) pair (RSS delta of a fresh process, both sides; ours
+   for the indexer's index and for a router replica's, which adds the mirror), and the
    memory cap (pairs stay <= cap);
 5. a new router replica (IndexReplica over a real NATS) holding all N blocks: seconds.
 
@@ -268,7 +270,7 @@ def bench_vllm_path(w: Workload, max_seq: int) -> tuple[float, float | None]:
     blocks = len(payloads) * 16
     decoders = {f"w{k}": VllmDecoder() for k in range(WORKERS)}
     rekeyers = {f"w{k}": Rekeyer() for k in range(WORKERS)}
-    index = PrefixIndex()
+    index = PrefixIndex(fast=False)  # the indexer's side (write-heavy): no lookup mirror
     gc.collect()
     t0 = time.perf_counter()
     for wid, payload in payloads:
@@ -398,7 +400,8 @@ def _memory_child(side: str, pairs: int, cap: int) -> None:
     gc.collect()
     tracemalloc.start()
     before = rss_bytes()
-    index = PrefixIndex(max_blocks=cap or None)
+    # "ours": the indexer's index (dict only); "replica": a router's (dict + lookup mirror)
+    index = PrefixIndex(max_blocks=cap or None, fast=side == "replica")
     for wid, raw in feed:
         index.apply_stored(wid, dec.decode(raw))
     del feed
@@ -444,6 +447,10 @@ def bench_memory(pairs: int, cap: int) -> dict[str, Any]:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     res = {"ours": child("ours", 0), "ours_capped": child("ours", cap)}
+    from services.kv_indexer import fastmask
+
+    if fastmask.AVAILABLE:
+        res["replica"] = child("replica", 0)
     if PEER:
         res["peer"] = child("peer", 0)
     return res
@@ -573,6 +580,14 @@ def main(argv: list[str] | None = None) -> int:
         f"workload: {pairs:,} stored pairs target, {WORKERS} workers, block {BLOCK}, "
         f"prompts {PROMPT_BLOCKS * BLOCK} tokens"
     )
+    from services.kv_indexer import fastmask
+
+    print(
+        "queries run on a router's index: dict + C lookup mirror"
+        if fastmask.enabled()
+        else "queries run on the dict alone (lookup mirror off: cykhash missing or"
+        " KVGATE_INDEX_FASTMAP=0)"
+    )
     t_all = time.perf_counter()
     w = make_workload(pairs)
     events = our_events(w)
@@ -643,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         peer_per = m["peer"]["rss_delta"] / o["pairs"] if "peer" in m else None
         rows.append(
             row(
-                "memory per stored pair (RSS)",
+                "memory per stored pair, indexer (RSS)",
                 per,
                 peer_per,
                 "B/pair",
@@ -654,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows.append(
             row(
-                "memory per stored pair (tracemalloc)",
+                "memory per stored pair, indexer (tracemalloc)",
                 o["traced"] / o["pairs"],
                 None,
                 "B/pair",
@@ -663,6 +678,19 @@ def main(argv: list[str] | None = None) -> int:
                 better="lower",
             )
         )
+        if "replica" in m:
+            r = m["replica"]
+            rows.append(
+                row(
+                    "memory per stored pair, router replica + lookup mirror (RSS)",
+                    r["rss_delta"] / r["pairs"],
+                    peer_per,
+                    "B/pair",
+                    "<= 150 B",
+                    r["rss_delta"] / r["pairs"] <= 150,
+                    better="lower",
+                )
+            )
         c = m["ours_capped"]
         rows.append(
             row(

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 
 from services.common.keys import block_keys, block_seed
+from services.kv_indexer import fastmask
 from services.kv_indexer import index as index_mod
 from services.kv_indexer.index import TIER_BIT, PrefixIndex
+
+
+@pytest.fixture(autouse=True, params=["dict", "mirror"])
+def index_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on the dict alone and with the C lookup mirror (fastmask)."""
+    if request.param == "mirror":
+        assert fastmask.AVAILABLE, "cykhash is a dev dependency: the mirror must be tested"
+    monkeypatch.setenv("KVGATE_INDEX_FASTMAP", "1" if request.param == "mirror" else "0")
+    return request.param
+
+
+def assert_mirror_consistent(idx: PrefixIndex) -> None:
+    """The fastmask invariant: the mirror holds exactly the dict's keys, masks as stored."""
+    fm = idx._fast
+    if fm is None:
+        return
+    assert len(fm) == len(idx._masks)
+    for k, m in idx._masks.items():
+        assert fm.get(fastmask.signed_key(k)) == fastmask.stored_mask(m), k
 
 
 class Model:
@@ -65,13 +86,17 @@ def _chains(rng: random.Random, n: int) -> list[list[int]]:
     return chains
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_ops_match_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("seed", "n_workers"), [(1, 11), (2, 11), (3, 11), (4, 70)])
+def test_random_ops_match_reference(
+    seed: int, n_workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(index_mod, "SYNC_SCRUB_KEYS", 10)  # exercise the lazy scrub path
     rng = random.Random(seed)
     idx, ref = PrefixIndex(), Model()
     chains = _chains(rng, 40)
-    workers = [f"w{i}" for i in range(11)]  # more than 8: masks beyond the small-int cache
+    # more than 8 workers: masks beyond the small-int cache; 70: masks wider than 64 bits
+    # (the mirror's SPILL path)
+    workers = [f"w{i}" for i in range(n_workers)]
     for step in range(1500):
         w = rng.choice(workers)
         chain = rng.choice(chains)
@@ -96,6 +121,8 @@ def test_random_ops_match_reference(seed: int, monkeypatch: pytest.MonkeyPatch) 
         q = rng.choice(chains)
         assert idx.find_matches(q) == ref.matches(q), step
         assert len(idx) == ref.pairs()
+        if step % 100 == 0:
+            assert_mirror_consistent(idx)
     for w in workers:
         assert idx.blocks_of(w) == len(ref.held.get(w, {}))
         for k, tiers in ref.held.get(w, {}).items():
@@ -105,6 +132,7 @@ def test_random_ops_match_reference(seed: int, monkeypatch: pytest.MonkeyPatch) 
         pass
     # after scrubbing, no key survives without a live holder
     assert all(m for m in idx._masks.values())
+    assert_mirror_consistent(idx)
 
 
 def test_match_prompt_equals_find_matches_of_keys() -> None:
@@ -197,6 +225,7 @@ def test_lru_cap_prunes_least_recently_stored() -> None:
     for c in chains[65:]:
         idx.apply_stored("c", c)
         assert len(idx) <= 640
+    assert_mirror_consistent(idx)
 
 
 def test_snapshot_round_trip_keeps_everything(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,5 +243,21 @@ def test_snapshot_round_trip_keeps_everything(monkeypatch: pytest.MonkeyPatch) -
     for c in chains:
         assert copy.find_matches(c) == idx.find_matches(c)
         assert copy.find_matches_by_tier(c) == idx.find_matches_by_tier(c)
+    assert_mirror_consistent(copy)
     copy.apply_stored("new", chains[0])  # reuses the free slot of w3
     assert copy.find_matches(chains[0])["new"] == len(chains[0])
+
+
+def test_token_ids_outside_uint32_are_a_clear_error() -> None:
+    from services.common.keys import tokens_to_bytes
+
+    assert tokens_to_bytes([1, 2**32 - 1]) == array("I", [1, 2**32 - 1]).tobytes()
+    idx = PrefixIndex()
+    idx.apply_stored("a", block_keys([1] * 16, 16))
+    for bad in ([1, -1], [2**32]):
+        with pytest.raises(OverflowError):
+            block_keys(bad * 16, 16)
+        with pytest.raises(OverflowError):
+            idx.match_prompt(bad * 16, 16)
+    with pytest.raises(TypeError):
+        tokens_to_bytes([1, 1.5])

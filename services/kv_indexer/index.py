@@ -39,20 +39,23 @@ API (stable; the implementation may change for speed and memory):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
 from services.common.keys import block_chunks
+from services.kv_indexer import fastmask
 
 _xxh3 = xxhash.xxh3_64_intdigest  # the primitive of services.common.keys, bound for the hot loop
 
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 TIER_BIT: dict[str, int] = {"gpu": 1, "cpu": 2, "disk": 4}
 _M64 = (1 << 64) - 1
+_SIGN = fastmask.SIGN  # mirror keys: (k ^ _SIGN) - _SIGN; masks >= _SIGN stored as _SPILL
+_SPILL = fastmask.SPILL
 SYNC_SCRUB_KEYS = 50_000  # clear_worker scrubs at once below this many keys
-LAZY_HEAD_BLOCKS = 16  # match_prompt converts tokens in stretches of 16, 32, 64, ... blocks
+LAZY_HEAD_BLOCKS = 16  # match_prompt hashes in stretches of 16, 32, 64, ... blocks
 AUTO_SCRUB_KEYS = 2_048  # keys scrubbed per apply_stored while a cleared slot is pending
 
 
@@ -82,6 +85,31 @@ def _stretches(n: int) -> tuple[tuple[int, int], ...]:
     return out
 
 
+def _stretch_chunks(token_ids: Sequence[int], block_size: int, n: int) -> Iterator[tuple]:
+    """The first ``n`` blocks of ``token_ids`` as uint32 chunks, in the stretches of
+    :func:`_stretches`. A token list is converted stretch by stretch for the first two, then
+    all the rest at once (one ``struct.pack`` of the rest is cheaper than one per stretch):
+    a prompt that misses early converts little, a fully cached one converts in three calls."""
+    bounds = _stretches(n)
+    if isinstance(token_ids, list) and len(bounds) > 2:
+        for lo, hi in bounds[:2]:
+            yield block_chunks(token_ids[lo * block_size : hi * block_size], block_size, hi - lo)
+        mid = bounds[1][1]
+        rest = block_chunks(token_ids[mid * block_size : n * block_size], block_size, n - mid)
+        for lo, hi in bounds[2:]:
+            yield rest[lo - mid : hi - mid]
+    elif isinstance(token_ids, list):
+        for lo, hi in bounds:
+            yield block_chunks(token_ids[lo * block_size : hi * block_size], block_size, hi - lo)
+    else:
+        chunks = block_chunks(token_ids, block_size, n)
+        if len(bounds) == 1:
+            yield chunks
+        else:
+            for lo, hi in bounds:
+                yield chunks[lo:hi]
+
+
 @dataclass
 class IndexState:
     """A consistent copy of an index as flat arrays (what a snapshot carries).
@@ -108,9 +136,22 @@ def _assign(mask: int, depth: int, names: list, result: dict[str, int]) -> None:
 
 
 class PrefixIndex:
-    def __init__(self, max_blocks: int | None = None, record_evictions: bool = False) -> None:
+    def __init__(
+        self,
+        max_blocks: int | None = None,
+        record_evictions: bool = False,
+        fast: bool | None = None,
+    ) -> None:
+        """``fast``: keep the C mirror for batch lookups (services.kv_indexer.fastmask);
+        None = when installed and not turned off by KVGATE_INDEX_FASTMAP=0."""
         if max_blocks is not None and max_blocks <= 0:
             raise ValueError("max_blocks must be > 0 (or None for no cap)")
+        if fast is None:
+            fast = fastmask.enabled()
+        elif fast and not fastmask.AVAILABLE:
+            raise ImportError("fast=True needs cykhash (pip install 'kvgate[fast]')")
+        self._fast = fastmask.new_map() if fast else None
+        self._lookup = fastmask.BatchLookup() if fast else None
         self.max_blocks = max_blocks
         self.record_evictions = record_evictions
         self._masks: dict[int, int] = {}
@@ -188,22 +229,42 @@ class PrefixIndex:
         pop = d.pop
         added = 0
         tiers = self._tiers
+        fm = self._fast
         if tier == "gpu":
             if not tiers:
                 # setdefault inserts a new key (at the end: most recent) in one probe; an
                 # existing key is moved to the end (LRU touch) with our bit added
                 setdefault = d.setdefault
                 n = len(d)
-                for k in keys:
-                    m = setdefault(k, bit)
-                    if len(d) != n:
-                        n += 1
-                        added += 1
-                        continue
-                    del d[k]
-                    d[k] = m | bit
-                    if not m & bit:
-                        added += 1
+                if fm is None:
+                    for k in keys:
+                        m = setdefault(k, bit)
+                        if len(d) != n:
+                            n += 1
+                            added += 1
+                            continue
+                        del d[k]
+                        d[k] = m | bit
+                        if not m & bit:
+                            added += 1
+                else:
+                    fput = fm.cput
+                    fbit = bit if bit < _SIGN else _SPILL
+                    for k in keys:
+                        m = setdefault(k, bit)
+                        if len(d) != n:
+                            n += 1
+                            added += 1
+                            fput((k ^ _SIGN) - _SIGN, fbit)
+                            continue
+                        del d[k]
+                        if m & bit:
+                            d[k] = m
+                        else:
+                            m |= bit
+                            d[k] = m
+                            added += 1
+                            fput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
             else:
                 sh = 3 * s
                 for k in keys:
@@ -211,6 +272,8 @@ class PrefixIndex:
                     if not m & bit:
                         added += 1
                         m |= bit
+                        if fm is not None:
+                            fm.cput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
                         t = tiers.get(k)
                         if t is not None and t >> sh & 7:  # stale bits: new pair is gpu only
                             t &= ~(7 << sh)
@@ -235,6 +298,8 @@ class PrefixIndex:
                 if not m & bit:
                     added += 1
                     m |= bit
+                    if fm is not None:
+                        fm.cput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
                     t = (t & clear) | (tb << sh)
                 else:
                     cur = t >> sh & 7 or 1
@@ -262,6 +327,7 @@ class PrefixIndex:
         clear = ~(7 << sh)
         tb = TIER_BIT[tier] if tier is not None else 7
         removed = 0
+        fm = self._fast
         for k in keys:
             m = d.get(k)
             if m is None or not m & bit:
@@ -290,8 +356,12 @@ class PrefixIndex:
             m &= nbit
             if m:
                 d[k] = m
+                if fm is not None:
+                    fm.cput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
             else:
                 del d[k]
+                if fm is not None:
+                    fm.discard((k ^ _SIGN) - _SIGN)
             removed += 1
         self._counts[s] -= removed
         self._pairs -= removed
@@ -303,11 +373,14 @@ class PrefixIndex:
         tiers = self._tiers
         live = self._live
         counts = self._counts
+        fm = self._fast
         removed = 0
         for k in keys:
             m = d.pop(k, None)
             if m is None:
                 continue
+            if fm is not None:
+                fm.discard((k ^ _SIGN) - _SIGN)
             if tiers:
                 tiers.pop(k, None)
             m &= live
@@ -353,6 +426,7 @@ class PrefixIndex:
         tkeep = ~tkeep
         d = self._masks
         tiers = self._tiers
+        fm = self._fast
         for i in range(self._scrub_pos, end):
             k = keys[i]
             m = d.get(k)
@@ -361,8 +435,12 @@ class PrefixIndex:
             m &= keep
             if m:
                 d[k] = m
+                if fm is not None:
+                    fm.cput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
             else:
                 del d[k]
+                if fm is not None:
+                    fm.discard((k ^ _SIGN) - _SIGN)
             if tiers:
                 t = tiers.get(k)
                 if t is not None:
@@ -409,9 +487,16 @@ class PrefixIndex:
         active = self._live
         if not active:
             return {}
+        result: dict[str, int] = {}
+        if self._fast is not None:
+            keys = keys if isinstance(keys, list) else list(keys)
+            masks = self._lookup(self._fast, keys)
+            active, depth = self._fold(masks, keys, 0, active, result)
+            if active and depth:
+                _assign(active, depth, self._names, result)
+            return result
         get = self._masks.get
         names = self._names
-        result: dict[str, int] = {}
         depth = 0
         for k in keys:
             m = get(k, 0) & active
@@ -426,11 +511,49 @@ class PrefixIndex:
             _assign(active, depth, names, result)
         return result
 
+    def _fold(
+        self, masks: list[int], keys: list[int], base: int, active: int, result: dict[str, int]
+    ) -> tuple[int, int]:
+        """Walk a run of mirror masks (``masks[i]`` for ``keys[i]``, at depth ``base + i``),
+        recording in ``result`` the depth of every worker whose run ends inside it; returns
+        (workers still matching, depth reached). Only a change of the stored mask costs more
+        than a comparison, so a long run held by the same workers is cheap."""
+        if not masks:
+            return active, base
+        first = masks[0]
+        if first >= 0 and masks.count(first) == len(masks):  # one C pass: a uniform run
+            m = first & active
+            if m != active:
+                if base:
+                    _assign(active ^ m, base, self._names, result)
+                if not m:
+                    return 0, base
+            return m, base + len(masks)
+        names = self._names
+        depth = base
+        prev = -1  # never stored: masks are >= 0, SPILL is -2**63
+        for m in masks:
+            if m != prev:
+                prev = m
+                if m < 0:  # SPILL: a mask wider than 63 bits lives in the dict only
+                    m = self._masks.get(keys[depth - base], 0)
+                    prev = -1
+                m &= active
+                if m != active:
+                    if depth:
+                        _assign(active ^ m, depth, names, result)
+                    active = m
+                    if not m:
+                        return 0, depth
+            depth += 1
+        return active, depth
+
     def match_prompt(
         self, token_ids: Sequence[int], block_size: int, seed: int = 0
     ) -> dict[str, int]:
-        """``find_matches(block_keys(token_ids, block_size, seed))``, hashing lazily: stops at
-        the first block no worker holds (so a miss costs one hash, not the whole prompt)."""
+        """``find_matches(block_keys(token_ids, block_size, seed))``, hashing lazily in
+        doubling stretches: stops after the stretch where no worker holds a block (so a miss
+        costs about twice the hashing it needed, not the whole prompt)."""
         active = self._live
         if not active or block_size <= 0:
             return {}
@@ -440,18 +563,32 @@ class PrefixIndex:
         n = n_tokens // block_size
         if n <= 0:
             return {}
-        get = self._masks.get
         names = self._names
         result: dict[str, int] = {}
         h = seed
         depth = 0
         xxh3 = _xxh3
-        # convert tokens in doubling stretches: a prompt that misses early pays only for
-        # converting about twice what it hashed
-        bounds = _stretches(n) if isinstance(token_ids, list) else ((0, n),)
-        for lo, hi in bounds:
-            part = token_ids if hi - lo == n else token_ids[lo * block_size : hi * block_size]
-            for chunk in block_chunks(part, block_size, hi - lo):
+        fm = self._fast
+        if fm is not None:
+            lookup = self._lookup
+            for chunks in _stretch_chunks(token_ids, block_size, n):
+                keys = []
+                add = keys.append
+                for chunk in chunks:
+                    h = xxh3(chunk, h)
+                    add(h)
+                masks = lookup(fm, keys)
+                active, depth = self._fold(masks, keys, depth, active, result)
+                if not active:
+                    return result
+                if len(masks) < len(keys):  # nobody holds the next block
+                    break
+            if depth:
+                _assign(active, depth, names, result)
+            return result
+        get = self._masks.get
+        for chunks in _stretch_chunks(token_ids, block_size, n):
+            for chunk in chunks:
                 h = xxh3(chunk, h)
                 m = get(h, 0) & active
                 if m != active:
@@ -531,6 +668,8 @@ class PrefixIndex:
                 sum(ws[i] << (64 * i) for i in range(len(ws))) for ws in zip(*words, strict=True)
             ]
         self._masks = dict(zip(keys, masks, strict=True))
+        if self._fast is not None:
+            self._fast = fastmask.from_arrays(state.keys, state.masks)
         self._tiers = {}
         if state.tier_keys is not None and len(state.tier_values):
             tk = state.tier_keys

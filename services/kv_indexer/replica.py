@@ -39,6 +39,7 @@ from services.common.schemas import (
     decode,
     encode,
 )
+from services.kv_indexer import fastmask
 from services.kv_indexer.index import PrefixIndex
 from services.kv_indexer.snapshot import chunks_to_state
 
@@ -111,6 +112,12 @@ class IndexReplica:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        if self.index._fast is None:
+            log.info(
+                "index lookup mirror off: prefix lookups use the dict alone (about 3x slower);"
+                " install kvgate[fast] (cykhash) for the mirror",
+                installed=fastmask.AVAILABLE,
+            )
         subj = self.bus.subjects.kv_index_delta
         self._sub = await self.bus.client.subscribe(subj, cb=self._on_delta)
         self._want.set()
