@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -40,7 +40,7 @@ from services.common.streams import ensure_alert_streams, raise_alert
 from . import exporter, procmap
 from .detectors import DetectorSet, Observation, build_rules
 from .engines import EngineReading, filter_query, parse_metrics
-from .httpget import FastGet, HttpError
+from .httpget import Conn, HttpError, request_bytes
 from .nvml import GpuCollector, open_collector
 from .targets import GpuAssignment, Target, assign_gpus, metrics_url
 
@@ -69,13 +69,18 @@ class AgentConfig:
     min_observed_requests: int = 8
     use_nvml: bool = True
     filter_query: bool = True  # ask vLLM/SGLang/sim for only the needed series (name[]=...)
-    batch_publish: bool = True  # publish each tick's samples together at mid-tick
 
 
 @dataclass
 class _Worker:
     target: Target
-    inflight: bool = False
+    inflight: bool = False  # a scrape is in flight (polled or in a task)
+    polled: bool = False  # ... and it is a polled request on ``conn`` (sent by a tick)
+    conn: Conn | None = None  # kept-alive connection (http targets)
+    started: float = 0.0  # the polled request: wall time sent (the sample's ts) ...
+    t0: float = 0.0  # ... perf_counter when sent
+    req_filtered: bool = False  # ... and whether it asked for name[]-filtered series
+    requests: dict[str, bytes] = field(default_factory=dict)  # URL -> request bytes
     window: deque[Observation] = field(default_factory=deque)
     last: WorkerLoad | None = None
     hit_base: tuple[float, float, float] | None = None  # (ts, queries, hits)
@@ -87,7 +92,7 @@ class _Worker:
     detected: str | None = None  # engine seen in the last reading (when not configured)
     filtered_url: tuple[str, str] = ("", "")  # (cache key, URL with the name[] filter)
     # the last answer and its reading: an identical answer (an idle engine) is not parsed again
-    last_answer: tuple[bytes, str | None] = (b"", None)
+    last_answer: bytes = b""
     last_reading: EngineReading | None = None
 
 
@@ -105,13 +110,12 @@ class Agent:
         self.gpu_samples: list[GpuSample] = []
         self.assignment = GpuAssignment()
         self._session: aiohttp.ClientSession | None = None  # https targets
-        self._fast = FastGet(config.max_body_bytes)  # http targets (the common case)
+        self._gpu_thread: _GpuThread | None = None
         self._slots = _Slots(config.max_concurrency)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending_alerts: deque[Alert] = deque(maxlen=10_000)
         self._subs: list[Any] = []
         self._err_log = RateLimiter(60.0)
-        self._gpu_busy = False
         self._stopping = False
         self._outbox: list[WorkerLoad] = []
         self.ticks = 0
@@ -134,6 +138,8 @@ class Agent:
         else:
             self.nvml_reason = ""
             log.info("NVML ready", gpus=len(self.gpu.devices))
+            self._gpu_thread = _GpuThread(self)
+            self._gpu_thread.start()
         exporter.register(self._collector)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.cfg.max_concurrency, limit_per_host=0),
@@ -167,8 +173,13 @@ class Agent:
                 await sub.unsubscribe()
         if self._session is not None:
             await self._session.close()
-        self._fast.close()
+        for w in self.workers.values():
+            if w.conn is not None:
+                w.conn.close()
         exporter.unregister(self._collector)
+        if self._gpu_thread is not None:
+            await asyncio.to_thread(self._gpu_thread.stop)
+            self._gpu_thread = None
         if self.gpu is not None:
             await asyncio.to_thread(self.gpu.close)
             self.gpu = None
@@ -220,22 +231,20 @@ class Agent:
 
     # ------------------------------------------------------------------ sampling
     async def _tick_loop(self) -> None:
+        """One wake-up per tick: read the answers to the previous tick's requests, send the
+        next requests, publish the finished samples in one burst, kick the GPU thread."""
         loop = asyncio.get_running_loop()
         interval = self.cfg.interval_s
         next_at = loop.time()
         while not self._stopping:
             self.ticks += 1
-            if self.gpu is not None and not self._gpu_busy:
-                self._spawn(self._sample_gpus(), "gpu-sample")
-            for w in self.workers.values():
-                if not w.inflight:
-                    w.inflight = True
-                    if not self._send(w):  # no open connection yet, https, or no free slot
-                        self._spawn(self._scrape(w), "scrape")
-            if self.cfg.batch_publish:
-                # publish what finished by mid-tick in one burst (one socket write for all)
-                await asyncio.sleep(max(0.0, next_at + interval / 2 - loop.time()))
-                await self._flush_outbox()
+            if self._gpu_thread is not None:
+                self._gpu_thread.kick()
+            try:
+                self._scrape_tick()
+            except Exception as exc:  # a bug must not stop sampling for good
+                self._log_once("tick", "scrape tick failed", error=repr(exc))
+            await self._flush_outbox()
             next_at += interval
             delay = next_at - loop.time()
             if delay < 0:  # fell behind (overloaded host): skip missed ticks, do not burst
@@ -243,39 +252,139 @@ class Agent:
                 delay = 0
             await asyncio.sleep(delay)
 
-    async def _sample_gpus(self) -> None:
-        self._gpu_busy = True
+    def _scrape_tick(self) -> None:
+        """Poll every target's request in flight on its kept-alive connection (non-blocking
+        reads: the answers have been sitting in the socket buffers since the last tick), send
+        the next request right away on each connection that finished, then turn the answers
+        into samples. Targets with no open connection (first scrape, reconnects), https
+        targets and name[] fallbacks go through :meth:`_scrape` (a task)."""
+        now, mono = time.time(), time.monotonic()
+        timeout = self.cfg.scrape_timeout_s
+        done: list[tuple[_Worker, float, float, bool, Any]] = []
+        for w in self.workers.values():
+            if w.polled:
+                conn = w.conn
+                assert conn is not None
+                res: Any
+                try:
+                    res = conn.poll()
+                except Exception as exc:
+                    res = exc
+                if res is None:
+                    if mono - conn.sent_at < timeout:
+                        continue  # still coming (large or slow answer): next tick
+                    conn.close()
+                    res = TimeoutError("scrape timed out")
+                w.polled = w.inflight = False
+                self._slots.give()
+                if isinstance(res, HttpError) and res.idle_close:
+                    # the engine had closed the idle connection: retry once on a new one
+                    w.conn = None
+                    w.inflight = True
+                    self._spawn(self._scrape(w, w.started, w.t0), "scrape")
+                    continue
+                done.append((w, w.started, w.t0, w.req_filtered, res))
+            if not w.inflight:
+                self._start(w, now, mono)
+        for w, started, t0, filtered, res in done:
+            self._complete(w, started, t0, filtered, res)
+
+    def _start(self, w: _Worker, now: float, mono: float) -> None:
+        """Start a scrape of ``w``: polled on its open connection where there is one, else
+        as a task (which connects)."""
+        w.inflight = True
+        conn = w.conn
+        if conn is not None and not conn.closed and self._slots.try_take():
+            url, filtered = self._scrape_url(w)
+            req = w.requests.get(url)
+            if req is None and url.startswith("http://"):
+                req = w.requests[url] = request_bytes(url)[1]
+            if req is not None:
+                try:
+                    conn.send(req)
+                except (OSError, HttpError):
+                    pass  # closed by send(): reconnect in the task below
+                else:
+                    w.polled = True
+                    w.started, w.t0, w.req_filtered = now, time.perf_counter(), filtered
+                    return
+            self._slots.give()
+        self._spawn(self._scrape(w), "scrape")
+
+    def _complete(self, w: _Worker, started: float, t0: float, filtered: bool, res: Any) -> None:
+        """A polled answer (``(status, body)`` or the error) -> the worker's sample."""
+        reading: EngineReading | None = None
+        exc: BaseException | None = None
         try:
-            assert self.gpu is not None
-            self.gpu_samples = await asyncio.to_thread(self.gpu.sample)
-        except Exception as exc:  # a broken driver must not kill the loop
-            self._log_once("gpu-sample", "GPU sampling failed", error=repr(exc))
-        finally:
-            self._gpu_busy = False
+            if isinstance(res, BaseException):
+                raise res
+            status, body = res
+            if status != 200:
+                raise _ScrapeError("http", f"HTTP {status} from {w.target.url}")
+            if body == w.last_answer and w.last_reading is not None:
+                reading = w.last_reading  # readings are never modified once made
+            else:
+                w.last_reading = None
+                try:
+                    reading = parse_metrics(body.decode("utf-8", errors="replace"), w.target.engine)
+                except ValueError:
+                    if not filtered:
+                        raise
+                    # the engine stopped honouring name[] usefully: the next requests ask
+                    # for everything (this answer is dropped, not published as an error)
+                    self._drop_filter(w)
+                    return
+                w.last_answer, w.last_reading = body, reading
+            w.detected = reading.source
+        except Exception as err:
+            exc = err
+        try:
+            self._finish(w, started, t0, reading, exc)
+        except Exception as err:  # a bug here must not stop the other targets
+            self._log_once("scrape-finish", "scrape bookkeeping failed", error=repr(err))
 
     def _gpus_for(self, worker: str) -> list[GpuSample]:
         gpus = self.assignment.gpus_of(worker)
         if not gpus:
             return []
+        samples = self.gpu_samples
+        if len(gpus) == 1:
+            i = gpus[0]
+            if i < len(samples) and samples[i].index == i:  # samples are in index order
+                return [samples[i]]
         wanted = set(gpus)
-        return [g for g in self.gpu_samples if g.index in wanted]
+        return [g for g in samples if g.index in wanted]
 
-    async def _fetch(self, url: str) -> str:
-        if url.startswith("http://"):
-            await self._slots.take()
-            try:
-                status, body = await self._fast.get(url, self.cfg.scrape_timeout_s)
-            finally:
-                self._slots.give()
-            if status != 200:
-                raise _ScrapeError("http", f"HTTP {status} from {url}")
-            return body.decode("utf-8", errors="replace")
-        assert self._session is not None
+    async def _fetch(self, w: _Worker, url: str) -> str:
         await self._slots.take()
         try:
+            if url.startswith("http://"):
+                status, body = await self._fetch_http(w, url)
+                if status != 200:
+                    raise _ScrapeError("http", f"HTTP {status} from {url}")
+                return body.decode("utf-8", errors="replace")
             return await self._fetch_aiohttp(url)
         finally:
             self._slots.give()
+
+    async def _fetch_http(self, w: _Worker, url: str) -> tuple[int, bytes]:
+        """GET on the worker's kept-alive connection, (re)connecting when needed; the
+        connection is kept for the polled scrapes of the following ticks."""
+        (host, port), req = request_bytes(url)
+        timeout = self.cfg.scrape_timeout_s
+        deadline = time.monotonic() + timeout
+        conn = w.conn
+        if conn is None or conn.closed or conn.resp is not None:
+            if conn is not None:
+                conn.close()
+            w.conn = None
+            conn = await Conn.open(host, port, timeout, self.cfg.max_body_bytes)
+            if self._stopping:
+                conn.close()
+                raise asyncio.CancelledError
+            w.conn = conn
+        conn.send(req)
+        return await conn.wait(max(0.0, deadline - time.monotonic()))
 
     async def _fetch_aiohttp(self, url: str) -> str:
         assert self._session is not None
@@ -289,72 +398,12 @@ class Agent:
                 )
             return body.decode("utf-8", errors="replace")
 
-    def _send(self, w: _Worker) -> bool:
-        """The cheap path of a scrape: the request goes out on the target's open kept-alive
-        connection and :meth:`_on_answer` runs from the I/O callback (no task, coroutine or
-        future). False, with nothing started, where that is not possible."""
-        url, filtered = self._scrape_url(w)
-        if not url.startswith("http://") or not self._slots.try_take():
-            return False
-        done = functools.partial(
-            self._on_answer, w, url, filtered, time.time(), time.perf_counter()
-        )
-        if self._fast.send(url, self.cfg.scrape_timeout_s, done):
-            return True
-        self._slots.give()
-        return False
-
-    def _on_answer(
-        self,
-        w: _Worker,
-        url: str,
-        filtered: bool,
-        started: float,
-        t0: float,
-        status: int,
-        body: bytes,
-        exc: BaseException | None,
+    async def _scrape(
+        self, w: _Worker, started: float | None = None, t0: float | None = None
     ) -> None:
-        """Completion of a :meth:`_send` request (called by the HTTP protocol; never raises)."""
-        self._slots.give()
-        if self._stopping:
-            w.inflight = False
-            return
-        reading: EngineReading | None = None
-        try:
-            if exc is not None:
-                raise exc
-            if status != 200:
-                raise _ScrapeError("http", f"HTTP {status} from {url}")
-            answer = (body, w.target.engine)
-            if answer == w.last_answer and w.last_reading is not None:
-                reading = w.last_reading  # readings are never modified once made
-            else:
-                w.last_reading = None
-                try:
-                    reading = parse_metrics(body.decode("utf-8", errors="replace"), answer[1])
-                except ValueError:
-                    if not filtered:
-                        raise
-                    self._drop_filter(w)  # scrape again in full, in a task (once per target)
-                    self._spawn(self._scrape(w, started), "scrape")
-                    return
-                w.last_answer, w.last_reading = answer, reading
-            w.detected = reading.source
-        except Exception as err:
-            exc = err
-        try:
-            load = self._finish(w, started, t0, reading, exc)
-            if not self.cfg.batch_publish:
-                self._spawn(self._publish(load), "publish")
-        except Exception as err:  # a bug here must not break the connection's callbacks
-            w.inflight = False
-            self._log_once("scrape-finish", "scrape bookkeeping failed", error=repr(err))
-
-    async def _scrape(self, w: _Worker, started: float | None = None) -> None:
-        """The general path of a scrape (first connection, https, name[] fallback)."""
+        """The general path of a scrape (connecting, https, name[] fallback)."""
         started = started or time.time()
-        t0 = time.perf_counter()
+        t0 = t0 or time.perf_counter()
         reading: EngineReading | None = None
         exc: Exception | None = None
         try:
@@ -364,9 +413,10 @@ class Agent:
             raise
         except Exception as err:
             exc = err
-        load = self._finish(w, started, t0, reading, exc)
-        if not self.cfg.batch_publish:
-            await self._publish(load)
+        try:
+            self._finish(w, started, t0, reading, exc)
+        finally:
+            w.inflight = False
 
     def _finish(
         self,
@@ -409,21 +459,10 @@ class Agent:
                 gpus=self._gpus_for(t.worker_id),
             )
         exporter.SCRAPE_SECONDS.observe(time.perf_counter() - t0)
-        w.inflight = False
         w.last = load
         self._remember(w, load, typ)
-        if self.cfg.batch_publish:
-            self._outbox.append(load)
+        self._outbox.append(load)
         return load
-
-    async def _publish(self, load: WorkerLoad) -> None:
-        try:
-            await self.bus.publish(self.bus.subjects.telemetry(load.worker_id), load)
-            self.published += 1
-        except Exception as exc:
-            _raise_if_cancelling()
-            exporter.PUBLISH_ERRORS.inc()
-            self._log_once("publish", "telemetry publish failed", error=repr(exc))
 
     async def _flush_outbox(self) -> None:
         out, self._outbox = self._outbox, []
@@ -460,14 +499,14 @@ class Agent:
         filtered answer holds none of them (an exposition that reads the query differently)."""
         t = w.target
         url, filtered = self._scrape_url(w)
-        text = await self._fetch(url)
+        text = await self._fetch(w, url)
         try:
             reading = parse_metrics(text, t.engine)
         except ValueError:
             if not filtered:
                 raise
             self._drop_filter(w)
-            reading = parse_metrics(await self._fetch(t.url), t.engine)
+            reading = parse_metrics(await self._fetch(w, t.url), t.engine)
         w.detected = reading.source
         return reading
 
@@ -665,6 +704,40 @@ def _raise_if_cancelling() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+class _GpuThread(threading.Thread):
+    """Samples the GPUs off the event loop (NVML calls block, a sick driver for long) when
+    the tick loop kicks it, and stores the result in ``agent.gpu_samples`` without waking
+    the event loop: samples are read at the next tick. A kick while a sample is still being
+    taken is remembered once (a slow driver skips ticks rather than piling them up)."""
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(name="telemetry-gpu", daemon=True)
+        self.agent = agent
+        self._kick = threading.Event()
+        self._halt = False
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    def run(self) -> None:
+        agent = self.agent
+        while True:
+            self._kick.wait()
+            self._kick.clear()
+            gpu = agent.gpu
+            if self._halt or gpu is None:
+                return
+            try:
+                agent.gpu_samples = gpu.sample()
+            except Exception as exc:  # a broken driver must not end sampling
+                agent._log_once("gpu-sample", "GPU sampling failed", error=repr(exc))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._halt = True
+        self._kick.set()
+        self.join(timeout)
 
 
 class _Slots:
