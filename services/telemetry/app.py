@@ -34,7 +34,14 @@ from nats.aio.msg import Msg
 
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
-from services.common.schemas import Alert, GpuSample, RouterOutcome, WorkerHeartbeat, WorkerLoad
+from services.common.schemas import (
+    Alert,
+    GpuSample,
+    RouterOutcome,
+    WorkerHeartbeat,
+    WorkerLoad,
+    encode,
+)
 from services.common.streams import ensure_alert_streams, raise_alert
 
 from . import exporter, procmap
@@ -78,7 +85,6 @@ class _Worker:
     polled: bool = False  # ... and it is a polled request on ``conn`` (sent by a tick)
     conn: Conn | None = None  # kept-alive connection (http targets)
     started: float = 0.0  # the polled request: wall time sent (the sample's ts) ...
-    t0: float = 0.0  # ... perf_counter when sent
     req_filtered: bool = False  # ... and whether it asked for name[]-filtered series
     requests: dict[str, bytes] = field(default_factory=dict)  # URL -> request bytes
     window: deque[Observation] = field(default_factory=deque)
@@ -118,6 +124,8 @@ class Agent:
         self._err_log = RateLimiter(60.0)
         self._stopping = False
         self._outbox: list[WorkerLoad] = []
+        self._ok_count = 0  # successful scrapes not yet added to the Prometheus counter
+        self._subjects: dict[str, str] = {}  # worker -> telemetry subject
         self.ticks = 0
         self.published = 0
         self.alerts_sent: list[Alert] = []  # last transitions (bounded), for /health and tests
@@ -260,7 +268,7 @@ class Agent:
         targets and name[] fallbacks go through :meth:`_scrape` (a task)."""
         now, mono = time.time(), time.monotonic()
         timeout = self.cfg.scrape_timeout_s
-        done: list[tuple[_Worker, float, float, bool, Any]] = []
+        done: list[tuple[_Worker, float, bool, Any]] = []
         for w in self.workers.values():
             if w.polled:
                 conn = w.conn
@@ -281,13 +289,13 @@ class Agent:
                     # the engine had closed the idle connection: retry once on a new one
                     w.conn = None
                     w.inflight = True
-                    self._spawn(self._scrape(w, w.started, w.t0), "scrape")
+                    self._spawn(self._scrape(w, w.started), "scrape")
                     continue
-                done.append((w, w.started, w.t0, w.req_filtered, res))
+                done.append((w, w.started, w.req_filtered, res))
             if not w.inflight:
                 self._start(w, now, mono)
-        for w, started, t0, filtered, res in done:
-            self._complete(w, started, t0, filtered, res)
+        for w, started, filtered, res in done:
+            self._complete(w, started, filtered, res)
 
     def _start(self, w: _Worker, now: float, mono: float) -> None:
         """Start a scrape of ``w``: polled on its open connection where there is one, else
@@ -306,12 +314,12 @@ class Agent:
                     pass  # closed by send(): reconnect in the task below
                 else:
                     w.polled = True
-                    w.started, w.t0, w.req_filtered = now, time.perf_counter(), filtered
+                    w.started, w.req_filtered = now, filtered
                     return
             self._slots.give()
         self._spawn(self._scrape(w), "scrape")
 
-    def _complete(self, w: _Worker, started: float, t0: float, filtered: bool, res: Any) -> None:
+    def _complete(self, w: _Worker, started: float, filtered: bool, res: Any) -> None:
         """A polled answer (``(status, body)`` or the error) -> the worker's sample."""
         reading: EngineReading | None = None
         exc: BaseException | None = None
@@ -339,7 +347,7 @@ class Agent:
         except Exception as err:
             exc = err
         try:
-            self._finish(w, started, t0, reading, exc)
+            self._finish(w, started, None, reading, exc)
         except Exception as err:  # a bug here must not stop the other targets
             self._log_once("scrape-finish", "scrape bookkeeping failed", error=repr(err))
 
@@ -398,12 +406,10 @@ class Agent:
                 )
             return body.decode("utf-8", errors="replace")
 
-    async def _scrape(
-        self, w: _Worker, started: float | None = None, t0: float | None = None
-    ) -> None:
+    async def _scrape(self, w: _Worker, started: float | None = None) -> None:
         """The general path of a scrape (connecting, https, name[] fallback)."""
         started = started or time.time()
-        t0 = t0 or time.perf_counter()
+        t0 = time.perf_counter()
         reading: EngineReading | None = None
         exc: Exception | None = None
         try:
@@ -422,7 +428,7 @@ class Agent:
         self,
         w: _Worker,
         started: float,
-        t0: float,
+        t0: float | None,
         reading: EngineReading | None,
         exc: BaseException | None,
     ) -> WorkerLoad:
@@ -435,7 +441,7 @@ class Agent:
             try:
                 load = self._load_from(w, reading, started)
                 typ = self._typicals(w, reading)
-                _SCRAPES_OK.inc()
+                self._ok_count += 1  # added to the counter once per tick
             except Exception as err:
                 load, exc = None, err
         if load is None:
@@ -458,7 +464,8 @@ class Agent:
                 error=text[:500],
                 gpus=self._gpus_for(t.worker_id),
             )
-        exporter.SCRAPE_SECONDS.observe(time.perf_counter() - t0)
+        if t0 is not None:  # (a polled answer is read at the next tick: latency unknown)
+            exporter.SCRAPE_SECONDS.observe(time.perf_counter() - t0)
         w.last = load
         self._remember(w, load, typ)
         self._outbox.append(load)
@@ -466,10 +473,17 @@ class Agent:
 
     async def _flush_outbox(self) -> None:
         out, self._outbox = self._outbox, []
-        subjects = self.bus.subjects
+        if self._ok_count:
+            _SCRAPES_OK.inc(self._ok_count)
+            self._ok_count = 0
+        subjects = self._subjects
+        publish = self.bus.client.publish
         for load in out:
             try:
-                await self.bus.publish(subjects.telemetry(load.worker_id), load)
+                subject = subjects.get(load.worker_id)
+                if subject is None:
+                    subject = subjects[load.worker_id] = self.bus.subjects.telemetry(load.worker_id)
+                await publish(subject, encode(load))
                 self.published += 1
             except Exception as exc:
                 _raise_if_cancelling()

@@ -29,9 +29,11 @@ from services.common.schemas import Alert, GpuSample
 SOURCE = "telemetry"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Observation:
-    """One worker sample as detectors see it (WorkerLoad plus what the agent knows)."""
+    """One worker sample as detectors see it (WorkerLoad plus what the agent knows).
+    Never modified once made (not ``frozen``: a frozen dataclass costs ~4x as much to build,
+    and the agent builds 640 a second)."""
 
     ts: float
     stale: bool = False

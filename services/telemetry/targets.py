@@ -107,12 +107,20 @@ class GpuAssignment:
     """GPU index -> workers it serves (a GPU may serve several small workers)."""
 
     by_gpu: dict[int, list[str]] = field(default_factory=dict)
+    # worker -> its GPU indices, sorted (built on first use; by_gpu is not changed after)
+    _by_worker: dict[str, list[int]] | None = field(default=None, repr=False, compare=False)
 
     def workers_of(self, gpu: int) -> list[str]:
         return self.by_gpu.get(gpu, [])
 
     def gpus_of(self, worker: str) -> list[int]:
-        return sorted(g for g, ws in self.by_gpu.items() if worker in ws)
+        if self._by_worker is None:
+            by: dict[str, list[int]] = {}
+            for g in sorted(self.by_gpu):
+                for w in self.by_gpu[g]:
+                    by.setdefault(w, []).append(g)
+            self._by_worker = by
+        return self._by_worker.get(worker, [])
 
 
 def assign_gpus(
