@@ -182,3 +182,20 @@ def test_capacity_from_vllm_metrics() -> None:
     )
     caps = parse_vllm_capacity(text)
     assert caps["block_size"] == 32 and caps["num_gpu_blocks"] == 2048
+
+
+def test_lora_adapters_from_the_engines_model_list() -> None:
+    from services.kv_indexer.bridges.runtime import lora_names
+
+    # vLLM's /v1/models: the base model, then each adapter with the base as its parent
+    models = {
+        "object": "list",
+        "data": [
+            {"id": "llama", "root": "/models/llama", "parent": None},
+            {"id": "sql-lora", "root": "/loras/sql", "parent": "llama"},
+            {"id": "chat-lora", "root": "/loras/chat", "parent": "llama"},
+        ],
+    }
+    assert lora_names(models) == ("chat-lora", "sql-lora")
+    for bad in (None, [], {"data": "x"}, {"data": [1, {"parent": "llama"}]}):
+        assert lora_names(bad) == ()

@@ -181,3 +181,44 @@ async def test_sim_worker_crash_mid_stream_migrates(nats_url, subjects, bus: Bus
         assert M.MIGRATIONS.labels("completed")._value.get() == before + 1
     finally:
         await shutdown(("router", router.stop()), ("sims", sims.stop()), each_s=10)
+
+
+async def test_lora_requests_route_with_the_adapters_key_space(
+    nats_url, subjects, bus: Bus
+) -> None:
+    """A worker serving LoRA adapter ``ad-1`` says so in its heartbeats; the router then
+    routes ``model: ad-1`` to it and keys the prompt with the adapter's seed, so it predicts
+    the cache hits the engine will have (and none for the same prompt on the base model)."""
+    sims = await SimCluster(nats_url, subjects, 1, lora_modules="ad-1").start()
+    indexer = await Indexer(nats_url, subjects).start()
+    router = await RouterProc(nats_url, subjects, policy="kv_aware").start()
+    prompt = "Translate to French, keep the tone. " * 16  # 576 bytes = 36 full blocks
+    try:
+        await router.wait_workers(1, timeout=20)
+        r = router.router
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            async with s.get(router.url + "/v1/models") as resp:
+                assert {m["id"] for m in (await resp.json())["data"]} == {"m", "ad-1"}
+            body = {"model": "ad-1", "prompt": prompt, "max_tokens": 2}
+            async with s.post(router.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                worker = resp.headers["x-kvgate-worker"]
+                await resp.read()
+            await wait_until(
+                lambda: r.index_source.index.blocks_of(worker) >= 36, what="kv events indexed"
+            )
+            for model, expect in (("ad-1", 36 * 16), ("m", 0)):
+                q = {"model": model, "prompt": prompt + " more"}
+                async with s.get(router.url + "/debug/route", json=q) as resp:
+                    d = await resp.json()
+                assert d["worker"] == worker, d
+                assert d["predicted_cached_tokens"] == expect, (model, d)
+            # and the engine agrees: the second adapter request is served from its cache
+            body = {"model": "ad-1", "prompt": prompt + " more", "max_tokens": 2}
+            async with s.post(router.url + "/v1/completions", json=body) as resp:
+                usage = (await resp.json())["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 36 * 16
+    finally:
+        await shutdown(
+            ("router", router.stop()), ("indexer", indexer.stop()), ("sims", sims.stop()), each_s=10
+        )

@@ -111,6 +111,9 @@ class WorkerHeartbeat(Message):
     kv_seq: Annotated[int, Meta(ge=-1)] = -1
     kv_events: bool = True
     ts: float = 0.0
+    # LoRA adapters the engine serves: a request whose ``model`` names one runs on it, and
+    # its blocks are keyed with the adapter's seed (services.common.keys.block_seed)
+    loras: Annotated[tuple[str, ...], Meta(max_length=1024)] = ()
 
 
 class WorkerControl(Message):

@@ -99,7 +99,10 @@ class Router:
         self.index_source = index_source if index_source is not None else make_index_source(bus)
         self.policies = PolicySet(build_policy(parse_policy_option(st.policy)))
         self.parser = RequestParser(
-            load_tokenizer(st.tokenizer), st.hash_seed, st.default_max_tokens
+            load_tokenizer(st.tokenizer),
+            st.hash_seed,
+            st.default_max_tokens,
+            is_lora=self.state.is_lora,
         )
         self.breakers: dict[str, Breaker] = {}
         self.queue_len = 0

@@ -73,22 +73,26 @@ class ClusterState:
         self._breaker_open: set[str] = set()
         self.snapshot = ClusterSnapshot(self.states)
         self.block_sizes: set[int] = set()
+        self.lora_names: frozenset[str] = frozenset()  # adapters any known worker serves
 
     # ------------------------------------------------------------------ inputs
     def on_heartbeat(self, hb: WorkerHeartbeat, now: float) -> bool:
         """Returns True when the worker is new or came back (capacity may have changed)."""
         e = self._entries.get(hb.worker_id)
         new = e is None or now - e.seen > self.worker_timeout
+        old_loras = e.hb.loras if e is not None else ()
         if e is None:
             e = self._entries[hb.worker_id] = _Entry(hb, now)
             self._local.setdefault(hb.worker_id, _Local())
             self._tickets.setdefault(hb.worker_id, [])
         e.hb, e.seen = hb, now
+        if hb.loras != old_loras:
+            self._refresh_loras()
         c = hb.capacity
         s = self.states.get(hb.worker_id)
         if s is None:
             s = self.states[hb.worker_id] = WorkerState(hb.worker_id)
-        s.model, s.url = hb.model, hb.url.rstrip("/")
+        s.model, s.url, s.loras = hb.model, hb.url.rstrip("/"), hb.loras
         s.capacity = Capacity(c.block_size, c.num_gpu_blocks, c.max_num_seqs, c.max_model_len)
         self.block_sizes = {x.capacity.block_size for x in self.states.values()}
         self._refresh(hb.worker_id, now)
@@ -147,6 +151,7 @@ class ClusterState:
                 del self._entries[wid]
                 self.states.pop(wid, None)
                 self.block_sizes = {x.capacity.block_size for x in self.states.values()}
+                self._refresh_loras()
                 changed = True
                 continue
             before = (self.states[wid].healthy, self.states[wid].telemetry_stale)
@@ -213,11 +218,20 @@ class ClusterState:
     def routable_count(self) -> int:
         return sum(1 for s in self.states.values() if s.routable)
 
+    def _refresh_loras(self) -> None:
+        self.lora_names = frozenset(x for e in self._entries.values() for x in e.hb.loras)
+
+    def is_lora(self, model: str) -> bool:
+        """Does ``model`` name a LoRA adapter some worker serves (its prompt keys then use
+        the adapter's seed, as the engine's KV events do)?"""
+        return model in self.lora_names
+
     def models(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for s in self.states.values():
             if s.healthy:
-                out[s.model] = out.get(s.model, 0) + 1
+                for name in (s.model, *s.loras):
+                    out[name] = out.get(name, 0) + 1
         return out
 
     def heartbeat_of(self, worker_id: str) -> WorkerHeartbeat | None:

@@ -8,6 +8,7 @@ Prompts longer than ``offload_chars`` are tokenized in a thread, off the event l
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +48,16 @@ class RequestParser:
         hash_seed: int = 0,
         default_max_tokens: int = 256,
         offload_chars: int = 32_768,
+        is_lora: Callable[[str], bool] | None = None,
     ) -> None:
+        """``is_lora(model)``: whether a request's ``model`` selects a LoRA adapter (the
+        router's cluster state answers from heartbeats); such prompts are keyed with the
+        adapter's seed, like the engine keys the blocks it stores for them."""
         self.tokenizer = tokenizer
         self.hash_seed = hash_seed
         self.default_max_tokens = default_max_tokens
         self.offload_chars = offload_chars
+        self.is_lora = is_lora
 
     async def parse(self, body: Any, chat: bool) -> Parsed:
         if not isinstance(body, dict):
@@ -72,7 +78,8 @@ class RequestParser:
         else:
             ids = self.tokenizer.encode(prompt)
         salt = body.get("cache_salt")
-        seed = block_seed(self.hash_seed, None, salt if isinstance(salt, str) else None)
+        lora = model if model and self.is_lora is not None and self.is_lora(model) else None
+        seed = block_seed(self.hash_seed, lora, salt if isinstance(salt, str) else None)
         return Parsed(
             body=body,
             chat=chat,

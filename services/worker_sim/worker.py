@@ -242,6 +242,7 @@ class SimWorker:
             kv_seq=self.kv_seq_done,
             kv_events=True,
             ts=time.time(),
+            loras=tuple(self.settings.loras),
         )
 
     @property

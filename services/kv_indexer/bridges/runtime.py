@@ -58,6 +58,21 @@ class CapacityDefaults:
     max_model_len: int = 8192
 
 
+def lora_names(models: object) -> tuple[str, ...]:
+    """LoRA adapters in an OpenAI ``/v1/models`` answer: vLLM (and the simulated worker) list
+    each adapter as a model whose ``parent`` is the base model."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        return ()
+    return tuple(
+        sorted(
+            m["id"]
+            for m in data
+            if isinstance(m, dict) and m.get("parent") and isinstance(m.get("id"), str)
+        )
+    )[:1024]
+
+
 def parse_vllm_capacity(metrics_text: str) -> dict[str, int]:
     """``vllm:cache_config_info`` labels (block_size, num_gpu_blocks, ...) as ints."""
     out: dict[str, int] = {}
@@ -88,6 +103,7 @@ class BridgeRuntime:
         self.worker_id = worker_id
         self.engine = engine
         self.model = model
+        self.loras: tuple[str, ...] = ()  # from the engine's /v1/models (probe_engine)
         self.engine_url = engine_url.rstrip("/")
         self.heartbeat_s = heartbeat_s
         self.defaults = capacity or CapacityDefaults()
@@ -217,6 +233,10 @@ class BridgeRuntime:
                 if r.status == 200:
                     caps = parse_vllm_capacity(await r.text())
                     self._engine_caps.update(caps)
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            async with s.get(f"{self.engine_url}/v1/models") as r:
+                if r.status == 200:
+                    self.loras = lora_names(await r.json())
         if self.engine == "sglang" and "block_size" not in self._engine_caps:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
                 async with s.get(f"{self.engine_url}/get_server_info") as r:
@@ -256,6 +276,7 @@ class BridgeRuntime:
             engine=self.engine,
             kv_seq=self.out_seq,
             ts=time.time(),
+            loras=self.loras,
         )
 
     async def _heartbeat_loop(self) -> None:

@@ -1,7 +1,8 @@
 """Filters: which workers may take a request. Each records why it excluded a worker.
 
 - :func:`routable_for_model`: healthy, not cordoned / draining, circuit closed, serves the model
-  (an empty request model matches every worker).
+  as its base model or as one of its LoRA adapters (an empty request model matches every
+  worker).
 - :func:`could_ever_fit`: ``blocks_needed(prompt, max_tokens) <= num_gpu_blocks`` and
   ``prompt + max_tokens <= max_model_len`` (seed 003: cache must hold prompt + generation).
 - :func:`can_take_now`: in-flight below the policy's cap, and the uncached part of the request
@@ -21,7 +22,7 @@ def routable_for_model(
 ) -> list[WorkerState]:
     out = []
     for w in workers:
-        if model and w.model != model:
+        if model and w.model != model and model not in w.loras:
             filtered[w.worker_id] = f"serves {w.model!r}"
         elif not w.healthy:
             filtered[w.worker_id] = "unhealthy"

@@ -36,6 +36,7 @@ class WorkerState:
     worker_id: str
     model: str = ""
     url: str = ""
+    loras: tuple[str, ...] = ()  # LoRA adapters it serves (request ``model`` names)
     capacity: Capacity = field(default_factory=Capacity)
     healthy: bool = True
     cordoned: bool = False
