@@ -229,6 +229,66 @@ async def test_heartbeat_discovery_uses_capacity(bus: Bus) -> None:
             await agent.stop()
 
 
+def heartbeat(worker: str, url: str) -> WorkerHeartbeat:
+    return WorkerHeartbeat(
+        worker_id=worker,
+        instance_id=uuid.uuid4().hex[:8],
+        url=url,
+        model="m",
+        engine="vllm",
+        capacity=WorkerCapacity(
+            block_size=16, num_gpu_blocks=160, max_num_seqs=64, max_model_len=4096
+        ),
+    )
+
+
+@pytest.mark.parametrize("how", ["globs", "local_only"])
+async def test_worker_filter_leaves_other_workers_to_their_agents(bus: Bus, how: str) -> None:
+    """With one agent per node, an agent scrapes only the discovered workers it is given
+    (worker-id globs) or whose engine runs on its own node; static targets always."""
+    async with endpoint(vllm_text(2, 0, 0.1)) as mine, endpoint(vllm_text(7, 0, 0.1)) as other:
+        q = await collect(bus, bus.subjects.telemetry("node1-a"), WorkerLoad)
+        if how == "globs":
+            kw: dict = {"workers": ("node1-*", "static-x")}
+            other_url = other.url  # served here, but its id does not match
+        else:
+            kw = {"local_only": True}
+            other_url = f"http://198.51.100.7:{other.port}"  # an address of another node
+        agent = await start_agent(
+            bus, use_nvml=False, static_targets=parse_targets(f"st={mine.url}@vllm"), **kw
+        )
+        try:
+            # the other node's worker heartbeats first: by the time the own worker's first
+            # sample arrives (same publisher, ordered), its heartbeat has been handled too
+            await bus.publish(bus.subjects.heartbeat("node2-b"), heartbeat("node2-b", other_url))
+            await bus.publish(bus.subjects.heartbeat("node1-a"), heartbeat("node1-a", mine.url))
+            load = await next_matching(q, lambda m: not m.stale)
+            assert load.running == 2
+            assert set(agent.workers) == {"st", "node1-a"}  # static target kept
+            assert other.hits == 0
+            # a later heartbeat of the skipped worker does not add it either (the handler,
+            # called directly: nothing to wait for)
+            await agent._on_heartbeat(heartbeat("node2-b", other_url), None)
+            assert "node2-b" not in agent.workers and other.hits == 0
+        finally:
+            await agent.stop()
+
+
+def test_worker_filter_settings() -> None:
+    import argparse
+
+    from services.common import settings as S
+    from services.telemetry.cli import OPTIONS, add_arguments, agent_config
+
+    env = {"KVGATE_TELEMETRY_WORKERS": "node1-*, gpu-a", "KVGATE_TELEMETRY_LOCAL_ONLY": "true"}
+    cfg = agent_config(S.resolve(None, OPTIONS, env))
+    assert cfg.workers == ("node1-*", "gpu-a") and cfg.local_only is True
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = agent_config(S.resolve(parser.parse_args(["--workers", "x-?"]), OPTIONS, {}))
+    assert cfg.workers == ("x-?",) and cfg.local_only is False
+
+
 async def test_seed_001_trtllm_raises_kv_starved_alert_then_resolves(bus: Bus) -> None:
     """8 active, 1 scheduled, KV blocks nearly all used: alert with the TRT-LLM remedy,
     read back from NATS; once the batch schedules again the alert resolves."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import threading
 import time
 from collections import deque
@@ -76,6 +77,9 @@ class AgentConfig:
     min_observed_requests: int = 8
     use_nvml: bool = True
     filter_query: bool = True  # ask vLLM/SGLang/sim for only the needed series (name[]=...)
+    # which heartbeat-discovered workers this agent scrapes (static targets always are):
+    workers: tuple[str, ...] = ()  # fnmatch globs on the worker id; empty: every worker
+    local_only: bool = False  # only workers whose engine URL's host is an address of this node
 
 
 @dataclass
@@ -126,6 +130,7 @@ class Agent:
         self._outbox: list[WorkerLoad] = []
         self._ok_count = 0  # successful scrapes not yet added to the Prometheus counter
         self._subjects: dict[str, str] = {}  # worker -> telemetry subject
+        self._skipped: set[str] = set()  # discovered workers left to other agents
         self.ticks = 0
         self.published = 0
         self.alerts_sent: list[Alert] = []  # last transitions (bounded), for /health and tests
@@ -202,6 +207,8 @@ class Agent:
     async def _on_heartbeat(self, hb: WorkerHeartbeat, _raw: Msg) -> None:
         w = self.workers.get(hb.worker_id)
         if w is None:
+            if hb.worker_id in self._skipped:
+                return
             try:
                 url = metrics_url(hb.url)
             except ValueError as exc:
@@ -211,6 +218,12 @@ class Agent:
                     worker=hb.worker_id,
                     error=str(exc),
                 )
+                return
+            why = await self._not_ours(hb.worker_id, url)
+            if why:
+                # decided once per worker id (an engine does not move between nodes)
+                self._skipped.add(hb.worker_id)
+                log.info("worker not scraped by this agent", worker=hb.worker_id, reason=why)
                 return
             w = self.workers[hb.worker_id] = _Worker(
                 target=Target(worker_id=hb.worker_id, url=url, engine=_engine_name(hb.engine))
@@ -224,6 +237,18 @@ class Agent:
         t.capacity = hb.capacity
         t.kv_events_declared = hb.kv_events
         t.last_heartbeat = time.time()
+
+    async def _not_ours(self, worker: str, url: str) -> str:
+        """Why a discovered worker is left to other agents ('' when this agent scrapes it):
+        not matched by ``workers`` globs, or (``local_only``) its engine is on another node."""
+        globs = self.cfg.workers
+        if globs and not any(fnmatch.fnmatchcase(worker, g) for g in globs):
+            return "not in --workers"
+        if self.cfg.local_only:
+            host = urlsplit(url).hostname or ""
+            if not await asyncio.to_thread(procmap.is_local_host, host):
+                return f"engine host {host} is not this node (--local-only)"
+        return ""
 
     async def _on_kv_event(self, msg: Msg) -> None:
         worker = msg.subject.rsplit(".", 1)[-1]
@@ -240,19 +265,22 @@ class Agent:
     # ------------------------------------------------------------------ sampling
     async def _tick_loop(self) -> None:
         """One wake-up per tick: read the answers to the previous tick's requests, send the
-        next requests, publish the finished samples in one burst, kick the GPU thread."""
+        next requests, publish the finished samples in one burst, then kick the GPU thread
+        (whose samples the next tick's records carry)."""
         loop = asyncio.get_running_loop()
         interval = self.cfg.interval_s
         next_at = loop.time()
         while not self._stopping:
             self.ticks += 1
-            if self._gpu_thread is not None:
-                self._gpu_thread.kick()
             try:
                 self._scrape_tick()
             except Exception as exc:  # a bug must not stop sampling for good
                 self._log_once("tick", "scrape tick failed", error=repr(exc))
             await self._flush_outbox()
+            if self._gpu_thread is not None:
+                # after this tick's work, not during it: two threads running Python at once
+                # hand the GIL back and forth at every socket call (each one a context switch)
+                self._gpu_thread.kick()
             next_at += interval
             delay = next_at - loop.time()
             if delay < 0:  # fell behind (overloaded host): skip missed ticks, do not burst

@@ -55,6 +55,20 @@ OPTIONS = S.COMMON + (
         "engine pid per worker, matched against NVML's running processes: 'worker-a=4242'",
         env=_env("pid_map"),
     ),
+    S.option(
+        "workers",
+        "",
+        "heartbeat-discovered workers this agent scrapes: worker-id globs, comma-separated "
+        "(e.g. 'node7-*,gpu-a'); empty: all (static --targets are always scraped)",
+        env=_env("workers"),
+    ),
+    S.option(
+        "local_only",
+        False,
+        "scrape only heartbeat-discovered workers whose engine URL's host is this node "
+        "(one agent per GPU node)",
+        env=_env("local_only"),
+    ),
     S.option("nvml", True, "collect GPU metrics through NVML", env=_env("nvml")),
     S.option(
         "gpu_slow_every",
@@ -142,6 +156,8 @@ def agent_config(st: Any) -> Any:
             typical_prompt_tokens=st.typical_prompt_tokens,
             max_new_tokens=st.max_new_tokens,
             use_nvml=st.nvml,
+            workers=tuple(g for g in st.workers.replace(" ", ",").split(",") if g),
+            local_only=st.local_only,
         )
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"telemetry: {exc}") from exc

@@ -2,6 +2,7 @@
 
 - :func:`listening_pids` finds the processes with a listening TCP socket on a port.
 - :func:`with_descendants` adds every descendant (vLLM runs its GPU work in a child process).
+- :func:`is_local_host` tells whether a host name or address is this node (``--local-only``).
 
 Both are best effort and bounded: a /proc entry that vanishes or is unreadable (another
 user's process) is skipped, never an error.
@@ -10,6 +11,7 @@ user's process) is skipped, never an error.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -79,3 +81,27 @@ def with_descendants(pids: set[int]) -> set[int]:
                 out.add(child)
                 stack.append(child)
     return out
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this node: a loopback name or address, or
+    an address assigned to one of its interfaces -- tested by binding a UDP socket to it,
+    which the kernel allows only for local addresses. Blocking (name resolution): call it
+    off the event loop. An unresolvable host is not local."""
+    if host in ("localhost", "") or host == socket.gethostname():
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        ip = addr[0]
+        if ip.startswith("127.") or ip == "::1":
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.bind((ip, 0) if family == socket.AF_INET else (ip, 0, 0, addr[3]))
+        except OSError:
+            continue
+        return True
+    return False
