@@ -1,48 +1,65 @@
 """``kv_aware`` (default): lowest estimated time to first token, in prefill-token equivalents.
 
-    cost(w) = pending_prefill(w)              # uncached prompt tokens queued ahead (all routers)
-            + uncached_weight * uncached(w)   # this prompt minus the prefix w already holds
+    cost(w) = queued_prefill(w)               # prompt tokens still to compute ahead (all routers)
+            + uncached_weight * uncached(w)   # this prompt minus the prefix w holds (or will)
             + decode_weight * inflight(w)     # each running sequence slows every step
             + kv_pressure_weight * kv_usage(w)
 
-``inflight`` and ``pending_prefill`` are the snapshot's global figures (every router replica).
+``inflight`` is the snapshot's global figure (every router replica).
+
+**Prefill clock.** ``pending_prefill_tokens`` (the router's count of uncached prompt tokens of
+requests without a first token) drops only at the first token, so a worker that is 90% through
+a 2 s cold prefill looks as busy as one that just started it. With a clock (``snapshot.now``,
+which the live router fills with its monotonic time and the simulator with virtual time) the
+policy keeps, per worker, a FIFO of the prefills *it* sent (:class:`PrefillClock`), learns the
+engines' prefill speed (seconds per computed token) from their first tokens
+(``WorkerState.first_token_at``), and counts as ``queued_prefill`` only what is left to compute
+(each queued prefill starts when the one before it ends and takes ``progress_slack`` x the
+learned time), plus other routers' queued tokens as they are. It also counts a request that
+follows a prefix this policy just sent to that worker as its real (short) compute, not the
+whole prompt the index did not yet know there. Without a clock nothing is learned and the
+queue counts in full.
 
 Seed 000 (one shared system prompt): pure prefix affinity sends everything to the first holder.
 Here the holder wins only while its extra queue is smaller than the prefill it saves, and the
 **hot-prefix rule** spreads a prefix whose holders are the bottleneck. A request is *hot* when
 it matches at least ``hot_min_blocks`` blocks; its *holders* are the candidates with the longest
-match. Every decision attributes one unit of demand to the holders of its prefix (split evenly)
-over the last ``demand_window`` decisions, so a holder's *demand share* is the fraction of
-recent traffic that wanted a prefix it holds (no block keys needed). The prefix is spread when
+match (in the index). Over the last ``demand_window`` decisions the policy counts
 
-- the least-loaded holder's demand share exceeds ``hot_share`` x its fair share (1 / number of
-  candidates) **and** it has ``spread_margin`` or more requests in flight than the least-loaded
-  candidate (the holders carry more than their share of traffic *and* are busier), or
-- the least-loaded holder has ``overload_margin`` or more requests in flight than the least-loaded
-  candidate, whatever the demand (absolute overload).
+- per prefix (identified by its deepest matched block key, when requests carry keys) the
+  fraction of decisions that wanted it: ``fraction x N`` is how many workers' worth of traffic
+  it draws. The prefix is spread when that exceeds its holders by more than ``hot_margin`` and
+  the least-loaded holder has ``spread_margin`` or more requests in flight than the least-loaded
+  candidate: one shared prompt (all the traffic) goes to every worker, a group with 1/32 of the
+  traffic stays on its one holder and keeps its hits;
+- per worker, the fraction of decisions that wanted a prefix it holds (``hot_share`` x its fair
+  share 1/N = busy holder): with keys, a busy holder's prefix is spread only at
+  ``balance_margin`` requests of excess (copies cost hits; balancing pays only then); without
+  keys this is the only view of demand and applies at ``spread_margin``;
+- and any prefix is spread when its least-loaded holder has ``overload_margin`` or more requests
+  in flight than the least-loaded candidate.
 
 Spreading credits every non-holder with ``spread_credit`` of the prefix (it will hold it after
-this request), so the least-loaded one takes the request at once and becomes a holder; the
-number of holders therefore grows until each carries about ``hot_share`` / N of the traffic:
-one shared system prompt ends up on every worker within a few requests, while with many
-prefix groups (each a small share of traffic) a group stays on its worker and keeps its hits.
-New prefixes (no match) go to the least-loaded worker by the cost formula.
+this request), so the least-loaded one takes the request at once and becomes a holder. New
+prefixes (no match) go to the least-loaded worker by the cost formula.
 
 ``uncached_weight`` (default 2) counts this request's uncached prompt tokens twice: leaving a
-holder costs the copy's compute *and* splits the prefix's later hits, so a holder keeps its
-prefix until its extra queue exceeds twice the prefill the prefix saves. Ties (e.g. workers all
+holder costs the copy's compute *and* splits the prefix's later hits. Ties (e.g. workers all
 computing the same cold prefix) go to the worker whose queued prefill is oldest.
 
 ``routed_ttl`` (256 decisions; 0 = off): when the request carries its block keys (the live
-router and the simulator pass them while this is > 0), the costs also credit where this policy
-*sent* the same prefix within the last ``routed_ttl`` decisions, so the second request of a
-new prefix group follows the first before the first's KV events reach the index (what
-sglang-router's approximate tree does). The hot-prefix rule itself looks at the index only.
-The per-worker cap (``max_inflight``, default max_num_seqs) is enforced by admission.
+router and the simulator pass them while this is > 0), the costs also credit every worker this
+policy *sent* the same prefix to within the last ``routed_ttl`` decisions, so the second request
+of a new prefix group follows the first before the first's KV events reach the index (what
+sglang-router's approximate tree does), and requests of a prefix being spread may go to a new
+holder still computing it (the clock says when it will be done). The hot-prefix rule itself
+looks at the index only. The per-worker cap (``max_inflight``, default max_num_seqs) is enforced
+by admission.
 
-Invariant: state lives only in :class:`PolicyState` (``extra["kv_aware_*"]``: demand window,
-decision tick, busy-since ticks, routed-prefix memory), updated by :meth:`costs` / :meth:`pick`
-deterministically from their inputs, so the same inputs give the same decisions.
+Invariant: state lives only in :class:`PolicyState` (``now`` and ``extra["kv_aware_*"]``:
+demand windows, decision tick, busy-since ticks, routed-prefix memory, prefill clock), updated
+by :meth:`costs` / :meth:`pick` deterministically from their inputs, so the same inputs give
+the same decisions.
 """
 
 from __future__ import annotations
@@ -142,11 +159,12 @@ class PrefillClock:
     ``first_token_at``) teaches ``spt``, seconds per computed prompt token (exponentially
     weighted; only batches of ``min_tokens`` or more, where per-step overheads are small).
 
-    :meth:`progress` is the part of the FIFO's ``pending`` that the engine has probably computed
-    by ``now`` (each entry starts when the one before it ends, at ``spt`` per token): a worker
-    whose cold prefill is almost done is almost free, which ``pending_prefill_tokens`` (it drops
-    only at the first token) cannot tell. Invariant: ``own[w]`` = sum of ``fifo[w]``'s pending;
-    without a clock (``now`` always 0) no sample is ever taken and progress is 0.
+    :meth:`queued` is what is left to compute at ``now`` (each entry starts when the one before
+    it ends and takes ``slack`` x ``spt`` per token), plus other routers' part of the worker's
+    ``pending_prefill_tokens``: a worker whose cold prefill is almost done is almost free, which
+    ``pending_prefill_tokens`` (it drops only at the first token) cannot tell. Invariant:
+    ``own[w]`` = sum of ``fifo[w]``'s pending; without a clock (``now`` always 0) no sample is
+    ever taken, ``spt`` stays None and every entry counts in full.
     """
 
     min_tokens: int
