@@ -80,6 +80,14 @@ def _fresh(window: Sequence[Observation]) -> list[Observation]:
     return [o for o in window if not o.stale]
 
 
+def _last_fresh(window: Sequence[Observation]) -> Observation | None:
+    """The newest sample that carries values (scanning back from the end, not the window)."""
+    for o in reversed(window):
+        if not o.stale:
+            return o
+    return None
+
+
 def _covered(window: Sequence[Observation], now: float, span: float, coverage: float) -> bool:
     """The window reaches back at least ``coverage * span`` seconds."""
     return bool(window) and now - window[0].ts >= coverage * span
@@ -155,10 +163,20 @@ class KvStarved:
         obs = _fresh(_in(window, now, self.window_s))
         if not obs:
             return None
-        hits = [o for o in obs if self._holds(o)]
-        if len(hits) < self.min_fraction * len(obs):
+        # stop at the first sample too many that does not hold (a healthy worker: after ~20%)
+        allowed = len(obs) - self.min_fraction * len(obs)
+        misses = 0
+        last = None
+        for o in obs:
+            if self._holds(o):
+                last = o
+            else:
+                misses += 1
+                if misses > allowed:
+                    return None
+        if last is None:
             return None
-        o = hits[-1]
+        o = last
         active, batch = o.active or 0, o.in_batch or 0
         cap = o.kv_capacity_tokens
         per_req = None
@@ -249,10 +267,9 @@ class KvCapacityConfig:
     margin: float = 1.0  # required capacity = margin x batch x (prompt + new)
 
     def check(self, worker: str, window: Sequence[Observation], now: float) -> Finding | None:
-        obs = _fresh(window)
-        if not obs:
+        o = _last_fresh(window)
+        if o is None:
             return None
-        o = obs[-1]
         cap, mb = o.kv_capacity_tokens, o.max_batch
         p, n = o.typical_prompt_tokens, o.typical_new_tokens
         if cap is None or not mb or p is None or n is None:
@@ -403,8 +420,8 @@ class StaleTelemetry:
     def check(self, worker: str, window: Sequence[Observation], now: float) -> Finding | None:
         if not window or not window[-1].stale:
             return None
-        fresh = _fresh(window)
-        since = fresh[-1].ts if fresh else window[0].ts
+        fresh = _last_fresh(window)
+        since = fresh.ts if fresh else window[0].ts
         if now - since < self.after_s:
             return None
         last = window[-1]

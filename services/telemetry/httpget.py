@@ -80,7 +80,27 @@ class Response:
             if len(view) > MAX_HEADER:
                 raise HttpError("http", "response header too large")
             return False
-        lines = bytes(view[:end]).decode("latin-1").split("\r\n")
+        head = bytes(view[:end])
+        if head.startswith(b"HTTP/1.1 "):  # the usual answer: a few C-level searches
+            low = head.lower()
+            i = low.find(b"\r\ncontent-length:")
+            if i > 0 and b"\r\ntransfer-encoding:" not in low and b"\r\nconnection:" not in low:
+                j = low.find(b"\r\n", i + 17)
+                try:
+                    self.status = int(head[9:12])
+                    self.length = int(low[i + 17 : j if j > 0 else len(low)])
+                except ValueError:
+                    pass  # the general parser below says what is wrong
+                else:
+                    if self.length < 0:
+                        raise HttpError("http", "bad Content-Length")
+                    self.keep_alive = True
+                    self.body_start = end + 4
+                    if self.length > self.max_body:
+                        raise HttpError("too_large", f"metrics body over {self.max_body} bytes")
+                    return True
+                self.length = None
+        lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ", 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
             raise HttpError("http", f"not an HTTP/1.x response: {lines[0][:80]!r}")
