@@ -371,6 +371,35 @@ async def test_name_filter_is_used_where_honoured_and_dropped_where_not(
             await agent.stop()
 
 
+async def test_slow_series_are_asked_for_every_nth_scrape_and_carried(bus: Bus) -> None:
+    """Engine configuration and request-length histograms are asked for on every Nth scrape
+    only; every record still carries what they say, and a change reaches the records."""
+    async with endpoint(vllm_text(5, 1, 0.5, blocks=160, block_size=16, prompt=(900, 9))) as ep:
+        ep.name_filter = "prometheus"
+        q = await collect(bus, bus.subjects.telemetry("slow"), WorkerLoad)
+        agent = await start_agent(
+            bus,
+            use_nvml=False,
+            static_targets=parse_targets(f"slow={ep.url}@vllm"),
+            engine_slow_every=3,
+        )
+        try:
+            for _ in range(8):
+                load = await next_matching(q, lambda m: not m.stale)
+                assert (load.running, load.waiting, load.kv_usage) == (5, 1, 0.5)
+                assert (load.kv_capacity_tokens, load.tokens_per_block) == (2560, 16)
+                assert (load.kv_blocks_total, load.kv_blocks_free) == (160, 80)
+                assert load.prefix_caching is True
+            fast = [x for x in ep.queries if "cache_config_info" not in x]
+            assert fast and "num_requests_running" in fast[0]
+            assert len(fast) >= len(ep.queries) / 2  # most scrapes ask for the fast ones only
+            ep.text = vllm_text(5, 1, 0.25, blocks=320, block_size=16)
+            load = await next_matching(q, lambda m: m.kv_capacity_tokens == 5120)
+            assert (load.kv_blocks_total, load.kv_blocks_free, load.kv_usage) == (320, 240, 0.25)
+        finally:
+            await agent.stop()
+
+
 async def test_stop_completes_even_if_a_library_swallows_the_cancellation(
     bus: Bus, unused_port: int, monkeypatch
 ) -> None:

@@ -47,7 +47,7 @@ from services.common.streams import ensure_alert_streams, raise_alert
 
 from . import exporter, procmap
 from .detectors import DetectorSet, Observation, build_rules
-from .engines import EngineReading, filter_query, parse_metrics
+from .engines import EngineReading, carry_slow, filter_query, parse_metrics
 from .httpget import Conn, HttpError, request_bytes
 from .nvml import GpuCollector, open_collector
 from .targets import GpuAssignment, Target, assign_gpus, metrics_url
@@ -77,6 +77,7 @@ class AgentConfig:
     min_observed_requests: int = 8
     use_nvml: bool = True
     filter_query: bool = True  # ask vLLM/SGLang/sim for only the needed series (name[]=...)
+    engine_slow_every: int = 10  # ... and for the slow ones (config, histograms) every N scrapes
     # which heartbeat-discovered workers this agent scrapes (static targets always are):
     workers: tuple[str, ...] = ()  # fnmatch globs on the worker id; empty: every worker
     local_only: bool = False  # only workers whose engine URL's host is an address of this node
@@ -89,7 +90,10 @@ class _Worker:
     polled: bool = False  # ... and it is a polled request on ``conn`` (sent by a tick)
     conn: Conn | None = None  # kept-alive connection (http targets)
     started: float = 0.0  # the polled request: wall time sent (the sample's ts) ...
-    req_filtered: bool = False  # ... and whether it asked for name[]-filtered series
+    req_filtered: bool = False  # ... whether it asked for name[]-filtered series ...
+    req_fast: bool = False  # ... and for the fast-changing ones only
+    scrapes: int = 0  # scrapes started (the slow series are asked for every Nth)
+    slow_reading: EngineReading | None = None  # the last reading with the slow series
     requests: dict[str, bytes] = field(default_factory=dict)  # URL -> request bytes
     window: deque[Observation] = field(default_factory=deque)
     last: WorkerLoad | None = None
@@ -100,7 +104,7 @@ class _Worker:
     pids: set[int] = field(default_factory=set)
     filter_ok: bool = True  # the endpoint answers the name[] filter usefully
     detected: str | None = None  # engine seen in the last reading (when not configured)
-    filtered_url: tuple[str, str] = ("", "")  # (cache key, URL with the name[] filter)
+    urls: dict[tuple[str, str], str] = field(default_factory=dict)  # (url, query) -> URL
     # the last answer and its reading: an identical answer (an idle engine) is not parsed again
     last_answer: bytes = b""
     last_reading: EngineReading | None = None
@@ -131,6 +135,7 @@ class Agent:
         self._ok_count = 0  # successful scrapes not yet added to the Prometheus counter
         self._subjects: dict[str, str] = {}  # worker -> telemetry subject
         self._skipped: set[str] = set()  # discovered workers left to other agents
+        self._slow_every = max(1, config.engine_slow_every)
         self.ticks = 0
         self.published = 0
         self.alerts_sent: list[Alert] = []  # last transitions (bounded), for /health and tests
@@ -296,7 +301,7 @@ class Agent:
         targets and name[] fallbacks go through :meth:`_scrape` (a task)."""
         now, mono = time.time(), time.monotonic()
         timeout = self.cfg.scrape_timeout_s
-        done: list[tuple[_Worker, float, bool, Any]] = []
+        done: list[tuple[_Worker, float, bool, bool, Any]] = []
         for w in self.workers.values():
             if w.polled:
                 conn = w.conn
@@ -319,11 +324,11 @@ class Agent:
                     w.inflight = True
                     self._spawn(self._scrape(w, w.started), "scrape")
                     continue
-                done.append((w, w.started, w.req_filtered, res))
+                done.append((w, w.started, w.req_filtered, w.req_fast, res))
             if not w.inflight:
                 self._start(w, now, mono)
-        for w, started, filtered, res in done:
-            self._complete(w, started, filtered, res)
+        for w, started, filtered, fast, res in done:
+            self._complete(w, started, filtered, fast, res)
 
     def _start(self, w: _Worker, now: float, mono: float) -> None:
         """Start a scrape of ``w``: polled on its open connection where there is one, else
@@ -331,7 +336,7 @@ class Agent:
         w.inflight = True
         conn = w.conn
         if conn is not None and not conn.closed and self._slots.try_take():
-            url, filtered = self._scrape_url(w)
+            url, filtered, fast = self._scrape_url(w, w.scrapes % self._slow_every != 0)
             req = w.requests.get(url)
             if req is None and url.startswith("http://"):
                 req = w.requests[url] = request_bytes(url)[1]
@@ -342,12 +347,13 @@ class Agent:
                     pass  # closed by send(): reconnect in the task below
                 else:
                     w.polled = True
-                    w.started, w.req_filtered = now, filtered
+                    w.scrapes += 1
+                    w.started, w.req_filtered, w.req_fast = now, filtered, fast
                     return
             self._slots.give()
         self._spawn(self._scrape(w), "scrape")
 
-    def _complete(self, w: _Worker, started: float, filtered: bool, res: Any) -> None:
+    def _complete(self, w: _Worker, started: float, filtered: bool, fast: bool, res: Any) -> None:
         """A polled answer (``(status, body)`` or the error) -> the worker's sample."""
         reading: EngineReading | None = None
         exc: BaseException | None = None
@@ -370,6 +376,10 @@ class Agent:
                     # for everything (this answer is dropped, not published as an error)
                     self._drop_filter(w)
                     return
+                if not fast:
+                    w.slow_reading = reading
+                elif w.slow_reading is not None:
+                    carry_slow(reading, w.slow_reading)
                 w.last_answer, w.last_reading = body, reading
             w.detected = reading.source
         except Exception as err:
@@ -518,18 +528,23 @@ class Agent:
                 exporter.PUBLISH_ERRORS.inc()
                 self._log_once("publish", "telemetry publish failed", error=repr(exc))
 
-    def _scrape_url(self, w: _Worker) -> tuple[str, bool]:
-        """(URL to fetch, whether it carries the ``name[]`` filter)."""
+    def _scrape_url(self, w: _Worker, fast: bool = False) -> tuple[str, bool, bool]:
+        """(URL to fetch, whether it carries the ``name[]`` filter, whether it asks for the
+        fast-changing series only -- when ``fast`` is wanted, possible for the engine, and a
+        full reading to complete it with exists)."""
         t = w.target
-        query = (
-            filter_query(t.engine or w.detected) if self.cfg.filter_query and w.filter_ok else ""
-        )
+        if not (self.cfg.filter_query and w.filter_ok):
+            return t.url, False, False
+        engine = t.engine or w.detected
+        fast = fast and w.slow_reading is not None and bool(filter_query(engine, True))
+        query = filter_query(engine, fast)
         if not query:
-            return t.url, False
-        if w.filtered_url[0] != t.url + query:  # built once per (url, engine)
+            return t.url, False, False
+        url = w.urls.get((t.url, query))
+        if url is None:  # built once per (url, engine, variant)
             sep = "&" if "?" in t.url else "?"
-            w.filtered_url = (t.url + query, t.url + sep + query)
-        return w.filtered_url[1], True
+            url = w.urls[(t.url, query)] = t.url + sep + query
+        return url, True, fast
 
     def _drop_filter(self, w: _Worker) -> None:
         w.filter_ok = False
@@ -540,7 +555,7 @@ class Agent:
         engine's exposition supports it, and drops the filter for good for a target whose
         filtered answer holds none of them (an exposition that reads the query differently)."""
         t = w.target
-        url, filtered = self._scrape_url(w)
+        url, filtered, _ = self._scrape_url(w)
         text = await self._fetch(w, url)
         try:
             reading = parse_metrics(text, t.engine)
@@ -550,6 +565,7 @@ class Agent:
             self._drop_filter(w)
             reading = parse_metrics(await self._fetch(w, t.url), t.engine)
         w.detected = reading.source
+        w.slow_reading = reading
         return reading
 
     def _typicals(self, w: _Worker, r: EngineReading) -> tuple[float | None, float | None]:
