@@ -70,6 +70,24 @@ def test_overload_margin_spreads_any_prefix() -> None:
     assert d.worker_id != "w0", d.scores
 
 
+def test_overload_needs_a_ratio_under_heavy_load() -> None:
+    """At ~100 requests in flight per worker, 20 more on the holder is noise, not overload."""
+    big = Capacity(block_size=16, num_gpu_blocks=100_000, max_num_seqs=256, max_model_len=8192)
+    ws = {f"w{i}": WorkerState(f"w{i}", model="m", capacity=big) for i in range(8)}
+    p = build_policy({"name": "kv_aware"})
+    ids = sorted(ws)
+    for i in range(64):
+        decide(p, req(i), ClusterSnapshot(ws), {ids[i % 8]: 64})
+    for w in ws.values():
+        w.inflight = 90
+    ws["w0"].inflight = 110
+    d = decide(p, req(99), ClusterSnapshot(ws), {"w0": 64})
+    assert d.worker_id == "w0", d.scores
+    ws["w0"].inflight = 135  # 1.5x the least loaded: now it is overloaded
+    d = decide(p, req(100), ClusterSnapshot(ws), {"w0": 64})
+    assert d.worker_id != "w0", d.scores
+
+
 def test_demand_window_matches_its_contents() -> None:
     rng = random.Random(5)
     dem = Demand(size=16)

@@ -39,6 +39,11 @@ match (in the index). Over the last ``demand_window`` decisions the policy count
 - and any prefix is spread when its least-loaded holder has ``overload_margin`` or more requests
   in flight than the least-loaded candidate.
 
+The last two (balance and overload) also need the holder to have ``overload_ratio`` x the
+least-loaded candidate's in-flight requests: at ~100 requests in flight per worker a margin of
+16 is noise, and spreading on it copies prefixes for nothing (sglang-router's rule has the
+same two parts, 64 and 1.5x).
+
 Spreading credits every non-holder with ``spread_credit`` of the prefix (it will hold it after
 this request), so the least-loaded one takes the request at once and becomes a holder. New
 prefixes (no match) go to the least-loaded worker by the cost formula.
@@ -282,6 +287,11 @@ class KvAware(PolicyImpl):
         "overload_margin": _int(
             "holders' in-flight excess over the least loaded that spreads any prefix", 16
         ),
+        "overload_ratio": _num(
+            "overload_margin and balance_margin apply only when the least-loaded holder also "
+            "has at least this x the least-loaded candidate's in-flight requests",
+            1.5,
+        ),
         "demand_window": _int("decisions over which a prefix's demand share is measured", 128),
         "routed_ttl": _int(
             "decisions for which a prefix counts as held by the worker it was routed to "
@@ -414,18 +424,22 @@ class KvAware(PolicyImpl):
             demand.add(pid)
             if len(holders) < len(cands):
                 lead = min(holders, key=lambda w: (w.inflight, w.worker_id))
-                excess = lead.inflight - min(w.inflight for w in cands)
+                least = min(w.inflight for w in cands)
+                excess = lead.inflight - least
+                # under heavy load an absolute excess is noise: balancing and overload also
+                # need the holder busier by a ratio (what sglang-router checks too)
+                lopsided = lead.inflight >= p["overload_ratio"] * least
                 n = len(cands)
                 busy_holder = hdemand.fraction(lead.worker_id) * n > p["hot_share"]
                 if pid is not None:
                     # a prefix wanted by more workers' worth of traffic than it has holders
                     hot = demand.fraction(pid) * n > len(holders) + p["hot_margin"]
                     spread = (hot and excess >= p["spread_margin"]) or (
-                        busy_holder and excess >= p["balance_margin"]
+                        busy_holder and excess >= p["balance_margin"] and lopsided
                     )
                 else:  # without keys prefixes are told apart only by their holders
                     spread = busy_holder and excess >= p["spread_margin"]
-                if spread or excess >= p["overload_margin"]:
+                if spread or (excess >= p["overload_margin"] and lopsided):
                     spread_to = int(best * p["spread_credit"])
         else:
             demand.add(None)
