@@ -274,15 +274,20 @@ async def test_worker_filter_leaves_other_workers_to_their_agents(bus: Bus, how:
             await agent.stop()
 
 
-def test_worker_filter_settings() -> None:
+def test_worker_filter_and_slow_series_settings() -> None:
     import argparse
 
     from services.common import settings as S
     from services.telemetry.cli import OPTIONS, add_arguments, agent_config
 
-    env = {"KVGATE_TELEMETRY_WORKERS": "node1-*, gpu-a", "KVGATE_TELEMETRY_LOCAL_ONLY": "true"}
+    env = {
+        "KVGATE_TELEMETRY_WORKERS": "node1-*, gpu-a",
+        "KVGATE_TELEMETRY_LOCAL_ONLY": "true",
+        "KVGATE_TELEMETRY_ENGINE_SLOW_EVERY": "5",
+    }
     cfg = agent_config(S.resolve(None, OPTIONS, env))
     assert cfg.workers == ("node1-*", "gpu-a") and cfg.local_only is True
+    assert cfg.engine_slow_every == 5
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     cfg = agent_config(S.resolve(parser.parse_args(["--workers", "x-?"]), OPTIONS, {}))

@@ -77,6 +77,13 @@ OPTIONS = S.COMMON + (
         env=_env("gpu_slow_every"),
     ),
     S.option(
+        "engine_slow_every",
+        10,
+        "ask engines for their slow series (cache config, request-length histograms) every N "
+        "scrapes, carrying them in between (others every scrape)",
+        env=_env("engine_slow_every"),
+    ),
+    S.option(
         "detect_interval", 1.0, "seconds between detector evaluations", env=_env("detect_interval")
     ),
     S.option(
@@ -149,6 +156,7 @@ def agent_config(st: Any) -> Any:
             clear_s=st.alert_clear,
             forget_after_s=st.forget_after,
             gpu_slow_every=st.gpu_slow_every,
+            engine_slow_every=st.engine_slow_every,
             static_targets=parse_targets(st.targets),
             gpu_map=parse_gpu_map(st.gpu_map),
             pid_map=parse_pid_map(st.pid_map),
