@@ -1,11 +1,14 @@
 """The telemetry agent: discovery, scraping, NVML sampling, publishing, detection (the I/O shell).
 
-Every ``interval_s`` (100 ms by default) the agent
-1. samples all GPUs through :mod:`services.telemetry.nvml` (in a worker thread),
-2. starts one scrape of ``/metrics`` per target that has none in flight (concurrent, bounded
-   by ``max_concurrency``, each with ``scrape_timeout_s``),
-3. publishes one :class:`WorkerLoad` per finished scrape on ``telemetry.<worker>``, stamped
-   with the time it was measured and carrying the worker's GPUs.
+Every ``interval_s`` (100 ms by default) the event loop wakes once and
+1. reads, without waiting, each target's answer to the request sent at an earlier tick
+   (polled on its kept-alive connection: no wake-up per answer) and sends it the next one,
+2. turns the answers into one :class:`WorkerLoad` per worker, stamped with the time its
+   request was sent and carrying the worker's latest GPU samples, and publishes them on
+   ``telemetry.<worker>`` in one burst,
+3. kicks the GPU thread, which samples every GPU through :mod:`services.telemetry.nvml`.
+Targets without an open connection, https targets and retries go through a task each
+(bounded by ``max_concurrency``); every scrape has ``scrape_timeout_s``.
 
 Every ``detect_interval_s`` it evaluates the detectors over each worker's recent samples and
 sends alert transitions with :func:`raise_alert` (retried while NATS is away).
