@@ -332,3 +332,24 @@ def test_routed_memory_sends_a_new_groups_second_request_after_its_first() -> No
     for i in range(3):
         decide(p, req(10 + i), ClusterSnapshot(ws), {})
     assert decide(p, r2, ClusterSnapshot(ws), {}).worker_id != first
+
+
+def test_router_state_gives_the_policy_its_first_token_times() -> None:
+    """The live router's half of the clock: ``first_token(ticket, now)`` records when the
+    worker's prefill ended (once per request), and the pending prefill drops at that moment."""
+    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
+    from services.router.state import ClusterState
+
+    st = ClusterState()
+    cap = WorkerCapacity(block_size=16, num_gpu_blocks=1000, max_num_seqs=8, max_model_len=4096)
+    hb = WorkerHeartbeat(worker_id="w0", instance_id="i0", url="http://x", model="m", capacity=cap)
+    st.on_heartbeat(hb, now=1.0)
+    t = st.reserve("w0", prompt_tokens=512, max_tokens=16, cached_tokens=0, wall=1.0)
+    w = st.states["w0"]
+    assert w.pending_prefill_tokens == 512 and w.first_token_at is None
+    st.first_token(t, 2.5)
+    assert w.pending_prefill_tokens == 0 and w.first_token_at == 2.5
+    st.first_token(t, 3.0)  # later chunks of the same stream change nothing
+    assert w.first_token_at == 2.5
+    st.release(t)
+    assert w.inflight == 0 and w.first_token_at == 2.5

@@ -370,13 +370,12 @@ class KvAware(PolicyImpl):
             mem: dict[int, dict[str, int]] = state.extra["kv_aware_routed"]
             for d in depths:
                 k = keys[d - 1]
-                e = mem.pop(k, None)  # re-inserted last: the dict is in least-recent order
+                e = mem.get(k)
                 if e is None:
-                    e = {}
+                    mem[k] = {wid: tick}
                 else:
-                    e.pop(wid, None)
-                e[wid] = tick
-                mem[k] = e
+                    e[wid] = tick
+            # oldest-inserted keys go first (a prefix still in use is re-added at its next pick)
             while len(mem) > ROUTED_MAX_KEYS:
                 del mem[next(iter(mem))]
         disp = state.extra.pop("kv_aware_dispatch", None)
