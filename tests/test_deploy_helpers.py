@@ -216,6 +216,8 @@ def import_all_commands() -> None:
 
     for module_name, _ in COMMANDS.values():
         importlib.import_module(module_name)
+    # shared options that command modules may import lazily (inside functions)
+    importlib.import_module("services.common.streams")
 
 
 def command_env_vars(command: str) -> set[str]:
