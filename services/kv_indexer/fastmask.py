@@ -88,7 +88,7 @@ class BatchLookup:
         self._out = memoryview(array("q", bytes(8 * 256)))
         self._to = _cykhash.Int64toInt64Map_to if _cykhash is not None else None
 
-    def __call__(self, fmap, keys: list[int]) -> list[int]:
+    def __call__(self, fmap, keys: list[int] | tuple[int, ...]) -> list[int]:
         """The stored masks of the leading keys present in ``fmap``: ``len(result) <
         len(keys)`` means ``keys[len(result)]`` is absent (and the lookup stopped there)."""
         n = len(keys)

@@ -489,7 +489,8 @@ class PrefixIndex:
             return {}
         result: dict[str, int] = {}
         if self._fast is not None:
-            keys = keys if isinstance(keys, list) else list(keys)
+            if not isinstance(keys, (list, tuple)):
+                keys = list(keys)
             masks = self._lookup(self._fast, keys)
             active, depth = self._fold(masks, keys, 0, active, result)
             if active and depth:

@@ -387,8 +387,12 @@ class Router:
         self._spawn(send())
 
     # ================================================================== deciding
-    def _overlaps(self, parsed: Parsed, states: dict) -> dict[str, int]:
-        """Leading matched blocks per worker (hashing lazily: stops where no worker matches)."""
+    def _overlaps(
+        self, parsed: Parsed, states: dict, keys: tuple[int, ...] = (), keys_bs: int = 0
+    ) -> dict[str, int]:
+        """Leading matched blocks per worker: from ``keys`` (the prompt's whole chain at block
+        size ``keys_bs``) when the caller already hashed it, else hashing lazily (stops where
+        no worker matches)."""
         index = self.index_source.index
         sizes = self.state.block_sizes
         if not sizes:
@@ -396,6 +400,8 @@ class Router:
         match = getattr(index, "match_prompt", None)
 
         def one(bs: int) -> dict[str, int]:
+            if keys and bs == keys_bs:
+                return index.find_matches(keys)
             if match is not None:
                 return match(parsed.token_ids, bs, parsed.seed)
             return index.find_matches(self.parser.keys(parsed, bs))
@@ -421,11 +427,14 @@ class Router:
         states = self.state.states
         if excluded:
             states = {k: v for k, v in states.items() if k not in excluded}
-        overlaps = self._overlaps(parsed, states)
         keys: tuple[int, ...] = ()
+        bs = 0
         if policy.params.get("routed_ttl") and len(self.state.block_sizes) == 1:
-            # only policies that remember where they sent a prefix need the full key chain
-            keys = tuple(self.parser.keys(parsed, next(iter(self.state.block_sizes))))
+            # only policies that remember where they sent a prefix need the full key chain;
+            # hashed once, it also answers the index match (no second hashing of the prompt)
+            bs = next(iter(self.state.block_sizes))
+            keys = tuple(self.parser.keys(parsed, bs))
+        overlaps = self._overlaps(parsed, states, keys, bs)
         req = RequestInfo(
             request_id=request_id,
             model=parsed.model,
