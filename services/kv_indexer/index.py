@@ -314,6 +314,18 @@ class PrefixIndex:
             self._prune()
         return added
 
+    def _set_mask(self, k: int, m: int) -> None:
+        """Replace an existing key's mask (dropping the key when ``m`` is 0), in the dict and
+        in the mirror. (apply_stored inlines this: it is the ingest hot path.)"""
+        if m:
+            self._masks[k] = m
+            if self._fast is not None:
+                self._fast.cput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
+        else:
+            del self._masks[k]
+            if self._fast is not None:
+                self._fast.discard((k ^ _SIGN) - _SIGN)
+
     def apply_removed(self, worker: str, keys: Iterable[int], tier: str | None = None) -> int:
         """Record that ``worker`` dropped ``keys`` (from ``tier`` only, or from every tier)."""
         s = self._slot_of.get(worker)
@@ -327,7 +339,6 @@ class PrefixIndex:
         clear = ~(7 << sh)
         tb = TIER_BIT[tier] if tier is not None else 7
         removed = 0
-        fm = self._fast
         for k in keys:
             m = d.get(k)
             if m is None or not m & bit:
@@ -353,15 +364,7 @@ class PrefixIndex:
                     del tiers[k]
             elif not tb & 1:  # held on gpu only, asked to drop another tier
                 continue
-            m &= nbit
-            if m:
-                d[k] = m
-                if fm is not None:
-                    fm.cput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
-            else:
-                del d[k]
-                if fm is not None:
-                    fm.discard((k ^ _SIGN) - _SIGN)
+            self._set_mask(k, m & nbit)
             removed += 1
         self._counts[s] -= removed
         self._pairs -= removed
@@ -426,21 +429,13 @@ class PrefixIndex:
         tkeep = ~tkeep
         d = self._masks
         tiers = self._tiers
-        fm = self._fast
         for i in range(self._scrub_pos, end):
             k = keys[i]
             m = d.get(k)
             if m is None or not m & dead:
                 continue
             m &= keep
-            if m:
-                d[k] = m
-                if fm is not None:
-                    fm.cput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
-            else:
-                del d[k]
-                if fm is not None:
-                    fm.discard((k ^ _SIGN) - _SIGN)
+            self._set_mask(k, m)
             if tiers:
                 t = tiers.get(k)
                 if t is not None:
