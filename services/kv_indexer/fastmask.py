@@ -34,7 +34,6 @@ except ImportError:  # pragma: no cover - depends on the optional install
 
 SIGN = 1 << 63
 SPILL = -SIGN  # stored for masks >= 2**63: the dict holds the real value
-_M64 = (1 << 64) - 1
 
 
 def enabled() -> bool:

@@ -248,6 +248,7 @@ class PrefixIndex:
                         if not m & bit:
                             added += 1
                 else:
+                    # fastmask.signed_key / stored_mask inlined: this is the hot store path
                     fput = fm.cput
                     fbit = bit if bit < _SIGN else _SPILL
                     for k in keys:
@@ -273,7 +274,7 @@ class PrefixIndex:
                         added += 1
                         m |= bit
                         if fm is not None:
-                            fm.cput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
+                            fm.cput(fastmask.signed_key(k), fastmask.stored_mask(m))
                         t = tiers.get(k)
                         if t is not None and t >> sh & 7:  # stale bits: new pair is gpu only
                             t &= ~(7 << sh)
@@ -299,7 +300,7 @@ class PrefixIndex:
                     added += 1
                     m |= bit
                     if fm is not None:
-                        fm.cput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
+                        fm.cput(fastmask.signed_key(k), fastmask.stored_mask(m))
                     t = (t & clear) | (tb << sh)
                 else:
                     cur = t >> sh & 7 or 1
@@ -320,11 +321,11 @@ class PrefixIndex:
         if m:
             self._masks[k] = m
             if self._fast is not None:
-                self._fast.cput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
+                self._fast.cput(fastmask.signed_key(k), fastmask.stored_mask(m))
         else:
             del self._masks[k]
             if self._fast is not None:
-                self._fast.discard((k ^ _SIGN) - _SIGN)
+                self._fast.discard(fastmask.signed_key(k))
 
     def apply_removed(self, worker: str, keys: Iterable[int], tier: str | None = None) -> int:
         """Record that ``worker`` dropped ``keys`` (from ``tier`` only, or from every tier)."""
@@ -383,7 +384,7 @@ class PrefixIndex:
             if m is None:
                 continue
             if fm is not None:
-                fm.discard((k ^ _SIGN) - _SIGN)
+                fm.discard(fastmask.signed_key(k))
             if tiers:
                 tiers.pop(k, None)
             m &= live
