@@ -252,42 +252,29 @@ class BenchStack:
         env = self._env(prefix)
         port, mport = free_port(), free_port()
         if kind == "sglang-router":
-            argv = [
-                sys.executable,
-                "-m",
-                "sglang_router.launch_router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-urls",
-                *workers.urls,
-                "--policy",
-                "cache_aware",
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(mport),
-            ]
+            launcher = [sys.executable, "-m", "sglang_router.launch_router"]
         elif kind == "vllm-router":
-            exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-            argv = [
-                exe,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-urls",
-                *workers.urls,
-                "--policy",
-                "cache_aware",
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(mport),
+            launcher = [
+                shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
             ]
         else:
             raise ValueError(f"unknown external router {kind!r}; choose from {EXTERNAL_ROUTERS}")
+        # both take the same flags (vllm-router is a fork of sglang-router)
+        argv = [
+            *launcher,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *workers.urls,
+            "--policy",
+            "cache_aware",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(mport),
+        ]
         p = self._spawn(run, kind, argv, env)
         base = f"http://127.0.0.1:{port}"
         wait_until(
