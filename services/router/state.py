@@ -234,13 +234,6 @@ class ClusterState:
                     out[name] = out.get(name, 0) + 1
         return out
 
-    def heartbeat_of(self, worker_id: str) -> WorkerHeartbeat | None:
-        e = self._entries.get(worker_id)
-        return e.hb if e else None
-
-    def control_of(self, worker_id: str) -> str | None:
-        return self._controls.get(worker_id)
-
     # ------------------------------------------------------------------ internals
     def _refresh(self, wid: str, now: float) -> None:
         e = self._entries[wid]

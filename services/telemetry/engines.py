@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
@@ -232,25 +231,6 @@ def _plan(key: str) -> _Plan:
         _plans.clear()
     _plans[key] = plan
     return plan
-
-
-def iter_samples(lines: list[str]) -> Iterator[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of each exposition sample line (an optional timestamp after
-    the value is ignored). A malformed line raises ValueError."""
-    for line in lines:
-        brace = line.rfind("}")
-        if brace >= 0:
-            key, rest = line[: brace + 1], line[brace + 1 :]
-        else:
-            key, _, rest = line.partition(" ")
-            if not rest:
-                key, _, rest = line.partition("\t")
-        parts = rest.split()
-        if not parts:
-            raise ValueError(f"no value in metrics line {line[:200]!r}")
-        value = float(parts[0])  # also NaN, +Inf, -Inf
-        name, labels = _series(key)
-        yield name, labels, value
 
 
 def _as_bool(text: str | None) -> bool | None:
