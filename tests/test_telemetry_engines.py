@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from services.telemetry.engines import parse_metrics, select_lines
+from services.telemetry.engines import carry_slow, parse_fast_vllm, parse_metrics, select_lines
 from services.telemetry.targets import (
     assign_gpus,
     metrics_url,
@@ -158,3 +160,60 @@ def test_target_and_map_parsing() -> None:
     a = assign_gpus(["a", "b", "c"], {"a": (0, 1)}, {"b": {7, 8}, "c": {99}}, {2: {8}, 3: {1}})
     assert a.gpus_of("a") == [0, 1] and a.gpus_of("b") == [2] and a.gpus_of("c") == []
     assert a.workers_of(2) == ["b"]
+
+
+def _vllm_registry_answer(rng: random.Random, ranks: int, old_names: bool, drop: set[str]) -> bytes:
+    """A vLLM fast-series answer as prometheus-client renders it (the name[] filter applied)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    lab = ["engine", "model_name"]
+    usage = "vllm:gpu_cache_usage_perc" if old_names else "vllm:kv_cache_usage_perc"
+    pre = "vllm:gpu_prefix_cache_" if old_names else "vllm:prefix_cache_"
+    gauges = ["vllm:num_requests_running", "vllm:num_requests_waiting", usage]
+    names = []
+    for name in gauges:
+        if name not in drop:
+            g = Gauge(name, "g", lab, registry=reg)
+            names.append(name)
+            for r in range(ranks):
+                g.labels(str(r), "m").set(
+                    rng.choice([0, 1, 7, 250]) if "usage" not in name else rng.random()
+                )
+    for name in (pre + "queries", pre + "hits"):
+        if name not in drop:
+            c = Counter(name, "c", lab, registry=reg)
+            names.append(name + "_total")
+            for r in range(ranks):
+                c.labels(str(r), "m").inc(rng.randint(0, 10**6))
+    return generate_latest(reg.restricted_registry(names))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_vllm_path_equals_the_general_parse(seed: int) -> None:
+    """parse_fast_vllm (the agent's shortcut for vLLM's fast answers) gives exactly what
+    parse_metrics + carry_slow give, and declines (None) what it cannot read alone."""
+    rng = random.Random(seed)
+    full = vllm_text(3, 1, 0.5, prompt=(4096.0, 16), max_tokens=(2048.0, 16))
+    base = parse_metrics(full, "vllm")  # a full answer: the slow fields to carry
+    used = 0
+    for _ in range(40):
+        ranks = rng.choice([1, 1, 1, 2])
+        drop = set(
+            rng.sample(
+                ["vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"], k=rng.randint(0, 1)
+            )
+        )
+        body = _vllm_registry_answer(rng, ranks, rng.random() < 0.3, drop)
+        general = parse_metrics(body.decode(), "vllm")
+        carry_slow(general, base)
+        fast = parse_fast_vllm(body, base)
+        if ranks > 1:
+            assert fast is None  # several label sets: summed/averaged by the general path
+            continue
+        assert fast == general
+        used += 1
+    assert used > 0
+    # other families in the answer (the filter ignored, or another engine): declined
+    assert parse_fast_vllm(full.encode(), base) is None
+    assert parse_fast_vllm(b"# nothing here\n", base) is None

@@ -50,7 +50,7 @@ from services.common.streams import ensure_alert_streams, raise_alert
 
 from . import exporter, procmap
 from .detectors import DetectorSet, Observation, build_rules
-from .engines import EngineReading, carry_slow, filter_query, parse_metrics
+from .engines import EngineReading, carry_slow, filter_query, parse_fast_vllm, parse_metrics
 from .httpget import Conn, HttpError, request_bytes
 from .nvml import GpuCollector, open_collector
 from .targets import GpuAssignment, Target, assign_gpus, metrics_url
@@ -370,19 +370,25 @@ class Agent:
                 reading = w.last_reading  # readings are never modified once made
             else:
                 w.last_reading = None
-                try:
-                    reading = parse_metrics(body.decode("utf-8", errors="replace"), w.target.engine)
-                except ValueError:
-                    if not filtered:
-                        raise
-                    # the engine stopped honouring name[] usefully: the next requests ask
-                    # for everything (this answer is dropped, not published as an error)
-                    self._drop_filter(w)
-                    return
-                if not fast:
-                    w.slow_reading = reading
-                elif w.slow_reading is not None:
-                    carry_slow(reading, w.slow_reading)
+                base = w.slow_reading
+                if fast and base is not None and (w.target.engine or w.detected) == "vllm":
+                    # the usual vLLM answer: values straight from the bytes (None: not simple)
+                    reading = parse_fast_vllm(body, base)
+                if reading is None:
+                    try:
+                        text = body.decode("utf-8", errors="replace")
+                        reading = parse_metrics(text, w.target.engine)
+                    except ValueError:
+                        if not filtered:
+                            raise
+                        # the engine stopped honouring name[] usefully: the next requests ask
+                        # for everything (this answer is dropped, not published as an error)
+                        self._drop_filter(w)
+                        return
+                    if not fast:
+                        w.slow_reading = reading
+                    elif base is not None:
+                        carry_slow(reading, base)
                 w.last_answer, w.last_reading = body, reading
             w.detected = reading.source
         except Exception as err:

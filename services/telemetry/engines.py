@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from urllib.parse import quote
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.schemas import GpuSample
@@ -138,6 +139,63 @@ def carry_slow(r: EngineReading, base: EngineReading) -> None:
         r.kv_capacity_tokens = r.kv_blocks_total * r.tokens_per_block
 
 
+# A fast answer from vLLM is a handful of lines, one label set per series when the engine
+# serves one model on one rank (the common case). Then one regex over the bytes and a dict
+# give every value without the per-series plans below: parse_fast_vllm.
+_FAST_VLLM_RE = re.compile(rb"\n(vllm:[a-z_]+)(?:\{[^\n]*\})?[ \t]+([^ \t\n]+)")
+_FAST_VLLM_NAMES = frozenset(
+    n.encode() for name in _VLLM_FAST for n in (name, name.removesuffix("_total"))
+)
+
+
+def _pick(get: Callable[[bytes], bytes | None], *names: bytes) -> float | None:
+    """The first of ``names`` present; ``name`` and ``name_total`` count as one series and
+    add up, as in :func:`parse_metrics`."""
+    for n in names:
+        v, t = get(n), get(n + b"_total")
+        if v is not None or t is not None:
+            return (0.0 if v is None else float(v)) + (0.0 if t is None else float(t))
+    return None
+
+
+def parse_fast_vllm(body: bytes, base: EngineReading) -> EngineReading | None:
+    """A vLLM answer to the fast-series filter, completed with ``base``'s slow fields:
+    exactly what ``parse_metrics`` + :func:`carry_slow` make of it, or None when the answer
+    is not of that simple shape (several label sets of one series, other families, nothing
+    known) and has to go the general way."""
+    pairs = _FAST_VLLM_RE.findall(b"\n" + body)
+    values = dict(pairs)
+    if not values or len(values) != len(pairs) or not values.keys() <= _FAST_VLLM_NAMES:
+        return None
+    get = values.get
+    kv = _frac(_pick(get, b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc"))
+    total, tpb = base.kv_blocks_total, base.tokens_per_block
+    return EngineReading(
+        source="vllm",
+        running=_int(_pick(get, b"vllm:num_requests_running")),
+        waiting=_int(_pick(get, b"vllm:num_requests_waiting")),
+        kv_usage=kv,
+        prefix_cache_queries=_pick(
+            get, b"vllm:prefix_cache_queries", b"vllm:gpu_prefix_cache_queries"
+        ),
+        prefix_cache_hits=_pick(get, b"vllm:prefix_cache_hits", b"vllm:gpu_prefix_cache_hits"),
+        max_batch=base.max_batch,
+        tokens_per_block=tpb,
+        kv_blocks_total=total,
+        kv_blocks_free=(
+            max(0, int(round(total * (1.0 - kv)))) if total is not None and kv is not None else None
+        ),
+        kv_capacity_tokens=base.kv_capacity_tokens
+        if base.kv_capacity_tokens is not None
+        else (total * tpb if total and tpb else None),
+        prefix_caching=base.prefix_caching,
+        prompt_tokens_sum=base.prompt_tokens_sum,
+        prompt_tokens_count=base.prompt_tokens_count,
+        max_tokens_sum=base.max_tokens_sum,
+        max_tokens_count=base.max_tokens_count,
+    )
+
+
 # The families read, factored by engine prefix (the regex engine then rejects most line starts
 # after one or two characters: ~30 us for a 32 kB vLLM exposition instead of ~150 us).
 _WANTED = (
@@ -164,9 +222,10 @@ _Plan = tuple[int, str, object]
 _plans: dict[str, _Plan] = {}
 
 
-@dataclass
-class EngineReading:
-    """What one scrape said, normalised across engines (None = not exposed)."""
+class EngineReading(msgspec.Struct, kw_only=True):
+    """What one scrape said, normalised across engines (None = not exposed). A msgspec
+    struct: 640 are built a second, and one is built in C (~0.4 us, against ~2 us for the
+    dataclass it was)."""
 
     source: str = "vllm"
     running: int | None = None
@@ -186,7 +245,7 @@ class EngineReading:
     prompt_tokens_count: float | None = None
     max_tokens_sum: float | None = None
     max_tokens_count: float | None = None
-    gpus: list[GpuSample] = field(default_factory=list)
+    gpus: list[GpuSample] = []
 
 
 def select_lines(text: str) -> list[str]:
