@@ -9,7 +9,10 @@ counters, ~13 histograms with vLLM's buckets, process/platform/GC collectors; ~3
 like prometheus-client's exposition app (``name[]`` filter honoured), values changing on every
 request.
 
-Run: ``python -m bench.bench_telemetry [--duration 20] [--workers 64] [--gpus 64]``
+Run: ``python -m bench.bench_telemetry [--duration 20] [--workers 64] [--gpus 64] [--floor]``
+(``--floor`` adds, in the same run, the stripped reference loops of ``bench/telemetry_floor.py``:
+the bare I/O of 64 scrapes per tick, and the least a correct record needs -- what any CPython
+agent pays on this machine)
 (``--mode engines|gpus|all`` isolates the parts; ``--no-filter`` scrapes whole expositions, as
 for engines that ignore ``name[]``; ``--full-parse`` additionally hands the whole exposition to
 prometheus-client's parser -- the naive agent -- for comparison). Writes JSON to
@@ -316,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         help="do not send the name[] filter (engines that ignore it, e.g. Triton)",
     )
     p.add_argument("--profile", action="store_true", help="print a cProfile of the agent")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure, in the same run, the stripped reference loops of "
+        "bench/telemetry_floor.py (bare I/O; I/O + parse + record + NVML + publish)",
+    )
     p.add_argument("--nats-url", default="")
     p.add_argument("--out", default="bench/results/telemetry")
     args = p.parse_args(argv)
@@ -371,6 +380,17 @@ def main(argv: list[str] | None = None) -> int:
                 result["cpu_pct_of_one_core"] * result["expected_publishes_per_s"] / rate, 2
             )
         result["cpu_count"] = os.cpu_count()
+        if args.floor:
+            from bench.telemetry_floor import measure_floor
+
+            result["floor"] = {
+                kind: asyncio.run(
+                    measure_floor(
+                        kind, nats_url, ports, args.gpus, args.hz, args.warmup, args.duration
+                    )
+                )
+                for kind in ("io", "lean")
+            }
     finally:
         proc.terminate()
         proc.join(5)
@@ -384,6 +404,17 @@ def main(argv: list[str] | None = None) -> int:
         f" | {result['workers']} endpoints x {args.hz:g} Hz, {result['gpus']} GPUs, "
         f"{result['publishes_per_s']}/{result['expected_publishes_per_s']:g} publishes/s"
     )
+    if "floor" in result:
+        io, lean = result["floor"]["io"], result["floor"]["lean"]
+        agent = result["cpu_pct_of_one_core"]
+        print(
+            "same run, same endpoints (% of one core):\n"
+            f"  agent                                   {agent:6.2f}\n"
+            f"  lean reference loop (bench/telemetry_floor.py)  {lean['cpu_pct_of_one_core']:6.2f}"
+            f"  ({lean['publishes_per_s']:g} publishes/s)\n"
+            f"  bare I/O: 64 GETs/tick, no parsing      {io['cpu_pct_of_one_core']:6.2f}\n"
+            f"  agent / lean = {agent / max(lean['cpu_pct_of_one_core'], 1e-9):.2f}x"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = (
