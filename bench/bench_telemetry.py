@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                         kind, nats_url, ports, args.gpus, args.hz, args.warmup, args.duration
                     )
                 )
-                for kind in ("io", "lean")
+                for kind in ("io", "nvml", "lean")
             }
     finally:
         proc.terminate()
@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  lean reference loop (bench/telemetry_floor.py)  {lean['cpu_pct_of_one_core']:6.2f}"
             f"  ({lean['publishes_per_s']:g} publishes/s)\n"
             f"  bare I/O: 64 GETs/tick, no parsing      {io['cpu_pct_of_one_core']:6.2f}\n"
+            f"  the fake NVML library's own calls       "
+            f"{result['floor']['nvml']['cpu_pct_of_one_core']:6.2f}\n"
             f"  agent / lean = {agent / max(lean['cpu_pct_of_one_core'], 1e-9):.2f}x"
         )
     out = Path(args.out)

@@ -7,6 +7,8 @@ overhead that better code could remove, and how much any CPython agent on this m
 - ``io``: 64 keep-alive sockets; each tick reads the answer to the previous tick's GET with
   one non-blocking ``recv`` and sends the next GET. No HTTP parsing, no publishing. This is
   the system-call and wake-up floor of scraping 64 endpoints at 10 Hz.
+- ``nvml``: only the three fake-NVML calls per GPU that the agent makes each tick: the cost
+  of the (Python) fake library itself, which the benchmark charges to the agent.
 - ``lean``: ``io`` plus the least a correct record needs: the HTTP status/length check, the
   vLLM values picked out of the body with one regex, a ``WorkerLoad`` with one ``GpuSample``
   (three fake-NVML calls per GPU, as the agent makes), msgpack encoding and one NATS publish
@@ -47,7 +49,7 @@ def _opt(v: bytes | None, kind: Any) -> Any:
 async def measure_floor(
     kind: str, nats_url: str, ports: list[int], gpus: int, hz: float, warmup: float, duration: float
 ) -> dict[str, Any]:
-    """CPU % of one core of the ``kind`` ('io' or 'lean') loop over ``duration`` seconds."""
+    """CPU % of one core of the ``kind`` ('io', 'nvml' or 'lean') loop over ``duration`` s."""
     import nats
 
     from services.common.schemas import GpuSample, WorkerLoad, encode
@@ -104,6 +106,12 @@ async def measure_floor(
 
     async def tick() -> None:
         nonlocal published
+        if kind == "nvml":
+            for h in handles:
+                lib.nvmlDeviceGetUtilizationRates(h)
+                lib.nvmlDeviceGetMemoryInfo(h)
+                lib.nvmlDeviceGetFieldValues(h, fields)
+            return
         now = time.time()
         gs = gpu_samples() if kind == "lean" else []
         for i, s in enumerate(socks):
