@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -21,7 +22,33 @@ from services.common.logging import get_logger
 log = get_logger("embedded")
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections' source ports."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on, for a server started right after.
+
+    Chosen *below* the ephemeral range where there is room: a port the kernel hands out with
+    ``bind(0)`` is an ephemeral one, and between this call and the server's bind any outgoing
+    connection on the machine may take it as its source port (a race seen in benchmark runs
+    that open hundreds of connections). Ports below the range are only ever taken by an
+    explicit bind."""
+    low = _ephemeral_low()
+    if low > 12000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(10000, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
