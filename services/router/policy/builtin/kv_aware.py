@@ -34,8 +34,11 @@ match (in the index). Over the last ``demand_window`` decisions the policy count
   traffic stays on its one holder and keeps its hits;
 - per worker, the fraction of decisions that wanted a prefix it holds (``hot_share`` x its fair
   share 1/N = busy holder): with keys, a busy holder's prefix is spread only at
-  ``balance_margin`` requests of excess (copies cost hits; balancing pays only then); without
-  keys this is the only view of demand and applies at ``spread_margin``;
+  ``balance_margin`` requests of excess (copies cost hits; balancing pays only then) and only
+  while that holder's queued prefill is at least the prefix (a copy computes the prefix: with
+  less queued the request gets its first token sooner on the holder, and the copy costs the
+  group a prefix of hits); without keys this is the only view of demand and applies at
+  ``spread_margin``;
 - and any prefix is spread when its least-loaded holder has ``overload_margin`` or more requests
   in flight than the least-loaded candidate.
 
@@ -281,7 +284,8 @@ class KvAware(PolicyImpl):
         ),
         "balance_margin": _int(
             "with block keys: holders' in-flight excess over the least loaded that spreads a "
-            "prefix whose holder is hot (hot_share) though the prefix itself is not",
+            "prefix whose holder is hot (hot_share) though the prefix itself is not, while "
+            "that holder's queued prefill is at least the prefix",
             8,
         ),
         "overload_margin": _int(
@@ -362,6 +366,15 @@ class KvAware(PolicyImpl):
             return ovs
         return [max(o, routed.get(w.worker_id, 0)) for w, o in zip(cands, ovs, strict=True)]
 
+    def _queued(self, w: WorkerState, state: PolicyState) -> float:
+        """The worker's queued prefill in tokens, as :meth:`costs` counts it (the prefill
+        clock's estimate when this policy sent it work, else ``pending_prefill_tokens``)."""
+        clock = self._clock(state)
+        if clock.fifo.get(w.worker_id):
+            clock.observe(w, state.now)
+            return clock.queued(w, state.now)
+        return w.pending_prefill_tokens
+
     def pick(self, costs: dict[str, float], state: PolicyState) -> str:
         wid = super().pick(costs, state)
         last = state.extra.pop("kv_aware_last", None)
@@ -434,7 +447,11 @@ class KvAware(PolicyImpl):
                     # a prefix wanted by more workers' worth of traffic than it has holders
                     hot = demand.fraction(pid) * n > len(holders) + p["hot_margin"]
                     spread = (hot and excess >= p["spread_margin"]) or (
-                        busy_holder and excess >= p["balance_margin"] and lopsided
+                        busy_holder
+                        and excess >= p["balance_margin"]
+                        and lopsided
+                        # a copy pays only when the holder's queue is longer than the prefix
+                        and self._queued(lead, state) >= best * lead.capacity.block_size
                     )
                 else:  # without keys prefixes are told apart only by their holders
                     spread = busy_holder and excess >= p["spread_margin"]
