@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -53,6 +53,15 @@ class SyntheticRouter:
         self._task: asyncio.Task[None] | None = None
         self.rng = random.Random(7)
         self._progress = asyncio.Event()
+        self._noticed = asyncio.Event()
+
+    async def wait_notice(self, pred: Callable[[PolicyUpdated], bool], timeout: float = 10) -> None:
+        """Until a received notice satisfies ``pred`` (the API publishes a decision's notice
+        after committing it, so the HTTP view can be ahead of the bus)."""
+        async with asyncio.timeout(timeout):
+            while not any(pred(n) for n in self.notices):
+                self._noticed.clear()
+                await self._noticed.wait()
 
     async def wait_sent(self, n: int) -> None:
         while self.sent < n:
@@ -66,6 +75,7 @@ class SyntheticRouter:
             if self.notice is None or n.revision > self.notice.revision:
                 self.notice = n
                 self.notices.append(n)
+                self._noticed.set()
 
         await self.bus.subscribe(self.bus.subjects.policy_updated, PolicyUpdated, on)
         self._task = asyncio.create_task(self._run())
@@ -143,6 +153,7 @@ async def test_better_candidate_is_promoted_step_by_step(api: ApiHarness, bus: B
     assert done["decisions"][-1]["numbers"]["baseline_window"] == 1
     _, active = await api.call("GET", "/api/v1/active-policy")
     assert (active["name"], active["canary"]) == ("cand", None)
+    await router.wait_notice(lambda n: n.canary is None and n.name == "cand")
     fractions = [n.canary.fraction if n.canary else None for n in router.notices]
     assert fractions == [0.1, 0.5, 1.0, None]
     assert router.notices[-1].name == "cand"
@@ -166,6 +177,7 @@ async def test_worse_candidate_is_rolled_back_with_reason(api: ApiHarness, bus: 
     assert check["passed"] is False and check["value"] > 2.0
     _, active = await api.call("GET", "/api/v1/active-policy")
     assert (active["name"], active["canary"]) == ("control", None)
+    await router.wait_notice(lambda n: n.canary is None and n.name == "control")
     s = bus.subjects
     notice = decode(
         PolicyUpdated, (await bus.js.get_last_msg(s.policy_stream, s.policy_updated)).data
