@@ -142,9 +142,14 @@ async def test_better_candidate_is_promoted_step_by_step(api: ApiHarness, bus: B
     finally:
         await router.stop()
     assert done["state"] == "promoted", done["decisions"]
-    actions = [(d["action"], d["fraction"]) for d in done["decisions"]]
+    # a step whose window closed before the synthetic traffic gave 20 samples per arm records
+    # one "hold" for lack of samples (a loaded machine); anything else must not appear
+    holds = [d for d in done["decisions"] if d["action"] == "hold"]
+    assert all(d["reason"].startswith("step window over but too few samples") for d in holds)
+    moves = [d for d in done["decisions"] if d["action"] != "hold"]
+    actions = [(d["action"], d["fraction"]) for d in moves]
     assert actions == [("start", 0.1), ("advance", 0.1), ("advance", 0.5), ("complete", 1.0)]
-    for d in done["decisions"][1:]:
+    for d in moves[1:]:
         nums = d["numbers"]
         assert nums["candidate"]["requests"] >= 20 and all(x["passed"] for x in nums["checks"])
         ratio = next(x for x in nums["checks"] if x["name"] == "ttft_p95_ratio")["value"]
