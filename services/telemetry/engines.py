@@ -64,17 +64,17 @@ _VLLM_NAMES = (
     "vllm:request_params_max_tokens_sum",
     "vllm:request_params_max_tokens_count",
 )
+# the sim worker's GPU gauges (fast-changing, so in both name sets below)
+_SIM_GPU_NAMES = (
+    "sim:gpu_sm_util_percent",
+    "sim:gpu_mem_util_percent",
+    "sim:gpu_mem_used_bytes",
+    "sim:gpu_mem_total_bytes",
+    "sim:gpu_mem_bw_util_percent",
+)
 FILTER_NAMES: dict[str, tuple[str, ...]] = {
     "vllm": _VLLM_NAMES,
-    "sim": _VLLM_NAMES
-    + (
-        "sim:gpu_sm_util_percent",
-        "sim:gpu_mem_util_percent",
-        "sim:gpu_mem_used_bytes",
-        "sim:gpu_mem_total_bytes",
-        "sim:gpu_mem_bw_util_percent",
-        "sim:max_num_seqs",
-    ),
+    "sim": _VLLM_NAMES + _SIM_GPU_NAMES + ("sim:max_num_seqs",),
     "sglang": (
         "sglang:num_running_reqs",
         "sglang:num_queue_reqs",
@@ -94,14 +94,7 @@ FILTER_NAMES: dict[str, tuple[str, ...]] = {
 _VLLM_FAST = _VLLM_NAMES[: _VLLM_NAMES.index("vllm:cache_config_info")]
 FAST_NAMES: dict[str, tuple[str, ...]] = {
     "vllm": _VLLM_FAST,
-    "sim": _VLLM_FAST
-    + (
-        "sim:gpu_sm_util_percent",
-        "sim:gpu_mem_util_percent",
-        "sim:gpu_mem_used_bytes",
-        "sim:gpu_mem_total_bytes",
-        "sim:gpu_mem_bw_util_percent",
-    ),
+    "sim": _VLLM_FAST + _SIM_GPU_NAMES,
 }
 # the reading's fields that come only from the slow series (carried between full answers)
 SLOW_FIELDS = (
