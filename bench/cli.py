@@ -34,7 +34,7 @@ from bench.common import (
 from bench.loadgen import run_load
 from bench.metrics import summarize
 from bench.report import markdown, new_report, write_report
-from bench.scrape import delta, scrape_all
+from bench.scrape import delta, router_actions, scrape_all, scrape_router
 from bench.stack import EXTERNAL_ROUTERS, BenchStack, external_available, http_json
 from bench.workloads import Workload, infinite_cache_hit_rate
 
@@ -143,6 +143,7 @@ def measure(
     """One run against ``base``: scrape, stream the workload, scrape again, summarise."""
     model = _model(base, args.model)
     before = asyncio.run(scrape_all(worker_urls)) if worker_urls else {}
+    router_before = asyncio.run(scrape_router(base))
     results, duration = asyncio.run(
         run_load(
             base,
@@ -158,7 +159,12 @@ def measure(
         after = asyncio.run(scrape_all(worker_urls))
         cache = delta(before, after)
     summary = summarize(results, list(worker_urls), cache, duration_s=duration)
-    return {"summary": summary, "requests": [r.to_dict() for r in results]}
+    actions = router_actions(router_before, asyncio.run(scrape_router(base)))
+    return {
+        "summary": summary,
+        "requests": [r.to_dict() for r in results],
+        "router_actions": actions,
+    }
 
 
 def main(args: argparse.Namespace) -> int:

@@ -115,6 +115,17 @@ def markdown(report: dict[str, Any]) -> str:
             )
             + " |"
         )
+    acts = [
+        f"`{run['label']}` {a['replicas']} replicas, {a['held']} held"
+        for run in report.get("runs", [])
+        if (a := run.get("router_actions")) and (a["replicas"] or a["held"])
+    ]
+    if acts:
+        lines += [
+            "",
+            "Router actions (one-token replicas of hot prefixes; requests held until their "
+            "prefix's first request had its first token): " + "; ".join(acts) + ".",
+        ]
     comp = report.get("comparisons") or comparisons(report)
     keys = sorted({k for row in comp.values() for k in row})
     if keys:

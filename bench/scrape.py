@@ -31,14 +31,39 @@ def parse_counters(text: str, names: tuple[str, ...] = (QUERIES, HITS)) -> dict[
     return out
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+# what kvgate's router did besides routing (hot-prefix replicas, held followers)
+REPLICAS = "kvgate_router_replicas"
+HOLDS = "kvgate_router_follower_holds"
+
+
+async def scrape(
+    session: aiohttp.ClientSession, url: str, names: tuple[str, ...] = (QUERIES, HITS)
+) -> dict[str, float] | None:
     try:
         async with session.get(url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(5)) as r:
             if r.status != 200:
                 return None
-            return parse_counters(await r.text())
+            return parse_counters(await r.text(), names)
     except (aiohttp.ClientError, OSError, TimeoutError):
         return None
+
+
+async def scrape_router(url: str) -> dict[str, float] | None:
+    """The router's replica and hold counters (None when it serves no such metrics page)."""
+    async with aiohttp.ClientSession() as s:
+        return await scrape(s, url, (REPLICAS, HOLDS))
+
+
+def router_actions(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, int] | None:
+    """``{"replicas": n, "held": n}`` over a run, from :func:`scrape_router` before and after."""
+    if before is None or after is None:
+        return None
+    return {
+        "replicas": int(after[REPLICAS] - before[REPLICAS]),
+        "held": int(after[HOLDS] - before[HOLDS]),
+    }
 
 
 async def scrape_all(urls: dict[str, str]) -> dict[str, dict[str, float] | None]:

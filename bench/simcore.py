@@ -34,7 +34,7 @@ from services.common import schemas
 from services.common.keys import block_keys, block_seed, blocks_needed
 from services.kv_indexer.index import PrefixIndex
 
-_ARRIVE, _STEP, _EXPIRE = 0, 1, 2
+_ARRIVE, _STEP, _EXPIRE, _RELEASE = 0, 1, 2, 3
 
 
 @dataclass
@@ -64,6 +64,8 @@ class SimRun:
     duration_s: float
     steps: int
     decisions: int
+    replicas: int = 0  # one-token copies the policy sent (hot-prefix replication)
+    held: int = 0  # requests the policy held until their prefix's first request had a token
 
 
 @dataclass(slots=True)
@@ -78,6 +80,9 @@ class _Live:
     prefill_tokens: int = 0
     blocks: int = 0  # KV blocks reserved by the router for this request
     dispatched: float = 0.0
+    replica: bool = False  # a router-made one-token copy (hot-prefix replication), not a user's
+    ended: bool = False  # finished (or failed) on its worker
+    sreq: Any = None  # the engine request while held (follower hold), else None
 
 
 def engine_api():
@@ -215,6 +220,8 @@ def simulate(
         order.clear()
 
     queue: deque[_Live] = deque()
+    counts = {"replicas": 0, "held": 0}
+    held: dict[str, list[_Live]] = {}  # leader request id -> requests held until its 1st token
     done = 0
     steps = decisions = 0
     now = 0.0
@@ -290,23 +297,59 @@ def simulate(
             finish(lv, REJECTED, t, d.never_fits or d.reason)
             return True
         w = d.worker_id
+        lead = by_id.get(d.after) if d.after is not None else None
+        hold = lead is not None and lead.worker is not None and lead.first is None
+        hold = hold and not lead.ended
+        if not dispatch(lv, w, lv.req.max_tokens, lv.req.request_id, overlaps, t, not hold):
+            return True
+        if hold:  # sent when the leader has its first token (or ended, or hold_s passed)
+            held.setdefault(d.after, []).append(lv)
+            counts["held"] += 1
+            push(t + d.hold_s, _RELEASE, (d.after, lv))
+        lv.result.worker = w
+        for rw in d.replicate_to:  # hot-prefix replication: a one-token copy, like the router
+            rid = f"{req.request_id}~replica~{rw}"
+            rep = _Live(req, RequestResult(rid, prompt_tokens=req.prompt_tokens), lv.keys)
+            rep.replica = True
+            if dispatch(rep, rw, 1, rid, overlaps, t):
+                by_id[rid] = rep
+                counts["replicas"] += 1
+        return True
+
+    def dispatch(
+        lv: _Live,
+        w: str,
+        max_tokens: int,
+        rid: str,
+        overlaps: dict[str, int],
+        t: float,
+        send: bool = True,
+    ) -> bool:
+        """Hand ``lv`` to engine ``w`` (unless ``send`` is False: held, sent by :func:`release`)
+        and count it there like the router does; False (and the request finished as rejected,
+        unless a replica) when the engine refuses it."""
+        req = lv.req
         sreq = eng_mod.SimRequest(
-            request_id=req.request_id,
+            request_id=rid,
             prompt_token_ids=req.token_ids(),
-            max_tokens=req.max_tokens,
+            max_tokens=max_tokens,
             arrival_time=t,
             prompt_block_keys=lv.keys,  # hashed once above; the engine checks they fit
         )
-        try:
-            engines[w].add_request(sreq, t)
-        except eng_mod.AdmissionError as exc:
-            finish(lv, REJECTED, t, str(exc))
-            return True
+        if send:
+            try:
+                engines[w].add_request(sreq, t)
+            except eng_mod.AdmissionError as exc:
+                if not lv.replica:
+                    finish(lv, REJECTED, t, str(exc))
+                return False
+        else:
+            lv.sreq = sreq
         st = states[w]
         st.inflight += 1
         uncached = max(0, req.prompt_tokens - overlaps.get(w, 0) * bs)
         st.pending_prefill_tokens += uncached
-        need = max(0, blocks_needed(req.prompt_tokens, req.max_tokens, bs) - overlaps.get(w, 0))
+        need = max(0, blocks_needed(req.prompt_tokens, max_tokens, bs) - overlaps.get(w, 0))
         lv.prefill_tokens = uncached
         lv.blocks = need
         lv.dispatched = t
@@ -314,10 +357,41 @@ def simulate(
         reserved_since[w] += need
         update_free(w)
         lv.worker = w
-        lv.result.worker = w
-        if not busy[w]:
+        if send and not busy[w]:
             start_engine(w, t)
         return True
+
+    def release(lead_id: str, t: float, only: _Live | None = None) -> None:
+        """Send the requests held on ``lead_id`` (or just ``only``, at its hold deadline)."""
+        group = held.get(lead_id)
+        if not group:
+            return
+        go = group if only is None else [x for x in group if x is only]
+        if only is None:
+            del held[lead_id]
+        else:
+            group.remove(only)
+            if not group:
+                del held[lead_id]
+        for lv in go:
+            sreq, lv.sreq = lv.sreq, None
+            sreq.arrival_time = t
+            w = lv.worker
+            try:
+                engines[w].add_request(sreq, t)
+            except eng_mod.AdmissionError as exc:  # undo what dispatch counted
+                st = states[w]
+                st.inflight -= 1
+                st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - lv.prefill_tokens)
+                reserved[w] -= lv.blocks
+                if lv.dispatched >= sampled_at:
+                    reserved_since[w] -= lv.blocks
+                update_free(w)
+                lv.ended = True
+                finish(lv, REJECTED, t, str(exc))
+                continue
+            if not busy[w]:
+                start_engine(w, t)
 
     def drain_queue(t: float) -> None:
         while queue:
@@ -346,6 +420,10 @@ def simulate(
                 push(t + opts.queue_timeout_s + 1e-9, _EXPIRE, None)
         elif kind == _EXPIRE:
             drain_queue(t)
+        elif kind == _RELEASE:
+            lead_id, lv = payload
+            if lv is None or lv.sreq is not None:
+                release(lead_id, t, lv)
         else:
             w, out = payload
             for ev in out.kv_events:
@@ -364,7 +442,12 @@ def simulate(
                     continue
                 if lv.first is None:
                     lv.first = t
-                    lv.result.ttft_s = t - lv.result.send_s
+                    if rid in held:
+                        # after this engine's next step has started: the live router learns
+                        # of the token from the stream, and the engine does not wait for it
+                        push(t, _RELEASE, (rid, None))
+                    if not lv.replica:
+                        lv.result.ttft_s = t - lv.result.send_s
                     st.pending_prefill_tokens = max(
                         0, st.pending_prefill_tokens - lv.prefill_tokens
                     )
@@ -386,6 +469,12 @@ def simulate(
                     st.pending_prefill_tokens = max(
                         0, st.pending_prefill_tokens - lv.prefill_tokens
                     )
+                lv.ended = True
+                if fin.request_id in held:
+                    push(t, _RELEASE, (fin.request_id, None))
+                if lv.replica:
+                    del by_id[fin.request_id]
+                    continue
                 r = lv.result
                 r.prompt_tokens = fin.prompt_tokens
                 r.cached_tokens = fin.cached_tokens
@@ -420,4 +509,6 @@ def simulate(
         duration_s=now,
         steps=steps,
         decisions=decisions,
+        replicas=counts["replicas"],
+        held=counts["held"],
     )

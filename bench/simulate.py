@@ -102,6 +102,7 @@ def _run_one(label: str, spec: dict[str, Any], progress=None) -> dict[str, Any]:
         "router": "kvgate",
         "policy": spec,
         "summary": summary,
+        "router_actions": {"replicas": run.replicas, "held": run.held},
         "sim": {
             "wall_s": wall,
             "virtual_s": run.duration_s,

@@ -381,3 +381,102 @@ def test_router_state_gives_the_policy_its_first_token_times() -> None:
     assert w.first_token_at == 2.5
     st.release(t)
     assert w.inflight == 0 and w.first_token_at == 2.5
+
+
+def _hot_cluster(**params) -> tuple[dict[str, WorkerState], PrefixIndex, list[int], object]:
+    """8 workers; w0 holds a prefix (in the index) and is busier than the rest."""
+    ws = workers(8)
+    index = PrefixIndex()
+    prefix = [11] * 1024
+    index.apply_stored("w0", block_keys(prefix, 16))
+    ws["w0"].inflight = 2
+    return ws, index, prefix, build_policy({"name": "kv_aware", "params": params})
+
+
+def test_a_hot_prefix_is_copied_by_one_token_replicas_not_by_user_requests() -> None:
+    ws, index, prefix, p = _hot_cluster()
+    keys = _keys(prefix, 0)
+    d = decide(
+        p, RequestInfo("r0", "m", 1088, 16, keys), ClusterSnapshot(ws), index.find_matches(keys)
+    )
+    # all recent traffic wants this prefix: it deserves every worker, so the 7 others get a
+    # copy now, and the user request stays where the prefix already is
+    assert set(d.replicate_to) == set(ws) - {"w0"}
+    assert d.worker_id == "w0" and d.cached_tokens == 1024
+    for w in d.replicate_to:  # the caller counts the copies on their workers
+        ws[w].inflight += 1
+        ws[w].pending_prefill_tokens += 1088
+    ws["w0"].inflight += 1
+    keys = _keys(prefix, 1)
+    d = decide(
+        p, RequestInfo("r1", "m", 1088, 16, keys), ClusterSnapshot(ws), index.find_matches(keys)
+    )
+    assert d.replicate_to == ()  # the copies in flight count as holders: none twice
+
+
+def test_without_replication_a_user_request_spreads_the_hot_prefix() -> None:
+    ws, index, prefix, p = _hot_cluster(replicate=False)
+    keys = _keys(prefix, 0)
+    d = decide(
+        p, RequestInfo("r0", "m", 1088, 16, keys), ClusterSnapshot(ws), index.find_matches(keys)
+    )
+    assert d.replicate_to == () and d.worker_id != "w0" and d.cached_tokens == 0
+
+
+def test_idle_holders_copy_nothing() -> None:
+    """An idle cluster (e.g. a router that just restarted, its demand window empty) does not
+    copy the first prefix it sees to every worker."""
+    ws, index, prefix, p = _hot_cluster()
+    ws["w0"].inflight = 0
+    keys = _keys(prefix, 0)
+    d = decide(
+        p, RequestInfo("r0", "m", 1088, 16, keys), ClusterSnapshot(ws), index.find_matches(keys)
+    )
+    assert d.replicate_to == () and d.worker_id == "w0"
+
+
+def _leader_and_followers(idle: bool, **params) -> list:
+    """Two workers, both busy unless ``idle``; three requests for one new prefix in a row, each
+    counted on its worker by the caller; the index never hears of the prefix."""
+    ws = workers(2)
+    ws["w0"].inflight = 0 if idle else 1
+    ws["w1"].inflight = 4
+    ws["w1"].pending_prefill_tokens = 9000
+    p = build_policy({"name": "kv_aware", "params": params})
+    out = []
+    for i in range(3):
+        r = RequestInfo(f"r{i}", "m", 2112, 16, _keys([3] * 2048, i))
+        d = decide(p, r, ClusterSnapshot(ws), {})
+        assert d.worker_id == "w0", d.scores
+        ws["w0"].inflight += 1
+        ws["w0"].pending_prefill_tokens += 2112 - d.cached_tokens
+        out.append(d)
+    return out
+
+
+def test_followers_of_a_prefix_still_computing_wait_for_its_first_token() -> None:
+    lead, f1, f2 = _leader_and_followers(idle=False)
+    assert lead.after is None
+    # both followers wait for the request that computes the prefix (not for each other)
+    assert f1.after == "r0" and f2.after == "r0"
+    assert f1.hold_s == f2.hold_s == 5.0
+
+
+def test_no_hold_behind_a_leader_that_started_at_once_or_when_disabled() -> None:
+    assert all(d.after is None for d in _leader_and_followers(idle=True))
+    assert all(d.after is None for d in _leader_and_followers(idle=False, hold_followers=False))
+
+
+def test_no_hold_once_the_index_shows_the_prefix() -> None:
+    ws = workers(2)
+    ws["w0"].inflight = 1
+    ws["w1"].inflight = 4
+    ws["w1"].pending_prefill_tokens = 9000
+    p = build_policy({"name": "kv_aware"})
+    d = decide(p, RequestInfo("r0", "m", 2112, 16, _keys([3] * 2048, 0)), ClusterSnapshot(ws), {})
+    assert d.worker_id == "w0"
+    # the leader's KV events arrived: the prefix is computed there
+    d = decide(
+        p, RequestInfo("r1", "m", 2112, 16, _keys([3] * 2048, 1)), ClusterSnapshot(ws), {"w0": 128}
+    )
+    assert d.worker_id == "w0" and d.after is None

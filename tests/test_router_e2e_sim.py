@@ -128,13 +128,18 @@ async def test_shared_system_prompt_live(nats_url, subjects, bus: Bus, policy: s
     try:
         await router.wait_workers(4, timeout=20)
         r = router.router
+        copies = M.REPLICAS.labels("ok")._value.get()
         used = await _run_shared_prompt(router, 64, 16)
+        copies = M.REPLICAS.labels("ok")._value.get() - copies
         top = used.most_common(1)[0][1] / sum(used.values())
         if policy == "prefix":
             assert top >= 0.9, used  # the hot spot
         else:
             # all 4 busy; the first holder keeps more (its cache is warm), but not everything
             assert len(used) == 4 and min(used.values()) >= 0.1 * sum(used.values()), used
+            # the prompt went to the other workers as one-token replicas, answered
+            assert copies >= 1
+            assert len(r.waits) == 0  # every dispatched request was marked done
         # reported by the workers' engines (ground truth), over the whole prompt
         assert r.hit_reported.prompt > 0
         assert r.hit_reported.cached / r.hit_reported.prompt >= 0.6, (
@@ -222,3 +227,45 @@ async def test_lora_requests_route_with_the_adapters_key_space(
         await shutdown(
             ("router", router.stop()), ("indexer", indexer.stop()), ("sims", sims.stop()), each_s=10
         )
+
+
+@pytest.mark.slow
+async def test_a_follower_is_held_until_its_prefix_is_computed(
+    nats_url, subjects, bus: Bus
+) -> None:
+    """Both workers busy decoding; request ``lead`` brings a new 1024-token prefix to one of
+    them and waits for the running step to end. ``follow`` (same prefix, another question)
+    comes right after: sent at once, the engine would start both in one step and compute the
+    prefix twice. The router holds it until ``lead``'s first token, so the engine reports the
+    whole prefix cached for it."""
+    sims = await SimCluster(nats_url, subjects, 2, speedup=0.05).start()
+    router = await RouterProc(nats_url, subjects, policy="kv_aware").start()
+    prefix = "".join(chr(97 + (i * 7) % 26) for i in range(1024))  # 1024 tokens = 64 blocks
+    try:
+        await router.wait_workers(2, timeout=20)
+        r = router.router
+        held = M.HOLDS.labels("token")._value.get()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+
+            async def post(rid: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
+                body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens}
+                headers = {"x-request-id": rid}
+                async with s.post(router.url + "/v1/completions", json=body, headers=headers) as x:
+                    assert x.status == 200, await x.text()
+                    return x.headers["x-kvgate-worker"], (await x.json())["usage"]
+
+            busy = [asyncio.create_task(post(f"busy-{i}", f"keep busy {i}", 40)) for i in range(2)]
+            await wait_until(
+                lambda: all(w.inflight >= 1 for w in r.state.states.values()), what="both busy"
+            )
+            lead = asyncio.create_task(post("lead", prefix + " first question", 2))
+            await wait_until(lambda: r.waits.pending("lead"), what="lead dispatched")
+            w_follow, usage = await post("follow", prefix + " second question", 2)
+            w_lead, _ = await lead
+            await asyncio.gather(*busy)
+        assert w_follow == w_lead
+        assert M.HOLDS.labels("token")._value.get() == held + 1
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 1024
+        assert len(r.waits) == 0
+    finally:
+        await shutdown(("router", router.stop()), ("sims", sims.stop()), each_s=10)

@@ -144,3 +144,45 @@ def test_kvgate_simulate_command_writes_report(tmp_path, capsys):
     assert (out / "ttft_cdf.png").is_file() and (out / "results.md").is_file()
     assert "| `kv_aware` |" in capsys.readouterr().out
     assert kvgate(["simulate", "-w", "mooncake", "--no-progress"]) == 2  # no trace path
+
+
+def test_replicas_copy_the_shared_prompt_so_no_user_request_computes_it_cold():
+    """Seed 000 at the documented shape (scaled down): ``kv_aware`` copies the hot system prompt
+    to the other workers with one-token replicas, so only the first request ever computes it;
+    without replication, every new holder is made by a user request that computes it."""
+    w = build_workload(
+        "shared-system-prompt",
+        {"num_requests": 300, "rate": 15, "output_len": 32, "warmup_s": 3, "seed": 0},
+    )
+    prompt = 2048
+    cold = {}
+    for replicate in (True, False):
+        spec = {"name": "kv_aware", "params": {"replicate": replicate}}
+        run = simulate(w.requests, spec, SimOptions(num_workers=8, speedup=0.05))
+        assert all(r.status == OK for r in run.results)
+        cold[replicate] = sorted(r.request_id for r in run.results if r.cached_tokens < prompt)
+        assert run.replicas == (7 if replicate else 0)
+        assert len({r.worker for r in run.results}) == 8
+    assert cold[True] == ["ssp-0"]  # the warm-up request, before any traffic
+    assert len(cold[False]) == 8
+
+
+def test_held_followers_reach_the_infinite_cache_bound():
+    """Generated shared prefix, 32 groups: a group's second request arriving while its first
+    still waits in the holder's queue would start in the same engine step and compute the
+    prefix again; held until the first's first token, it hits, and the hit rate is the
+    workload's infinite-cache bound."""
+    w = build_workload(
+        "generated-shared-prefix",
+        {"groups": 32, "prompts_per_group": 16, "output_len": 32, "rate": 10, "seed": 0},
+    )
+    bound = infinite_cache_hit_rate(w.requests, 16)
+    rates = {}
+    for hold in (True, False):
+        spec = {"name": "kv_aware", "params": {"hold_followers": hold}}
+        run = simulate(w.requests, spec, SimOptions(num_workers=8, speedup=0.1))
+        assert all(r.status == OK for r in run.results)
+        rates[hold] = run.cache.hits / run.cache.queries
+        assert (run.held > 0) is hold
+    assert rates[True] == pytest.approx(bound, abs=1e-9)
+    assert rates[False] < bound - 0.001  # seed 0 has same-step duplicates without the hold

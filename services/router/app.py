@@ -47,6 +47,7 @@ from services.router import metrics as M
 from services.router import sse
 from services.router.breaker import STATE_VALUE, Breaker
 from services.router.canary import PolicySet, spec_of
+from services.router.holds import FirstTokenWaits
 from services.router.index_feed import make_index_source
 from services.router.policy import (
     Decision,
@@ -56,8 +57,15 @@ from services.router.policy import (
     build_policy,
     decide,
 )
-from services.router.policy.types import ClusterSnapshot
-from services.router.proxy import Ctx, StreamBroken, WorkerFailed, read_error, upstream_body
+from services.router.policy.types import ClusterSnapshot, replica_id
+from services.router.proxy import (
+    Ctx,
+    StreamBroken,
+    WorkerFailed,
+    read_error,
+    replica_body,
+    upstream_body,
+)
 from services.router.state import ClusterState, Ticket
 from services.router.tokenize import BadRequest, Parsed, RequestParser
 from services.router.upstream import FastClient, UpstreamError
@@ -122,6 +130,7 @@ class Router:
         self.hit_reported = M.HitRate("reported")
         self.policy_applied = asyncio.Event()  # set on each applied policy.updated (tests)
         self.fast = FastClient(st.connect_timeout)
+        self.waits = FirstTokenWaits()  # follower holds (Decision.after)
         self._t_stream = aiohttp.ClientTimeout(
             total=None, sock_connect=st.connect_timeout, sock_read=st.stream_idle_timeout
         )
@@ -630,7 +639,7 @@ class Router:
         try:
             while True:
                 td = time.perf_counter()
-                d, _ = self.decide_for(
+                d, ctx.overlaps = self.decide_for(
                     ctx.parsed, ctx.request_id, ctx.session_id, ctx.arm.policy, ctx.excluded
                 )
                 M.DECISION.observe(time.perf_counter() - td)
@@ -715,7 +724,12 @@ class Router:
                 wid, len(ctx.parsed.token_ids), ctx.parsed.max_tokens, d.cached_tokens, time.time()
             )
             self._mark_load_dirty()
+            self.waits.sent(ctx.request_id)
+            for rw in d.replicate_to:
+                self._spawn(self._replicate(ctx, rw))
             try:
+                if d.after is not None:
+                    await self._hold(d.after, d.hold_s)
                 return await self._send(request, ctx, ticket)
             except WorkerFailed as exc:
                 last_error = exc.reason
@@ -741,9 +755,68 @@ class Router:
                     reason=exc.reason,
                 )
             finally:
+                self.waits.done(ctx.request_id)
                 self.state.release(ticket)
                 self._mark_load_dirty()
                 self._notify_capacity()
+
+    def _first_token(self, ctx: Ctx, ticket: Ticket) -> None:
+        if ticket.prefilling:
+            self.state.first_token(ticket, time.monotonic())
+            self.waits.done(ctx.request_id)
+
+    async def _hold(self, after: str, hold_s: float) -> None:
+        """Follower hold: wait for ``after``'s first token (it computes the prefix this request
+        needs on the same worker) so the engine does not start both in one step."""
+        t0 = time.perf_counter()
+        outcome = await self.waits.wait(after, hold_s)
+        if outcome != "none":
+            M.child(M.HOLDS, outcome).inc()
+            M.HOLD_SECONDS.observe(time.perf_counter() - t0)
+
+    async def _replicate(self, ctx: Ctx, wid: str) -> None:
+        """Hot-prefix replication: a one-token copy of the request to ``wid``, counted there
+        like any request, so that worker computes the prefix before users need it there.
+        Best effort: a failure is counted and logged, the user's request is unaffected."""
+        s = self.state.states.get(wid)
+        if s is None or self.session is None:
+            M.child(M.REPLICAS, "skipped").inc()
+            return
+        rid = replica_id(ctx.request_id, wid)
+        cached = min(ctx.overlaps.get(wid, 0) * s.capacity.block_size, len(ctx.parsed.token_ids))
+        ticket = self.state.reserve(wid, len(ctx.parsed.token_ids), 1, cached, time.time())
+        self._mark_load_dirty()
+        self.waits.sent(rid)
+        body = replica_body(ctx)
+        headers = {"x-request-id": rid}
+        outcome = "ok"
+        try:
+            if s.url.startswith("http://"):
+                resp = await self.fast.post(s.url, ctx.path, body, headers, self.st.request_timeout)
+                status = resp.status
+            else:
+                async with self.session.post(
+                    s.url + ctx.path,
+                    data=body,
+                    headers={"Content-Type": "application/json", **headers},
+                    timeout=self._t_whole,
+                ) as r:
+                    await r.read()
+                    status = r.status
+            if status >= 400:
+                outcome = "error"
+                log.warning("replica failed", request_id=rid, worker=wid, status=status)
+            else:
+                self.state.first_token(ticket, time.monotonic())
+        except (UpstreamError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            outcome = "error"
+            log.warning("replica failed", request_id=rid, worker=wid, error=str(exc))
+        finally:
+            M.child(M.REPLICAS, outcome).inc()
+            self.waits.done(rid)
+            self.state.release(ticket)
+            self._mark_load_dirty()
+            self._notify_capacity()
 
     def _headers(self, ctx: Ctx, wid: str) -> dict[str, str]:
         return {
@@ -828,7 +901,7 @@ class Router:
             self._breaker_success(wid)
             if status >= 400:
                 ctx.status = "error"
-        self.state.first_token(ticket, time.monotonic())
+        self._first_token(ctx, ticket)
         ctx.http_status = status
         if status < 400:
             try:
@@ -852,7 +925,7 @@ class Router:
             raise WorkerFailed(wid, f"response broken: {type(exc).__name__}") from exc
         finally:
             resp.release()
-        self.state.first_token(ticket, time.monotonic())
+        self._first_token(ctx, ticket)
         self._breaker_success(wid)
         ctx.http_status = resp.status
         if resp.status >= 400:
@@ -939,7 +1012,7 @@ class Router:
                 if info.text and ctx.ttft is None:
                     ctx.ttft = time.perf_counter() - ctx.t0
                 if info.text:
-                    self.state.first_token(ticket, time.monotonic())
+                    self._first_token(ctx, ticket)
                 ctx.generated += info.text
                 if reframe:
                     chunk = sse.as_client_chunk(info, chat, ctx.template)

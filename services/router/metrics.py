@@ -53,6 +53,19 @@ OUTCOMES_DROPPED = Counter(
     "kvgate_router_outcomes_dropped_total", "Outcome messages not published", ["reason"]
 )
 POLICY_UPDATES = Counter("kvgate_router_policy_updates_total", "policy.updated notices", ["result"])
+REPLICAS = Counter(
+    "kvgate_router_replicas_total",
+    "One-token copies of requests sent to copy a hot prefix to more workers",
+    ["outcome"],
+)
+HOLDS = Counter(
+    "kvgate_router_follower_holds_total",
+    "Requests held until the request computing their prefix had its first token",
+    ["outcome"],
+)
+HOLD_SECONDS = Histogram(
+    "kvgate_router_follower_hold_seconds", "Time requests were held", buckets=LAT_BUCKETS
+)
 INFLIGHT = Gauge("kvgate_router_inflight", "Requests in flight through this router")
 WORKERS = Gauge("kvgate_router_workers", "Routable workers")
 

@@ -70,6 +70,7 @@ class Ctx:
     template: dict[str, Any] | None = None  # first chunk the client got (ids for re-framing)
     client_wants_usage: bool = False
     out: web.StreamResponse | None = None
+    overlaps: dict[str, int] = field(default_factory=dict)  # of the last decision
 
 
 def upstream_body(ctx: Ctx, migrate: bool, max_tokens: int | None = None) -> bytes:
@@ -94,6 +95,17 @@ def upstream_body(ctx: Ctx, migrate: bool, max_tokens: int | None = None) -> byt
             body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
             return sse._encode(body)
     return b""  # empty: send the client's original bytes
+
+
+def replica_body(ctx: Ctx) -> bytes:
+    """A one-token, non-streaming copy of the client's request (hot-prefix replication): the
+    worker computes the same prompt, so it holds the prefix afterwards."""
+    body = {k: v for k, v in ctx.parsed.body.items() if k not in ("stream_options", "n")}
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    return sse._encode(body)
 
 
 async def read_error(resp: aiohttp.ClientResponse) -> bytes:

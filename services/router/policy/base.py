@@ -52,6 +52,12 @@ class PolicyState:
     counter: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     now: float = 0.0  # the snapshot's clock at the current decision (set by :func:`decide`)
+    # workers a policy asks to receive a one-token copy of the current request (set by
+    # ``costs``/``pick``, read and cleared by :func:`decide`)
+    replicate_to: tuple[str, ...] = ()
+    # request the current one should wait for (its first token) and for how long at most
+    after: str | None = None
+    hold_s: float = 0.0
 
 
 class PolicyImpl:
@@ -173,9 +179,16 @@ def decide(
             filtered=filtered,
             policy=policy.name,
         )
-    policy.state.now = snapshot.now
-    costs = impl.costs(request, cands, overlaps, policy.state)
-    wid = impl.pick(costs, policy.state)
+    state = policy.state
+    state.now = snapshot.now
+    state.replicate_to = ()
+    state.after = None
+    costs = impl.costs(request, cands, overlaps, state)
+    wid = impl.pick(costs, state)
+    replicas = tuple(w for w in state.replicate_to if w != wid)
+    after, hold_s = state.after, state.hold_s
+    state.replicate_to = ()
+    state.after = None
     ov = overlaps.get(wid, 0)
     bs = snapshot.workers[wid].capacity.block_size
     return Decision(
@@ -186,4 +199,7 @@ def decide(
         overlap_blocks=ov,
         cached_tokens=min(ov * bs, request.prompt_tokens),
         policy=policy.name,
+        replicate_to=replicas,
+        after=after,
+        hold_s=hold_s if after is not None else 0.0,
     )

@@ -14,6 +14,8 @@ Invariants:
   decisions. A caller without a clock leaves both at their defaults (0.0 / None): policies then
   get no elapsed time and fall back to clock-free estimates.
 - Costs in a :class:`Decision` are "lower is better" and comparable only within one decision.
+- ``Decision.replicate_to`` never contains the chosen worker, and is empty unless a worker was
+  chosen.
 """
 
 from __future__ import annotations
@@ -96,3 +98,18 @@ class Decision:
     overlap_blocks: int = 0  # chosen worker's matched blocks
     cached_tokens: int = 0  # predicted cached prompt tokens on the chosen worker
     policy: str = ""
+    # hot-prefix replication: workers that should also get a one-token copy of this request
+    # now (it computes the prompt there, so that worker holds the prefix before any user
+    # request needs it); the caller sends it and counts it on the worker like any request
+    replicate_to: tuple[str, ...] = ()
+    # follower hold: send this request only once request ``after`` (in flight on the chosen
+    # worker, computing the prefix this one needs) has its first token, has ended, or
+    # ``hold_s`` seconds have passed; at once when ``after`` is not in flight. Engines compute
+    # a prefix twice when two requests for it start in the same step.
+    after: str | None = None
+    hold_s: float = 0.0
+
+
+def replica_id(request_id: str, worker_id: str) -> str:
+    """The request id of the one-token copy of ``request_id`` sent to ``worker_id``."""
+    return f"{request_id}~replica~{worker_id}"

@@ -51,6 +51,25 @@ Spreading credits every non-holder with ``spread_credit`` of the prefix (it will
 this request), so the least-loaded one takes the request at once and becomes a holder. New
 prefixes (no match) go to the least-loaded worker by the cost formula.
 
+**Hot-prefix replication** (``replicate``, on by default; needs ``routed_ttl`` > 0). A prefix
+that is hot by its own demand (the first rule) is not spread by user requests: the decision
+names the least-loaded non-holders it needs (``ceil(share x N - hot_margin)`` workers in all,
+counting the workers already sent it) in ``Decision.replicate_to``, and the caller sends each a
+one-token copy of this request beside it. The copies compute the prefix there; no user request
+waits for a cold prefill of it, and the user requests go wherever the costs say (a worker still
+computing its copy counts that compute as queued). Like spreading, it waits until the holder
+is busier than the least loaded by ``spread_margin`` and until the prefix has
+``replicate_min_requests`` requests in the window.
+
+**Follower hold** (``hold_followers``, on by default; needs ``routed_ttl`` > 0). When the
+chosen worker is credited with the prefix only by routed memory (the index does not show it
+yet), the request that computes it there (the *leader*: the first this policy sent there, or
+its replica) is still computing it, or waiting to. An engine that starts the leader and this
+request in the same step computes the prefix twice (vLLM does; sglang-router's workers have
+the same copies in our runs). So the decision says ``after=<leader>``: the caller holds this
+request until the leader's first token (at most ``hold_max_s``) and then sends it, to find the
+prefix computed. A leader sent to an idle worker started at once, so nothing waits for it.
+
 ``uncached_weight`` (default 2) counts this request's uncached prompt tokens twice: leaving a
 holder costs the copy's compute *and* splits the prefix's later hits. Ties (e.g. workers all
 computing the same cold prefix) go to the worker whose queued prefill is oldest.
@@ -64,19 +83,21 @@ holder still computing it (the clock says when it will be done). The hot-prefix 
 looks at the index only. The per-worker cap (``max_inflight``, default max_num_seqs) is enforced
 by admission.
 
-Invariant: state lives only in :class:`PolicyState` (``now`` and ``extra["kv_aware_*"]``:
-demand windows, decision tick, busy-since ticks, routed-prefix memory, prefill clock), updated
+Invariant: state lives only in :class:`PolicyState` (``now``, ``replicate_to`` / ``after`` for
+the decision in progress, and ``extra["kv_aware_*"]``: demand windows, decision tick,
+busy-since ticks, routed-prefix memory with each worker's leader, prefill clock), updated
 by :meth:`costs` / :meth:`pick` deterministically from their inputs, so the same inputs give
 the same decisions.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from services.router.policy.base import PolicyImpl, PolicyState, register
-from services.router.policy.types import RequestInfo, WorkerState
+from services.router.policy.types import RequestInfo, WorkerState, replica_id
 
 
 def _num(desc: str, default: float, maximum: float | None = None) -> dict:
@@ -310,6 +331,27 @@ class KvAware(PolicyImpl):
             "(seconds per token) that discounts a worker's queued prefill by the time elapsed",
             256,
         ),
+        "replicate": {
+            "type": "boolean",
+            "default": True,
+            "description": "a hot prefix (more workers' worth of demand than holders) is copied "
+            "to the workers it needs by one-token copies of the request, sent beside it, "
+            "instead of by spreading user requests to workers that must first compute it",
+        },
+        "replicate_min_requests": _int(
+            "requests for a prefix in the demand window before it may be replicated (raise it "
+            "if a router restart, with an empty window, copies prefixes for nothing)",
+            1,
+        ),
+        "hold_followers": {
+            "type": "boolean",
+            "default": True,
+            "description": "hold a request that follows a prefix this policy just sent to the "
+            "chosen worker (not yet in the index) until that prefix's first request there has "
+            "its first token (engines compute a prefix twice when two requests for it start "
+            "in the same step)",
+        },
+        "hold_max_s": _num("longest a follower is held (seconds)", 5.0),
         "progress_slack": {
             "type": "number",
             "minimum": 1,
@@ -336,6 +378,7 @@ class KvAware(PolicyImpl):
 
     def _with_routed(
         self,
+        rid: str,
         keys: tuple[int, ...],
         cands: list[WorkerState],
         ovs: list[int],
@@ -345,23 +388,26 @@ class KvAware(PolicyImpl):
         """Overlaps raised by where this router recently *sent* the same prefix (its KV events
         may not have reached the index yet: the first request of a group is still computing
         it). Remembers the block key at every ``ROUTED_STRIDE``-th block and the last one."""
-        mem: dict[int, dict[str, int]] = state.extra.setdefault("kv_aware_routed", {})
+        mem: dict[int, dict[str, tuple[int, str]]] = state.extra.setdefault("kv_aware_routed", {})
         n = len(keys)
         depths = list(range(n - n % ROUTED_STRIDE, 0, -ROUTED_STRIDE))
         if n % ROUTED_STRIDE:
             depths.insert(0, n)
-        state.extra["kv_aware_last"] = (keys, depths, tick)
+        state.extra["kv_aware_last"] = (keys, depths, tick, rid)
         ttl = self.p["routed_ttl"]
         floor = self.p["hot_min_blocks"]
         routed: dict[str, int] = {}
+        leaders: dict[str, str] = {}
+        state.extra["kv_aware_leaders"] = leaders
         for d in depths:
             if d < floor:
                 break
             e = mem.get(keys[d - 1])
             if e is not None:
-                for wid, at in e.items():
+                for wid, (at, lead) in e.items():
                     if tick - at <= ttl and wid not in routed:
                         routed[wid] = d
+                        leaders[wid] = lead
         if not routed:
             return ovs
         return [max(o, routed.get(w.worker_id, 0)) for w, o in zip(cands, ovs, strict=True)]
@@ -378,30 +424,75 @@ class KvAware(PolicyImpl):
     def pick(self, costs: dict[str, float], state: PolicyState) -> str:
         wid = super().pick(costs, state)
         last = state.extra.pop("kv_aware_last", None)
+        leaders = state.extra.pop("kv_aware_leaders", None)
+        disp = state.extra.pop("kv_aware_dispatch", None)
         if last is not None:
-            keys, depths, tick = last
-            mem: dict[int, dict[str, int]] = state.extra["kv_aware_routed"]
+            keys, depths, tick, rid = last
+            ttl = self.p["routed_ttl"]
+            # a request sent to an idle worker starts its prefill at once: nobody need wait
+            # for it ("" = no leader to wait for)
+            idle = {w.worker_id for w in disp[0] if w.inflight == 0} if disp else set()
+            mem: dict[int, dict[str, tuple[int, str]]] = state.extra["kv_aware_routed"]
+            sent = [(wid, rid)]
+            sent += [(rw, replica_id(rid, rw)) for rw in state.replicate_to if rw != wid]
+            sent = [(w, "" if w in idle else r) for w, r in sent]
             for d in depths:
                 k = keys[d - 1]
                 e = mem.get(k)
                 if e is None:
-                    mem[k] = {wid: tick}
-                else:
-                    e[wid] = tick
+                    e = mem[k] = {}
+                for w, r in sent:
+                    old = e.get(w)
+                    # the leader (the request that computes the prefix there) stays the leader
+                    e[w] = (tick, old[1] if old is not None and tick - old[0] <= ttl else r)
             # oldest-inserted keys go first (a prefix still in use is re-added at its next pick)
             while len(mem) > ROUTED_MAX_KEYS:
                 del mem[next(iter(mem))]
-        disp = state.extra.pop("kv_aware_dispatch", None)
         if disp is not None:
-            cands, idx, ovs, prompt = disp
+            cands, idx, ovs, prompt, extra = disp
+            clock = self._clock(state)
             for w, i, o in zip(cands, idx, ovs, strict=True):
+                bs = w.capacity.block_size
                 if w.worker_id == wid:
-                    bs = w.capacity.block_size
-                    self._clock(state).dispatched(
+                    lead = leaders.get(wid) if leaders and self.p["hold_followers"] else None
+                    # a follower of a prefix this policy sent here that the index does not show
+                    # yet: its leader is computing it or waiting to; sent now, it may start in
+                    # the leader's step and compute the prefix a second time
+                    if lead and o > i:
+                        state.after = lead
+                        state.hold_s = self.p["hold_max_s"]
+                    clock.dispatched(
                         wid, state.now, max(0, prompt - i * bs), max(0, prompt - o * bs)
                     )
-                    break
+                elif w.worker_id in extra:  # a replica: it computes what it does not hold
+                    clock.dispatched(
+                        w.worker_id, state.now, max(0, prompt - i * bs), extra[w.worker_id]
+                    )
         return wid
+
+    def _plan_replicas(
+        self,
+        want: float,
+        best: int,
+        cands: list[WorkerState],
+        ovs: list[int],
+        state: PolicyState,
+    ) -> tuple[str, ...]:
+        """The non-holders a hot prefix is copied to now: as many as its demand (``want``
+        workers' worth) exceeds the workers that hold it or were just sent it (``ovs``, with
+        routed memory), the least loaded first."""
+        have = sum(1 for o in ovs if o >= best)
+        need = math.ceil(want) - have
+        if need <= 0:
+            return ()
+        dw = self.p["decode_weight"]
+        others = [
+            (self._queued(w, state) + dw * w.inflight, w.worker_id)
+            for w, o in zip(cands, ovs, strict=True)
+            if o < best
+        ]
+        others.sort()
+        return tuple(wid for _, wid in others[:need])
 
     def costs(
         self,
@@ -423,10 +514,12 @@ class KvAware(PolicyImpl):
         keys = req.block_keys
         ovs = idx
         if keys and p["routed_ttl"] > 0:
-            ovs = self._with_routed(keys, cands, idx, state, tick)
+            ovs = self._with_routed(req.request_id, keys, cands, idx, state, tick)
         best = max(idx)
         demand, hdemand = self._demand(state)
         spread_to = 0
+        replicas: tuple[str, ...] = ()
+        extra: dict[str, int] = {}
         if best >= p["hot_min_blocks"]:
             holders = [w for w, o in zip(cands, idx, strict=True) if o >= best]
             hids = tuple(w.worker_id for w in holders)
@@ -445,7 +538,18 @@ class KvAware(PolicyImpl):
                 busy_holder = hdemand.fraction(lead.worker_id) * n > p["hot_share"]
                 if pid is not None:
                     # a prefix wanted by more workers' worth of traffic than it has holders
-                    hot = demand.fraction(pid) * n > len(holders) + p["hot_margin"]
+                    want = demand.fraction(pid) * n - p["hot_margin"]
+                    hot = want > len(holders)
+                    if hot and p["replicate"] and p["routed_ttl"] > 0:
+                        # like spreading, only once the holders are busier than the least
+                        # loaded (an idle cluster, e.g. after a restart, copies nothing)
+                        if (
+                            excess >= p["spread_margin"]
+                            and demand.count.get(pid, 0) >= p["replicate_min_requests"]
+                        ):
+                            replicas = self._plan_replicas(want, best, cands, ovs, state)
+                        # it spreads by copies (or is about to), never by this request
+                        hot = False
                     spread = (hot and excess >= p["spread_margin"]) or (
                         busy_holder
                         and excess >= p["balance_margin"]
@@ -460,9 +564,20 @@ class KvAware(PolicyImpl):
         else:
             demand.add(None)
             hdemand.add(())
+        if replicas:
+            state.replicate_to = replicas
+            # the copies go out with this request: those workers will hold the prefix, after
+            # computing it (not yet in the clock: the caller adds them after this decision)
+            rep = set(replicas)
+            extra = {
+                w.worker_id: max(0, prompt - o * w.capacity.block_size)
+                for w, o in zip(cands, ovs, strict=True)
+                if w.worker_id in rep
+            }
+            ovs = [best if w.worker_id in rep else o for w, o in zip(cands, ovs, strict=True)]
         clock = self._clock(state)
         fifo = clock.fifo
-        state.extra["kv_aware_dispatch"] = (cands, idx, ovs, prompt)
+        state.extra["kv_aware_dispatch"] = (cands, idx, ovs, prompt, extra)
         # ties (e.g. workers each computing the same cold prefix) go to the worker whose queued
         # prefill is oldest: it started first, so it finishes first
         busy: dict[str, int] = state.extra.setdefault("kv_aware_busy", {})
@@ -484,6 +599,8 @@ class KvAware(PolicyImpl):
                     clock.observe(w, now)
             if ov < spread_to:
                 ov = spread_to
+            if extra:
+                queued += extra.get(wid, 0)
             cap = w.capacity
             cached = ov * cap.block_size
             uncached = prompt - cached if cached < prompt else 0
