@@ -114,6 +114,8 @@ async def test_health_models_and_debug_route_send_nothing(cluster) -> None:
         assert d["worker"] in {"w0", "w1", "w2"}
         assert set(d["scores"]) == {"w0", "w1", "w2"}
         assert d["filtered"]["x0"].startswith("serves")
+        # a new prompt on an idle cluster: no copies, nothing to wait for
+        assert d["replicate_to"] == [] and d["after"] is None and d["hold_s"] == 0.0
         async with s.get(
             router.url + "/debug/route", params={"prompt": "hello", "model": "other"}
         ) as r:
