@@ -361,6 +361,17 @@ def simulate(
             start_engine(w, t)
         return True
 
+    def uncount(lv: _Live, w: str) -> None:
+        """Undo what :func:`dispatch` counted on ``w`` (the request ended or was refused)."""
+        st = states[w]
+        st.inflight -= 1
+        reserved[w] -= lv.blocks
+        if lv.dispatched >= sampled_at:
+            reserved_since[w] -= lv.blocks
+        update_free(w)
+        if lv.first is None:  # no first token released its queued prefill
+            st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - lv.prefill_tokens)
+
     def release(lead_id: str, t: float, only: _Live | None = None) -> None:
         """Send the requests held on ``lead_id`` (or just ``only``, at its hold deadline)."""
         group = held.get(lead_id)
@@ -379,14 +390,8 @@ def simulate(
             w = lv.worker
             try:
                 engines[w].add_request(sreq, t)
-            except eng_mod.AdmissionError as exc:  # undo what dispatch counted
-                st = states[w]
-                st.inflight -= 1
-                st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - lv.prefill_tokens)
-                reserved[w] -= lv.blocks
-                if lv.dispatched >= sampled_at:
-                    reserved_since[w] -= lv.blocks
-                update_free(w)
+            except eng_mod.AdmissionError as exc:
+                uncount(lv, w)
                 lv.ended = True
                 finish(lv, REJECTED, t, str(exc))
                 continue
@@ -460,15 +465,7 @@ def simulate(
                 lv = by_id.get(fin.request_id)
                 if lv is None:
                     continue
-                st.inflight -= 1
-                reserved[w] -= lv.blocks
-                if lv.dispatched >= sampled_at:
-                    reserved_since[w] -= lv.blocks
-                update_free(w)
-                if lv.first is None:  # finished without a token (e.g. aborted)
-                    st.pending_prefill_tokens = max(
-                        0, st.pending_prefill_tokens - lv.prefill_tokens
-                    )
+                uncount(lv, w)
                 lv.ended = True
                 if fin.request_id in held:
                     push(t, _RELEASE, (fin.request_id, None))
