@@ -217,3 +217,33 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
             return
         time.sleep(0.05)
     raise TimeoutError(f"port {port} did not open")
+
+
+def _dump_pending_tasks(name: str) -> None:
+    """Print the stack of every unfinished asyncio task (called from a watchdog thread)."""
+    import gc
+    import sys
+
+    print(f"\n=== {name}: still running; pending asyncio tasks ===", file=sys.stderr)
+    for obj in gc.get_objects():
+        if isinstance(obj, asyncio.Task) and not obj.done():
+            print(f"--- {obj.get_name()} {obj.get_coro()!r}", file=sys.stderr)
+            with contextlib.suppress(Exception):
+                obj.print_stack(limit=12, file=sys.stderr)
+    sys.stderr.flush()
+
+
+@pytest.fixture(autouse=True)
+def _hang_report(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that runs into pytest-timeout shows only threads' stacks, and an async test's
+    are all in the event loop's select(): print the awaiting tasks' stacks a little before."""
+    import threading
+
+    limit = float(os.environ.get("KVGATE_TEST_HANG_REPORT_S", "170"))
+    timer = threading.Timer(limit, _dump_pending_tasks, args=(request.node.nodeid,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

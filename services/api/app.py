@@ -8,7 +8,6 @@ resync. None of them needs Postgres to be up when the API starts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from services.api.publisher import PolicyPublisher
 from services.api.routes import build_routes
 from services.api.tokens import TokenAuth
 from services.api.workers import ControlRepublisher, WorkerRegistry
+from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.service import metrics_handler
@@ -108,9 +108,7 @@ class ApiService:
 
     async def stop(self) -> None:
         if self._resync is not None:
-            self._resync.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._resync
+            await cancel_and_wait([self._resync])
         parts = [p for p in (self.evaluator, self.controls, self.alerts, self.collector) if p]
         await asyncio.gather(*(p.stop() for p in parts), return_exceptions=True)
         if self.ctx is not None:

@@ -19,6 +19,7 @@ from typing import Any
 import nats.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from services.common.aio import cancel_and_wait, wait_event
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 
@@ -75,9 +76,7 @@ class PullLoop:
         try:
             await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
         except (TimeoutError, asyncio.CancelledError):
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait([self._task])
         with contextlib.suppress(Exception):
             await self._psub.unsubscribe()
 
@@ -90,10 +89,7 @@ class PullLoop:
             except Exception as exc:  # disconnected, stream gone: back off and retry
                 if self._log.allow("fetch"):
                     log.warning("fetch failed", durable=self.durable, error=repr(exc))
-                try:
-                    await asyncio.wait_for(self._stopping.wait(), 0.5)
-                except TimeoutError:
-                    pass
+                await wait_event(self._stopping, 0.5)
                 continue
             for raw in msgs:
                 ok = False

@@ -11,7 +11,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from sqlalchemy import select
 
 from services.api.db import Database
 from services.api.models import WorkerControlState
+from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import WorkerControl, WorkerHeartbeat, WorkerLoad, to_builtins
@@ -154,9 +154,7 @@ class ControlRepublisher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
 
     async def once(self) -> int:
         states = await control_states(self.db)

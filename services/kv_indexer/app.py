@@ -29,6 +29,7 @@ from aiohttp import web
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
@@ -180,11 +181,7 @@ class IndexerService:
         self._flush()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._out.join(), timeout=2.0)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._psub is not None:
             with contextlib.suppress(Exception):

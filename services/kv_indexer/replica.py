@@ -24,6 +24,7 @@ from typing import Any
 import nats.errors
 from prometheus_client import Counter
 
+from services.common.aio import cancel_and_wait, wait_event
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
@@ -123,19 +124,14 @@ class IndexReplica:
         self._want.set()
         self._task = asyncio.create_task(self._sync_loop(), name="index-replica-sync")
         self._maint = asyncio.create_task(self._maintain_loop(), name="index-replica-maint")
-        with contextlib.suppress(TimeoutError):  # the first attempt's outcome, bounded
-            await asyncio.wait_for(self._attempted.wait(), timeout=self.start_timeout_s)
+        await wait_event(self._attempted, self.start_timeout_s)  # the first attempt's outcome
         if not self.ready.is_set():
             log.warning(
                 "no index snapshot yet; starting empty, will catch up", replica=self.replica_id
             )
 
     async def stop(self) -> None:
-        for task in (self._task, self._maint):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        await cancel_and_wait(t for t in (self._task, self._maint) if t is not None)
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
@@ -236,7 +232,8 @@ class IndexReplica:
             total = None
             while total is None or len(chunks) < total:
                 try:
-                    msg = await asyncio.wait_for(queue.get(), timeout=self.chunk_timeout_s)
+                    async with asyncio.timeout(self.chunk_timeout_s):
+                        msg = await queue.get()
                 except TimeoutError:
                     raise NoIndexer("no snapshot reply in time") from None
                 hdr = msg.headers or {}

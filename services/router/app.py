@@ -27,6 +27,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from services.common.aio import cancel_and_wait, wait_event
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
@@ -163,11 +164,7 @@ class Router:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -267,8 +264,7 @@ class Router:
     async def _load_publisher(self) -> None:
         """Publish this router's in-flight counts on change (coalesced) and every interval."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._load_dirty.wait(), self.st.load_interval)
+            await wait_event(self._load_dirty, self.st.load_interval)
             self._load_dirty.clear()
             if not self.bus.is_connected:
                 continue
@@ -706,8 +702,7 @@ class Router:
                         "rejected",
                         {"Retry-After": str(max(1, math.ceil(self.st.retry_after)))},
                     )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._cap_event.wait(), min(left, 0.5))
+                await wait_event(self._cap_event, min(left, 0.5))
         finally:
             if queued:
                 self.queue_len -= 1

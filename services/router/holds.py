@@ -14,7 +14,8 @@ at once. No I/O; one event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+
+from services.common.aio import wait_event
 
 
 class FirstTokenWaits:
@@ -47,7 +48,4 @@ class FirstTokenWaits:
         ev = self._pending[request_id]
         if ev is None:
             ev = self._pending[request_id] = asyncio.Event()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), timeout)
-            return "token"
-        return "timeout"
+        return "token" if await wait_event(ev, timeout) else "timeout"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from services.common.aio import cancel_and_wait, wait_event
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import RouterOutcome, encode
@@ -44,9 +45,7 @@ class OutcomePublisher:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.queue.join(), drain_s)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await cancel_and_wait([self._task])
 
     async def _publish(self, batch: list[RouterOutcome]) -> None:
         """Core publishes to ``router.outcomes`` (the OUTCOMES stream stores them); a JetStream
@@ -73,8 +72,7 @@ class OutcomePublisher:
             while len(batch) < self.concurrency and not self.queue.empty():
                 batch.append(self.queue.get_nowait())
             while not self.bus.is_connected:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.bus.connected.wait(), 1.0)
+                await wait_event(self.bus.connected, 1.0)
             await self._publish(batch)
             for _ in batch:
                 self.queue.task_done()

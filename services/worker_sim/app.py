@@ -15,6 +15,7 @@ import json
 import socket
 from typing import Any
 
+from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import get_logger
 from services.common.streams import ensure_kv_events_stream
@@ -192,9 +193,7 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
         # also on a failed start: leave no task or connection behind, or the process would
         # hang in asyncio.run's final cancellation instead of exiting
         log.info("stopping sim workers", count=len(workers))
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
         await bus.close()
         log.info("sim workers stopped")

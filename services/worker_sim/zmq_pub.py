@@ -11,12 +11,12 @@ fault is still buffered for replay (so a subscriber that sees the gap can recove
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 
 import zmq
 import zmq.asyncio
 
+from services.common.aio import cancel_and_wait
 from services.common.logging import get_logger
 from services.worker_sim.zmq_wire import END_SEQ, seq_bytes
 
@@ -106,11 +106,7 @@ class ZmqPublisher:
                 await self._replay.send_multipart([client, b"", END_SEQ, b""])
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)

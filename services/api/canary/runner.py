@@ -28,6 +28,7 @@ from services.api.db import Database
 from services.api.models import Canary, CanaryDecision
 from services.api.publisher import PolicyPublisher
 from services.api.pull import PullLoop
+from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import RouterOutcome, SchemaError, decode
@@ -78,9 +79,7 @@ class OutcomeCollector:
     async def stop(self) -> None:
         await self._pull.stop()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         with contextlib.suppress(Exception):
             await self.flush()
 
@@ -190,9 +189,7 @@ class EvaluatorLoop:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
 
     async def _loop(self) -> None:
         while True:

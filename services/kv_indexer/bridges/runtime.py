@@ -23,6 +23,7 @@ import aiohttp
 from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
@@ -145,11 +146,7 @@ class BridgeRuntime:
     async def stop(self) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._queue.join(), timeout=2.0)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

@@ -14,6 +14,7 @@ import asyncio
 
 import aiohttp
 
+from services.common.aio import wait_event
 from services.common.logging import get_logger
 from services.kv_indexer.bridges.engine_formats import TCreated, decode_trtllm
 from services.kv_indexer.bridges.runtime import BRIDGE_GAPS, BridgeRuntime
@@ -74,7 +75,4 @@ class TrtllmBridge:
                     self.errors += 1
                     if self.errors == 1 or self.errors % 100 == 0:
                         log.warning("poll failed", url=self.url, error=repr(exc))
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=self.poll_s)
-                except TimeoutError:
-                    pass
+                await wait_event(stop, self.poll_s)
