@@ -19,7 +19,7 @@ from services.router.policy import (
     build_policy,
     decide,
 )
-from services.router.policy.builtin.kv_aware import Demand, PrefillClock
+from services.router.policy.builtin.kv_aware import ColdEntry, Demand, PrefillClock
 
 CAP = Capacity(block_size=16, num_gpu_blocks=100_000, max_num_seqs=64, max_model_len=8192)
 
@@ -99,6 +99,42 @@ def test_demand_window_matches_its_contents() -> None:
         assert dem.count == dict(expect)
         for pid in ids[1:]:
             assert dem.fraction(pid) == pytest.approx(expect[pid] / len(dem.window))
+
+
+def test_a_prefix_claims_the_cold_requests_that_created_it() -> None:
+    rng = random.Random(7)
+    dem = Demand(size=12)
+    creators = [ColdEntry((1, 2, 3, 10 + i)) for i in range(3)]  # computed prefix (1, 2, 3)
+    for _ in range(40):
+        e = rng.choice([*creators, ColdEntry((5, 6)), ColdEntry((1, 9)), "x", None])
+        dem.add(e)
+    dem.claim(3, 3)  # prefix id = key of block 3
+    creators_left = sum(1 for e in dem.window if e == 3)
+    assert creators_left >= 1  # (the seed keeps some creators in the window)
+    assert not any(isinstance(e, ColdEntry) and e.keys[2:3] == (3,) for e in dem.window)
+    assert all(e.keys[:3] != (1, 2, 3) for e in dem.window if isinstance(e, ColdEntry))
+    assert dem.count[3] == creators_left
+    dem.claim(3, 3)  # a prefix claims once: already counted entries are not counted twice
+    assert dem.count[3] == creators_left
+    for _ in range(30):  # the count stays equal to the window's contents as entries leave
+        dem.add(rng.choice([3, ColdEntry((1, 2, 3, 99)), None]))
+        expect = Counter(x for x in dem.window if x is not None and not isinstance(x, ColdEntry))
+        assert dem.count == dict(expect)
+
+
+def test_demand_lower_bound_doubts_small_windows() -> None:
+    dem = Demand(size=128)
+    dem.add("p")
+    dem.add("p")
+    # two of two: at least ~2/3 of the traffic even at one standard deviation of doubt
+    assert dem.fraction_low("p", 1.0) == pytest.approx(2 / 3)
+    assert dem.fraction_low("p", 0.0) == dem.fraction("p") == 1.0
+    dem = Demand(size=128)
+    for i in range(19):  # one group's 4 of the first 19 requests of a 32-group workload
+        dem.add("g" if i % 5 == 0 else f"other{i}")
+    assert dem.fraction("g") * 8 - 0.5 > 1  # taken at face value: more than its one holder
+    assert dem.fraction_low("g", 1.0) * 8 - 0.5 < 1  # doubted: not hot
+    assert 0.0 <= dem.fraction_low("nobody", 1.0) < 0.1
 
 
 def _keys(prefix: list[int], i: int) -> tuple[int, ...]:
@@ -421,6 +457,28 @@ def test_without_replication_a_user_request_spreads_the_hot_prefix() -> None:
         p, RequestInfo("r0", "m", 1088, 16, keys), ClusterSnapshot(ws), index.find_matches(keys)
     )
     assert d.replicate_to == () and d.worker_id != "w0" and d.cached_tokens == 0
+
+
+def test_the_request_that_created_a_prompt_counts_as_its_demand() -> None:
+    """Seed 000's start: one request computes the system prompt on an idle cluster, the next
+    request (the traffic starting) hits it. Both wanted the prompt, so it has all the demand
+    and the 7 other workers get a copy at once; counted as no demand, the first request would
+    make the prompt look wanted by half the traffic (4 workers' worth) and the copies trickle."""
+    ws = workers(8)
+    index = PrefixIndex()
+    p = build_policy({"name": "kv_aware"})
+    prefix = [13] * 1024
+    first = _keys(prefix, 0)
+    d = decide(p, RequestInfo("r0", "m", 1088, 16, first), ClusterSnapshot(ws), {})
+    assert d.replicate_to == ()
+    index.apply_stored(d.worker_id, first)
+    ws[d.worker_id].inflight = 1
+    keys = _keys(prefix, 1)
+    d2 = decide(
+        p, RequestInfo("r1", "m", 1088, 16, keys), ClusterSnapshot(ws), index.find_matches(keys)
+    )
+    assert d2.worker_id == d.worker_id
+    assert set(d2.replicate_to) == set(ws) - {d.worker_id}
 
 
 def test_idle_holders_copy_nothing() -> None:

@@ -31,7 +31,12 @@ match (in the index). Over the last ``demand_window`` decisions the policy count
   it draws. The prefix is spread when that exceeds its holders by more than ``hot_margin`` and
   the least-loaded holder has ``spread_margin`` or more requests in flight than the least-loaded
   candidate: one shared prompt (all the traffic) goes to every worker, a group with 1/32 of the
-  traffic stays on its one holder and keeps its hits;
+  traffic stays on its one holder and keeps its hits. The requests that computed a prefix
+  before anyone shared it (cold decisions, kept in the window with their keys) count as its
+  demand once it is seen shared, and a prefix is hot only when the lower bound of its share
+  (``hot_confidence`` standard deviations, Wilson score) says so too: the first hit of a
+  system prompt after the request that created it is 2 of 2 (all 7 copies at once), while 4
+  requests of one group among a run's first 19 are not a fifth of the traffic;
 - per worker, the fraction of decisions that wanted a prefix it holds (``hot_share`` x its fair
   share 1/N = busy holder): with keys, a busy holder's prefix is spread only at
   ``balance_margin`` requests of excess (copies cost hits; balancing pays only then) and only
@@ -115,11 +120,19 @@ ROUTED_STRIDE = 8  # routed-prefix memory: one block key every 8 blocks (128 tok
 ROUTED_MAX_KEYS = 200_000  # bound on its size (oldest entries go first)
 
 
+@dataclass(frozen=True, slots=True)
+class ColdEntry:
+    """A demand-window entry for a decision that matched no shared prefix: its block keys, so
+    that a prefix it turns out to have created can claim it (see :meth:`Demand.claim`)."""
+
+    keys: tuple[int, ...]
+
+
 @dataclass
 class Demand:
-    """Sliding window of the last ``size`` decisions' prefix ids (None for a request without a
-    shared prefix); ``count[pid]`` is how many entries of the window are ``pid`` (invariant:
-    equals the window's contents)."""
+    """Sliding window of the last ``size`` decisions' prefix ids (a :class:`ColdEntry` or None
+    for a request without a shared prefix); ``count[pid]`` is how many entries of the window
+    are ``pid`` (invariant: equals the window's contents)."""
 
     size: int
     window: deque = field(default_factory=deque)
@@ -127,20 +140,46 @@ class Demand:
 
     def add(self, pid: object) -> None:
         self.window.append(pid)
-        if pid is not None:
+        if pid is not None and not isinstance(pid, ColdEntry):
             self.count[pid] = self.count.get(pid, 0) + 1
         while len(self.window) > self.size:
             old = self.window.popleft()
-            if old is not None:
+            if old is not None and not isinstance(old, ColdEntry):
                 n = self.count[old] - 1
                 if n:
                     self.count[old] = n
                 else:
                     del self.count[old]
 
+    def claim(self, pid: object, depth: int) -> None:
+        """``pid`` (the key of block ``depth`` - 1) is seen as a shared prefix for the first
+        time: the cold requests of the window that computed it (their keys have it there) were
+        its first demand, so they count as ``pid`` from now on. Without this the request that
+        created a shared system prompt counts as no demand, and the prompt looks wanted by
+        half the traffic when the next request is all of it."""
+        if pid in self.count:
+            return
+        w = self.window
+        for i, e in enumerate(w):
+            if isinstance(e, ColdEntry) and len(e.keys) >= depth and e.keys[depth - 1] == pid:
+                w[i] = pid
+                self.count[pid] = self.count.get(pid, 0) + 1
+
     def fraction(self, pid: object) -> float:
         n = len(self.window)
         return self.count.get(pid, 0) / n if n else 0.0
+
+    def fraction_low(self, pid: object, z: float) -> float:
+        """A lower bound of :meth:`fraction` (Wilson score, ``z`` standard deviations): a
+        window of a few decisions says little, so 4 requests of one of 32 groups among the
+        first 19 are not taken for a fifth of the traffic, while a prompt that every request
+        so far wanted still is hot after 2."""
+        n = len(self.window)
+        if not n:
+            return 0.0
+        f = self.count.get(pid, 0) / n
+        z2n = z * z / n
+        return max(0.0, (f + z2n / 2 - z * math.sqrt(f * (1 - f) / n + z2n / (4 * n))) / (1 + z2n))
 
 
 @dataclass
@@ -297,6 +336,13 @@ class KvAware(PolicyImpl):
             "a prefix (requests with block keys) is hot when its share of recent traffic x N "
             "(the workers its demand fills) exceeds its number of holders by more than this",
             0.5,
+        ),
+        "hot_confidence": _num(
+            "standard deviations of doubt: a prefix is hot only when the lower bound of its "
+            "demand share (Wilson score) x N also exceeds its holders + hot_margin, so a few "
+            "requests of one group early in a run are not taken for a hot prefix (0 = the "
+            "window's share itself)",
+            1.0,
         ),
         "hot_share": _num(
             "a prefix's least-loaded holder is hot when the requests for prefixes it holds "
@@ -526,6 +572,8 @@ class KvAware(PolicyImpl):
             hdemand.add(hids)
             # the prefix's identity: its deepest matched block key (none without keys)
             pid = keys[best - 1] if best <= len(keys) else None
+            if pid is not None:
+                demand.claim(pid, best)
             demand.add(pid)
             if len(holders) < len(cands):
                 lead = min(holders, key=lambda w: (w.inflight, w.worker_id))
@@ -538,8 +586,11 @@ class KvAware(PolicyImpl):
                 busy_holder = hdemand.fraction(lead.worker_id) * n > p["hot_share"]
                 if pid is not None:
                     # a prefix wanted by more workers' worth of traffic than it has holders
+                    # hot when even a low estimate of its demand says so (a few decisions say
+                    # little); how many workers it wants is the window's own fraction
+                    sure = demand.fraction_low(pid, p["hot_confidence"]) * n - p["hot_margin"]
                     want = demand.fraction(pid) * n - p["hot_margin"]
-                    hot = want > len(holders)
+                    hot = sure > len(holders)
                     if hot and p["replicate"] and p["routed_ttl"] > 0:
                         # like spreading, only once the holders are busier than the least
                         # loaded (an idle cluster, e.g. after a restart, copies nothing)
@@ -562,7 +613,7 @@ class KvAware(PolicyImpl):
                 if spread or (excess >= p["overload_margin"] and lopsided):
                     spread_to = int(best * p["spread_credit"])
         else:
-            demand.add(None)
+            demand.add(ColdEntry(keys) if keys else None)
             hdemand.add(())
         if replicas:
             state.replicate_to = replicas
