@@ -352,5 +352,7 @@ async def post(
     body: dict[str, Any],
     headers: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
-    async with session.post(url, json=body, headers=headers or {}) as r:
+    # bounded, so a request the router never answers fails its test instead of hanging it
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with session.post(url, json=body, headers=headers or {}, timeout=timeout) as r:
         return r.status, dict(r.headers), await r.read()
