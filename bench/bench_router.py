@@ -361,25 +361,18 @@ async def bench_proxy(
             try:
                 import sglang_router  # noqa: F401
 
+                from bench.stack import cache_aware_router_argv
+
                 sport, mport = _free_port(), _free_port()
                 procs.append(
                     _spawn(
                         [
-                            sys.executable,
-                            "-m",
-                            "sglang_router.launch_router",
-                            "--host",
-                            "127.0.0.1",
-                            "--port",
-                            str(sport),
-                            "--worker-urls",
-                            wurl,
-                            "--policy",
-                            "cache_aware",
-                            "--prometheus-host",
-                            "127.0.0.1",
-                            "--prometheus-port",
-                            str(mport),
+                            *cache_aware_router_argv(
+                                [sys.executable, "-m", "sglang_router.launch_router"],
+                                sport,
+                                [wurl],
+                                mport,
+                            ),
                             "--log-level",
                             "warn",
                         ],

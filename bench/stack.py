@@ -30,6 +30,28 @@ from services.common.embedded import EmbeddedNats, env_without_proxy, free_port,
 EXTERNAL_ROUTERS = ("sglang-router", "vllm-router")
 
 
+def cache_aware_router_argv(
+    launcher: list[str], port: int, worker_urls: list[str], metrics_port: int
+) -> list[str]:
+    """Command line of sglang-router or vllm-router (a fork: the same flags) with policy
+    cache_aware on 127.0.0.1:``port``, Prometheus metrics on ``metrics_port``."""
+    return [
+        *launcher,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        "cache_aware",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+    ]
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -259,22 +281,7 @@ class BenchStack:
             ]
         else:
             raise ValueError(f"unknown external router {kind!r}; choose from {EXTERNAL_ROUTERS}")
-        # both take the same flags (vllm-router is a fork of sglang-router)
-        argv = [
-            *launcher,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *workers.urls,
-            "--policy",
-            "cache_aware",
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(mport),
-        ]
+        argv = cache_aware_router_argv(launcher, port, workers.urls, mport)
         p = self._spawn(run, kind, argv, env)
         base = f"http://127.0.0.1:{port}"
         wait_until(
