@@ -308,7 +308,7 @@ def simulate(
             push(t + d.hold_s, _RELEASE, (d.after, lv))
         lv.result.worker = w
         for rw in d.replicate_to:  # hot-prefix replication: a one-token copy, like the router
-            rid = f"{req.request_id}~replica~{rw}"
+            rid = T.replica_id(req.request_id, rw)
             rep = _Live(req, RequestResult(rid, prompt_tokens=req.prompt_tokens), lv.keys)
             rep.replica = True
             if dispatch(rep, rw, 1, rid, overlaps, t):

@@ -639,10 +639,8 @@ class KvAware(PolicyImpl):
             if queued > 0:
                 since = busy.setdefault(wid, tick)
                 age = tick - since if tick - since < 1000 else 1000
-                if fifo.get(wid):
-                    # what is left to compute of the queue, by the time since it was sent
-                    clock.observe(w, now)
-                    queued = clock.queued(w, now)
+                # what is left to compute of the queue, by the time since it was sent
+                queued = self._queued(w, state)
             else:
                 busy.pop(wid, None)
                 age = 0
