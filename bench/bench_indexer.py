@@ -16,7 +16,7 @@ Measures, on one core (the process pins itself to one CPU unless --no-pin):
    (ours: ``PrefixIndex.match_prompt``; Dynamo: ``compute_block_hash_for_seq`` +
    ``find_matches``), p50 / p99, for prompts fully cached on one worker and for prompts that
    share only a 512-token system prefix; on a router's index (dict + the C lookup mirror of
-   services/kv_indexer/fastmask.py; the indexer's own index keeps no mirror);
+   services/core/fastmask.py; the indexer's own index keeps no mirror);
 4. memory per stored (worker, block) pair (RSS delta of a fresh process, both sides; ours
    for the indexer's index and for a router replica's, which adds the mirror), and the
    memory cap (pairs stay <= cap);
@@ -94,7 +94,7 @@ def make_workload(pairs: int, seed: int = 1) -> Workload:
 def our_events(w: Workload) -> list[tuple[str, list[int], int | None]]:
     """(worker, 16 keys, parent) per event, in store order (prefix blocks repeated per
     sequence, like an engine that stores a prompt's blocks; duplicates are idempotent)."""
-    from services.common.keys import block_keys
+    from services.core.keys import block_keys
 
     out = []
     for i in range(w.n):
@@ -224,7 +224,7 @@ def bench_ingest(events, pairs_expected: int) -> tuple[float, float | None, int,
 def bench_replica_apply(deltas: list[bytes], blocks: int) -> float:
     """A router replica decoding and applying the indexer's deltas: blocks/s."""
     from services.common.schemas import IndexDelta, decode
-    from services.kv_indexer.index import PrefixIndex
+    from services.core.index import PrefixIndex
     from services.kv_indexer.replica import apply_ops
 
     index = PrefixIndex()
@@ -241,9 +241,9 @@ def bench_replica_apply(deltas: list[bytes], blocks: int) -> float:
 def bench_vllm_path(w: Workload, max_seq: int) -> tuple[float, float | None]:
     import msgpack
 
+    from services.core.index import PrefixIndex
     from services.kv_indexer.bridges.engine_formats import VllmDecoder
     from services.kv_indexer.bridges.rekey import Rekeyer
-    from services.kv_indexer.index import PrefixIndex
 
     payloads: list[tuple[str, bytes]] = []
     peer_in: list[tuple[int, list[int], int]] = []
@@ -297,7 +297,7 @@ def bench_vllm_path(w: Workload, max_seq: int) -> tuple[float, float | None]:
 
 
 def bench_queries(w: Workload, events, n_queries: int) -> dict[str, Any]:
-    from services.kv_indexer.index import PrefixIndex
+    from services.core.index import PrefixIndex
 
     index = PrefixIndex()
     for wid, keys, _ in events:
@@ -389,7 +389,7 @@ def _memory_child(side: str, pairs: int, cap: int) -> None:
 
     import msgspec
 
-    from services.kv_indexer.index import PrefixIndex
+    from services.core.index import PrefixIndex
 
     # keys arrive as bytes and are decoded one event at a time, as in the service: the index
     # must pay for its own key objects (not reuse ones the benchmark keeps alive)
@@ -447,7 +447,7 @@ def bench_memory(pairs: int, cap: int) -> dict[str, Any]:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     res = {"ours": child("ours", 0), "ours_capped": child("ours", cap)}
-    from services.kv_indexer import fastmask
+    from services.core import fastmask
 
     if fastmask.AVAILABLE:
         res["replica"] = child("replica", 0)
@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         f"workload: {pairs:,} stored pairs target, {WORKERS} workers, block {BLOCK}, "
         f"prompts {PROMPT_BLOCKS * BLOCK} tokens"
     )
-    from services.kv_indexer import fastmask
+    from services.core import fastmask
 
     print(
         "queries run on a router's index: dict + C lookup mirror"

@@ -42,9 +42,9 @@ def pct(xs: list[float], p: float) -> float:
 # =============================================================================== decision
 def bench_decision(iters: int, workers: int = 64, blocks: int = 1_000_000) -> dict[str, Any]:
     from services.common.bus import Bus
-    from services.common.keys import block_keys
     from services.common.schemas import WorkerCapacity, WorkerHeartbeat
-    from services.kv_indexer.index import PrefixIndex
+    from services.core.index import PrefixIndex
+    from services.core.keys import block_keys
     from services.router.app import Router
     from services.router.cli import settings
 
@@ -97,7 +97,7 @@ def bench_decision(iters: int, workers: int = 64, blocks: int = 1_000_000) -> di
 
     async def run() -> tuple[list[float], list[float], list[float], list[float]]:
         total, parse, match, dec = [], [], [], []
-        from services.router.policy import RequestInfo, decide
+        from services.core.policy import RequestInfo, decide
 
         for i in range(iters + 200):
             t0 = time.perf_counter()

@@ -2,13 +2,13 @@
 policy code. Pure: no I/O, no wall clock; the same inputs give the same results.
 
 Pieces (all shared with the live system):
-- ``services.worker_sim.engine.Engine``: the simulated worker's engine model (paged KV cache
+- ``services.core.engine.Engine``: the simulated worker's engine model (paged KV cache
   with prefix caching, continuous batching, step-time model). The live sim-worker runs the
   same class on the wall clock.
-- ``services.router.policy.decide``: the function the live router calls per request, on a
+- ``services.core.policy.decide``: the function the live router calls per request, on a
   :class:`ClusterSnapshot` built like the router builds it (in-flight counts it tracks itself,
   engine load sampled every ``telemetry_interval_s`` like heartbeats/telemetry).
-- ``services.kv_indexer.index.PrefixIndex``: fed the engines' KV events, like the indexer.
+- ``services.core.index.PrefixIndex``: fed the engines' KV events, like the indexer.
 
 Event loop: a heap of (time, seq, kind, payload). An engine is either idle or inside one step;
 ``Engine.step(now)`` returns the step's outputs and its duration, and the outputs (tokens,
@@ -31,8 +31,8 @@ from typing import Any
 from bench.metrics import ERROR, OK, REJECTED, TIMEOUT, CacheCounters, RequestResult
 from bench.workloads import BenchRequest
 from services.common import schemas
-from services.common.keys import block_keys, block_seed, blocks_needed
-from services.kv_indexer.index import PrefixIndex
+from services.core.index import PrefixIndex
+from services.core.keys import block_keys, block_seed, blocks_needed
 
 _ARRIVE, _STEP, _EXPIRE, _RELEASE = 0, 1, 2, 3
 
@@ -88,10 +88,10 @@ class _Live:
 def engine_api():
     """The engine module, or a clear error naming what is missing."""
     try:
-        from services.worker_sim import engine  # noqa: PLC0415
+        from services.core import engine  # noqa: PLC0415
     except ImportError as exc:  # pragma: no cover - only before the engine lands
         raise RuntimeError(
-            f"the simulator needs services.worker_sim.engine (Engine, EngineConfig, SimRequest): {exc}"
+            f"the simulator needs services.core.engine (Engine, EngineConfig, SimRequest): {exc}"
         ) from exc
     return engine
 
@@ -99,11 +99,11 @@ def engine_api():
 def policy_api():
     """(build_policy, decide, types module) of the router's policy core."""
     try:
-        import services.router.policy.builtin  # noqa: F401, PLC0415 - registers the built-ins
-        from services.router.policy import types  # noqa: PLC0415
-        from services.router.policy.base import build_policy, decide  # noqa: PLC0415
+        import services.core.policy.builtin  # noqa: F401, PLC0415 - registers the built-ins
+        from services.core.policy import types  # noqa: PLC0415
+        from services.core.policy.base import build_policy, decide  # noqa: PLC0415
     except ImportError as exc:  # pragma: no cover - only before the policies land
-        raise RuntimeError(f"the simulator needs services.router.policy: {exc}") from exc
+        raise RuntimeError(f"the simulator needs services.core.policy: {exc}") from exc
     return build_policy, decide, types
 
 

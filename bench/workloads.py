@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from services.common.keys import block_keys
+from services.core.keys import block_keys
 
 # 64 printable characters; random bytes map onto them with bytes.translate (fast and uniform)
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,"

@@ -110,7 +110,7 @@ async def test_openapi_document_matches_the_routes(api: ApiHarness) -> None:
     ids = [op["operationId"] for ops in doc["paths"].values() for op in ops.values()]
     assert len(ids) == len(set(ids))
     spec = doc["components"]["schemas"]["PolicySpec"]
-    from services.router.policy import POLICY_SCHEMAS
+    from services.core.policy import POLICY_SCHEMAS
 
     assert {v["title"] for v in spec["oneOf"]} == set(POLICY_SCHEMAS)
     assert doc["components"]["schemas"]["PolicyCreate"]["additionalProperties"] is False

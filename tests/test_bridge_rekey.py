@@ -7,8 +7,9 @@ import hashlib
 import msgpack
 import pytest
 
-from services.common.keys import block_keys, block_seed
 from services.common.schemas import AllBlocksCleared, BlockRemoved, BlockStored
+from services.core.index import PrefixIndex
+from services.core.keys import block_keys, block_seed
 from services.kv_indexer.bridges.engine_formats import (
     EngineFormatError,
     VllmDecoder,
@@ -17,7 +18,6 @@ from services.kv_indexer.bridges.engine_formats import (
 )
 from services.kv_indexer.bridges.rekey import Rekeyer
 from services.kv_indexer.bridges.runtime import parse_vllm_capacity
-from services.kv_indexer.index import PrefixIndex
 
 TOKENS = list(range(1000, 1000 + 16 * 6))
 

@@ -9,10 +9,10 @@ from aiohttp import web
 
 from services.common.bus import Bus
 from services.common.embedded import free_port
-from services.common.keys import block_keys
 from services.common.service import start_http
 from services.common.streams import ensure_kv_events_stream
 from services.common.subjects import Subjects
+from services.core.keys import block_keys
 from services.kv_indexer.bridges.runtime import BridgeRuntime
 from services.kv_indexer.bridges.trtllm import TrtllmBridge
 from tests.test_kv_support import connected, indexer, wait_until

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.keys import block_keys, block_seed, blocks_needed
-from services.kv_indexer.index import PrefixIndex
+from services.core.index import PrefixIndex
+from services.core.keys import block_keys, block_seed, blocks_needed
 
 
 def test_keys_chain_and_seed() -> None:

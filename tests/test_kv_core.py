@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.common.schemas import AllBlocksCleared, BlockRemoved
+from services.core.index import PrefixIndex
 from services.kv_indexer.core import IndexerCore
-from services.kv_indexer.index import PrefixIndex
 from services.kv_indexer.replica import apply_ops
 from tests.test_kv_support import batch, chain, hb, stored
 

@@ -7,10 +7,10 @@ from array import array
 
 import pytest
 
-from services.common.keys import block_keys, block_seed
-from services.kv_indexer import fastmask
-from services.kv_indexer import index as index_mod
-from services.kv_indexer.index import TIER_BIT, PrefixIndex
+from services.core import fastmask
+from services.core import index as index_mod
+from services.core.index import TIER_BIT, PrefixIndex
+from services.core.keys import block_keys, block_seed
 
 
 @pytest.fixture(autouse=True, params=["dict", "mirror"])
@@ -249,7 +249,7 @@ def test_snapshot_round_trip_keeps_everything(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_token_ids_outside_uint32_are_a_clear_error() -> None:
-    from services.common.keys import tokens_to_bytes
+    from services.core.keys import tokens_to_bytes
 
     assert tokens_to_bytes([1, 2**32 - 1]) == array("I", [1, 2**32 - 1]).tobytes()
     idx = PrefixIndex()

@@ -8,7 +8,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from services.common.bus import Bus
-from services.common.keys import block_keys
 from services.common.schemas import (
     BlockStored,
     KvEventBatch,
@@ -16,6 +15,7 @@ from services.common.schemas import (
     WorkerHeartbeat,
 )
 from services.common.subjects import Subjects
+from services.core.keys import block_keys
 from services.kv_indexer.app import IndexerService
 from services.kv_indexer.replica import IndexReplica
 

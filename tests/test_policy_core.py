@@ -7,8 +7,8 @@ import json
 import jsonschema
 import pytest
 
-from services.common.keys import blocks_needed
-from services.router.policy import (
+from services.core.keys import blocks_needed
+from services.core.policy import (
     POLICY_SCHEMAS,
     Capacity,
     ClusterSnapshot,

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.common.keys import block_keys
-from services.kv_indexer.index import PrefixIndex
-from services.router.policy import (
+from services.core.index import PrefixIndex
+from services.core.keys import block_keys
+from services.core.policy import (
     Capacity,
     ClusterSnapshot,
     RequestInfo,

@@ -9,9 +9,9 @@ from collections import Counter, deque
 
 import pytest
 
-from services.common.keys import block_keys
-from services.kv_indexer.index import PrefixIndex
-from services.router.policy import (
+from services.core.index import PrefixIndex
+from services.core.keys import block_keys
+from services.core.policy import (
     Capacity,
     ClusterSnapshot,
     RequestInfo,
@@ -19,7 +19,7 @@ from services.router.policy import (
     build_policy,
     decide,
 )
-from services.router.policy.builtin.kv_aware import ColdEntry, Demand, PrefillClock
+from services.core.policy.builtin.kv_aware import ColdEntry, Demand, PrefillClock
 
 CAP = Capacity(block_size=16, num_gpu_blocks=100_000, max_num_seqs=64, max_model_len=8192)
 

@@ -22,7 +22,6 @@ from aiohttp import web
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.embedded import free_port
-from services.common.keys import block_keys
 from services.common.schemas import (
     BlockStored,
     KvEventBatch,
@@ -31,6 +30,7 @@ from services.common.schemas import (
     WorkerLoad,
 )
 from services.common.tokenizer import ByteTokenizer, prompt_from_request
+from services.core.keys import block_keys
 from services.router.app import Router, start_router_http
 from services.router.cli import settings
 

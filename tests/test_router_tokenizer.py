@@ -11,8 +11,8 @@ import aiohttp
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from services.common.bus import Bus
-from services.common.keys import block_keys
 from services.common.tokenizer import ByteTokenizer, HFTokenizer
+from services.core.keys import block_keys
 from services.router.tokenize import RequestParser
 from tests.test_router_support import Beats, FakeWorker, RouterProc
 

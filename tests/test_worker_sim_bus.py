@@ -13,7 +13,6 @@ import pytest
 from services.common import settings as S
 from services.common.bus import Bus
 from services.common.embedded import free_port
-from services.common.keys import block_keys
 from services.common.schemas import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,6 +22,7 @@ from services.common.schemas import (
     WorkerHeartbeat,
 )
 from services.common.streams import ensure_kv_events_stream
+from services.core.keys import block_keys
 from tests.test_worker_sim_support import get_text, metric_values, one, sim_worker, until
 
 PROMPTS = [("shared system prompt, " * 6) + f"question {i}; " * 15 for i in range(4)]

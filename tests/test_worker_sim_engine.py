@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.keys import block_keys, block_seed, blocks_needed
 from services.common.schemas import AllBlocksCleared, BlockRemoved, BlockStored
-from services.worker_sim.engine import AdmissionError, Engine, EngineConfig, SimRequest
+from services.core.engine import AdmissionError, Engine, EngineConfig, SimRequest
+from services.core.keys import block_keys, block_seed, blocks_needed
 
 BS = 16
 

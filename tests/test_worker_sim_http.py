@@ -256,10 +256,10 @@ async def test_local_huggingface_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from services.common.embedded import free_port
-    from services.common.keys import block_keys
     from services.common.tokenizer import load_tokenizer
+    from services.core.engine import EngineConfig
+    from services.core.keys import block_keys
     from services.worker_sim.app import output_vocab
-    from services.worker_sim.engine import EngineConfig
     from services.worker_sim.worker import SimWorker, WorkerSettings
 
     words = "[UNK] the of and to in is that for it as with was on be by at this are from or an"

@@ -1,7 +1,7 @@
 """The block pool against a plain per-block reference model, and the engine's reuse of prompt
 keys handed in by the caller. The pool does its bookkeeping with bulk operations for speed;
 these tests pin that it makes exactly the decisions (and events, in order) of the simple
-block-by-block algorithm described in services/worker_sim/kvcache.py."""
+block-by-block algorithm described in services/core/kvcache.py."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import random
 from collections import OrderedDict
 
 from services.common import schemas
-from services.common.keys import block_keys
-from services.worker_sim.engine import Engine, EngineConfig, SimRequest
-from services.worker_sim.kvcache import BlockPool
+from services.core.engine import Engine, EngineConfig, SimRequest
+from services.core.keys import block_keys
+from services.core.kvcache import BlockPool
 
 
 class RefPool:

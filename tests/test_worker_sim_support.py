@@ -12,7 +12,7 @@ import aiohttp
 from services.common.bus import Bus
 from services.common.embedded import free_port
 from services.common.tokenizer import ByteTokenizer
-from services.worker_sim.engine import EngineConfig
+from services.core.engine import EngineConfig
 from services.worker_sim.worker import SimWorker, WorkerSettings
 
 

@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from services.common.embedded import free_port
-from services.common.keys import block_keys
+from services.core.keys import block_keys
 from tests.test_worker_sim_support import sim_worker
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # 180 bytes: 11 full blocks

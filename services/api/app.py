@@ -45,7 +45,7 @@ class ApiConfig:
 
 
 def policy_schemas() -> dict[str, dict[str, Any]]:
-    from services.router.policy import POLICY_SCHEMAS
+    from services.core.policy import POLICY_SCHEMAS
 
     return dict(POLICY_SCHEMAS)
 

@@ -47,7 +47,7 @@ V1 = "/api/v1"
 
 def _policy_validate(name: str, params: dict[str, Any]) -> dict[str, Any]:
     """The router's validator: normalised params, or 400 naming the field."""
-    from services.router.policy import PolicyError, validate_policy_spec
+    from services.core.policy import PolicyError, validate_policy_spec
 
     try:
         return {"name": name, "params": validate_policy_spec(name, params)}

@@ -6,7 +6,7 @@ Invariants:
   minor revision that adds fields can be read by an older service.
 - :func:`decode` either returns a fully type-checked object or raises :class:`SchemaError`
   whose message names the message type and the offending field. Nothing half-valid escapes.
-- Block keys are canonical kvgate keys (:mod:`services.common.keys`): unsigned 64-bit ints.
+- Block keys are canonical kvgate keys (:mod:`services.core.keys`): unsigned 64-bit ints.
 
 Other issues extend this module with their own messages; keep every wire type here.
 """
@@ -112,7 +112,7 @@ class WorkerHeartbeat(Message):
     kv_events: bool = True
     ts: float = 0.0
     # LoRA adapters the engine serves: a request whose ``model`` names one runs on it, and
-    # its blocks are keyed with the adapter's seed (services.common.keys.block_seed)
+    # its blocks are keyed with the adapter's seed (services.core.keys.block_seed)
     loras: Annotated[tuple[str, ...], Meta(max_length=1024)] = ()
 
 

@@ -28,7 +28,6 @@ from typing import Any
 
 import msgspec
 
-from services.common.keys import block_keys, block_seed
 from services.common.schemas import (
     SCHEMA_VERSION,
     AllBlocksCleared,
@@ -45,7 +44,8 @@ from services.common.schemas import (
     KvQueryReply,
     WorkerHeartbeat,
 )
-from services.kv_indexer.index import PrefixIndex
+from services.core.index import PrefixIndex
+from services.core.keys import block_keys, block_seed
 
 BAD_REASONS = (
     "malformed_msgpack",

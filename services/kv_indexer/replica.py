@@ -40,8 +40,8 @@ from services.common.schemas import (
     decode,
     encode,
 )
-from services.kv_indexer import fastmask
-from services.kv_indexer.index import PrefixIndex
+from services.core import fastmask
+from services.core.index import PrefixIndex
 from services.kv_indexer.snapshot import chunks_to_state
 
 log = get_logger("kv_replica")

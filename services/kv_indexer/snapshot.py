@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from services.common.schemas import SnapshotChunk
-from services.kv_indexer.index import IndexState
+from services.core.index import IndexState
 
 _HEADROOM = 8 * 1024  # msgpack framing, slot table, NATS headers
 

@@ -44,13 +44,7 @@ from services.common.schemas import (
 from services.common.service import metrics_handler
 from services.common.streams import ensure_outcomes_stream, ensure_policy_stream, raise_alert
 from services.common.tokenizer import load_tokenizer
-from services.router import metrics as M
-from services.router import sse
-from services.router.breaker import STATE_VALUE, Breaker
-from services.router.canary import PolicySet, spec_of
-from services.router.holds import FirstTokenWaits
-from services.router.index_feed import make_index_source
-from services.router.policy import (
+from services.core.policy import (
     Decision,
     Policy,
     PolicyError,
@@ -58,7 +52,13 @@ from services.router.policy import (
     build_policy,
     decide,
 )
-from services.router.policy.types import ClusterSnapshot, replica_id
+from services.core.policy.types import ClusterSnapshot, replica_id
+from services.router import metrics as M
+from services.router import sse
+from services.router.breaker import STATE_VALUE, Breaker
+from services.router.canary import PolicySet, spec_of
+from services.router.holds import FirstTokenWaits
+from services.router.index_feed import make_index_source
 from services.router.proxy import (
     Ctx,
     StreamBroken,

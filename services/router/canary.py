@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import xxhash
 
 from services.common.schemas import PolicyUpdated
-from services.router.policy import Policy, build_policy
+from services.core.policy import Policy, build_policy
 
 _U64 = float(1 << 64)
 

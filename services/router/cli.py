@@ -136,8 +136,8 @@ def settings(args: argparse.Namespace | None = None, **overrides) -> S.Settings:
 
 
 def main(args: argparse.Namespace) -> int:
+    from services.core.policy import PolicyError
     from services.router.app import parse_policy_option, serve
-    from services.router.policy import PolicyError
 
     st = S.resolve(args, OPTIONS)
     try:

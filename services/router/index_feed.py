@@ -14,7 +14,7 @@ from typing import Any
 
 from services.common.bus import Bus
 from services.common.schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
-from services.kv_indexer.index import PrefixIndex
+from services.core.index import PrefixIndex
 
 
 class DirectFeed:

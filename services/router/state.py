@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.keys import blocks_needed
 from services.common.schemas import WorkerControl, WorkerHeartbeat, WorkerLoad
-from services.router.policy import Capacity, ClusterSnapshot, WorkerState
+from services.core.keys import blocks_needed
+from services.core.policy import Capacity, ClusterSnapshot, WorkerState
 
 
 @dataclass

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.keys import block_keys, block_seed
 from services.common.tokenizer import Tokenizer, prompt_from_request
+from services.core.keys import block_keys, block_seed
 
 
 class BadRequest(ValueError):

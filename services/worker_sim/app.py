@@ -21,7 +21,7 @@ from services.common.logging import get_logger
 from services.common.streams import ensure_kv_events_stream
 from services.common.subjects import Subjects, check_token
 from services.common.tokenizer import load_tokenizer
-from services.worker_sim.engine import DEFAULT_OUTPUT_VOCAB, EngineConfig
+from services.core.engine import DEFAULT_OUTPUT_VOCAB, EngineConfig
 from services.worker_sim.faults import Faults
 from services.worker_sim.worker import SimWorker, WorkerSettings
 

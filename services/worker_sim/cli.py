@@ -6,7 +6,7 @@ import argparse
 
 from services.common import settings as S
 from services.common.service import run_service
-from services.worker_sim.engine import ADMISSION_MODES, EngineConfig
+from services.core.engine import ADMISSION_MODES, EngineConfig
 from services.worker_sim.zmq_wire import BATCH_FORMS, EVENT_FORMS, HASH_MODES
 
 _D = EngineConfig()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from services.worker_sim.engine import Engine, EngineConfig, StepOutput
+from services.core.engine import Engine, EngineConfig, StepOutput
 
 
 @dataclass

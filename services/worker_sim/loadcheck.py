@@ -24,7 +24,7 @@ import aiohttp
 
 from services.common.embedded import free_port
 from services.common.logging import configure_logging
-from services.worker_sim.engine import EngineConfig
+from services.core.engine import EngineConfig
 
 PREFIX = f"loadcheck{os.getpid()}"
 

@@ -41,7 +41,7 @@ from services.common.schemas import (
     WorkerHeartbeat,
 )
 from services.common.tokenizer import Tokenizer
-from services.worker_sim.engine import (
+from services.core.engine import (
     AdmissionError,
     Engine,
     EngineConfig,
@@ -49,9 +49,9 @@ from services.worker_sim.engine import (
     SimRequest,
     StepOutput,
 )
+from services.core.kvcache import EventMeta
 from services.worker_sim.faults import Faults
 from services.worker_sim.gpu import GpuGauges, GpuModel
-from services.worker_sim.kvcache import EventMeta
 from services.worker_sim.metrics import WorkerMetrics
 from services.worker_sim.openai_api import (
     ApiError,

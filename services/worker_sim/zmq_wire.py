@@ -34,7 +34,7 @@ import msgpack
 import xxhash
 
 from services.common.schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from services.worker_sim.kvcache import EventMeta
+from services.core.kvcache import EventMeta
 
 HashMode = Literal["uint64", "int64", "bytes32"]
 EventForm = Literal["map", "array"]

@@ -1,7 +1,7 @@
 """Re-keying one engine's KV events into kvgate's canonical events. Pure, no I/O.
 
 Engines name blocks by their own hashes; kvgate names them by canonical keys derived from the
-token ids (services.common.keys). A :class:`Rekeyer` serves one engine (one worker): for
+token ids (services.core.keys). A :class:`Rekeyer` serves one engine (one worker): for
 each stored block it computes the canonical key, chained from the parent's key, and keeps
 ``engine hash -> key`` so that removals (which carry engine hashes only) resolve.
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 
-from services.common.keys import block_keys, block_seed
 from services.common.schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from services.core.keys import block_keys, block_seed
 from services.kv_indexer.bridges.engine_formats import (
     CLEARED_TYPES,
     REMOVED_TYPES,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.router.policy.errors import PolicyError
+from services.core.policy.errors import PolicyError
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "number": (int, float),

@@ -1,7 +1,7 @@
 """PrefixIndex: which worker holds which canonical KV block. Pure, no I/O.
 
 Used by the kv_indexer service (global state), by each router (local replica) and by the
-simulator. Keys are canonical chained keys (services.common.keys), so a key identifies a whole
+simulator. Keys are canonical chained keys (services.core.keys), so a key identifies a whole
 prefix: if a worker holds key k_i of a prompt it is meant to hold k_0..k_i as well (engines
 evict leaves first), and :meth:`find_matches` counts, per worker, the leading run of keys held.
 
@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from services.common.keys import block_chunks
-from services.kv_indexer import fastmask
+from services.core import fastmask
+from services.core.keys import block_chunks
 
-_xxh3 = xxhash.xxh3_64_intdigest  # the primitive of services.common.keys, bound for the hot loop
+_xxh3 = xxhash.xxh3_64_intdigest  # the primitive of services.core.keys, bound for the hot loop
 
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 TIER_BIT: dict[str, int] = {"gpu": 1, "cpu": 2, "disk": 4}
@@ -142,7 +142,7 @@ class PrefixIndex:
         record_evictions: bool = False,
         fast: bool | None = None,
     ) -> None:
-        """``fast``: keep the C mirror for batch lookups (services.kv_indexer.fastmask);
+        """``fast``: keep the C mirror for batch lookups (services.core.fastmask);
         None = when installed and not turned off by KVGATE_INDEX_FASTMAP=0."""
         if max_blocks is not None and max_blocks <= 0:
             raise ValueError("max_blocks must be > 0 (or None for no cap)")

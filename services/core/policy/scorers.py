@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import xxhash
 
-from services.router.policy.types import RequestInfo, WorkerState
+from services.core.policy.types import RequestInfo, WorkerState
 
 Scorer = Callable[[RequestInfo, WorkerState, int, int], float]
 

@@ -101,8 +101,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.router.policy.base import PolicyImpl, PolicyState, register
-from services.router.policy.types import RequestInfo, WorkerState, replica_id
+from services.core.policy.base import PolicyImpl, PolicyState, register
+from services.core.policy.types import RequestInfo, WorkerState, replica_id
 
 
 def _num(desc: str, default: float, maximum: float | None = None) -> dict:

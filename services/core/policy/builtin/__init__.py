@@ -1,10 +1,10 @@
 """Built-in policies, one small module each. Importing this package registers them all.
 
-To add a policy: write a module here with a :class:`~services.router.policy.base.PolicyImpl`
+To add a policy: write a module here with a :class:`~services.core.policy.base.PolicyImpl`
 subclass decorated with ``@register`` and import it below.
 """
 
-from services.router.policy.builtin import (  # noqa: F401
+from services.core.policy.builtin import (  # noqa: F401
     gpu_aware,
     kv_aware,
     kv_load,

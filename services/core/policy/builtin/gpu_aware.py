@@ -3,8 +3,8 @@ in-flight load. Decode is bandwidth-bound, so bandwidth gets its own weight."""
 
 from __future__ import annotations
 
-from services.router.policy.base import PolicyImpl, PolicyState, register
-from services.router.policy.types import RequestInfo, WorkerState
+from services.core.policy.base import PolicyImpl, PolicyState, register
+from services.core.policy.types import RequestInfo, WorkerState
 
 
 def _w(desc: str, default: float) -> dict:

@@ -21,11 +21,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from services.router.policy import filters
-from services.router.policy.errors import PolicyError
-from services.router.policy.pickers import pick_min
-from services.router.policy.types import ClusterSnapshot, Decision, RequestInfo, WorkerState
-from services.router.policy.validation import check
+from services.core.policy import filters
+from services.core.policy.errors import PolicyError
+from services.core.policy.pickers import pick_min
+from services.core.policy.types import ClusterSnapshot, Decision, RequestInfo, WorkerState
+from services.core.policy.validation import check
 
 # parameters every policy accepts
 COMMON_PARAMS: dict[str, Any] = {

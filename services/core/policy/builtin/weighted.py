@@ -5,9 +5,9 @@ Example: ``{"name": "weighted", "params": {"weights": {"prefix": 1.0, "inflight"
 
 from __future__ import annotations
 
-from services.router.policy.base import PolicyImpl, PolicyState, register
-from services.router.policy.scorers import SCORERS
-from services.router.policy.types import RequestInfo, WorkerState
+from services.core.policy.base import PolicyImpl, PolicyState, register
+from services.core.policy.scorers import SCORERS
+from services.core.policy.types import RequestInfo, WorkerState
 
 
 @register

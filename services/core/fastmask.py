@@ -62,7 +62,7 @@ def stored_mask(m: int) -> int:
 
 def from_arrays(keys, masks: list):
     """A mirror of a snapshot: ``keys`` a numpy uint64 array, ``masks`` its 64-bit words
-    (least significant first), as in :class:`services.kv_indexer.index.IndexState`."""
+    (least significant first), as in :class:`services.core.index.IndexState`."""
     import numpy as np
 
     if _cykhash is None:  # pragma: no cover - guarded by callers

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.router.policy.base import PolicyImpl, PolicyState, register
-from services.router.policy.scorers import kv_usage
-from services.router.policy.types import RequestInfo, WorkerState
+from services.core.policy.base import PolicyImpl, PolicyState, register
+from services.core.policy.scorers import kv_usage
+from services.core.policy.types import RequestInfo, WorkerState
 
 
 @register

@@ -2,7 +2,7 @@
 
 Public API::
 
-    from services.router.policy import (
+    from services.core.policy import (
         RequestInfo, WorkerState, Capacity, ClusterSnapshot, Decision,
         build_policy, decide, validate_policy_spec, PolicyError, POLICY_SCHEMAS,
         DEFAULT_POLICY, policy_names,
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.router.policy import builtin as _builtin  # noqa: F401  (registers built-ins)
-from services.router.policy.base import (
+from services.core.policy import builtin as _builtin  # noqa: F401  (registers built-ins)
+from services.core.policy.base import (
     REGISTRY,
     Policy,
     PolicyImpl,
@@ -33,8 +33,8 @@ from services.router.policy.base import (
     register,
     validate_policy_spec,
 )
-from services.router.policy.errors import PolicyError
-from services.router.policy.types import (
+from services.core.policy.errors import PolicyError
+from services.core.policy.types import (
     Capacity,
     ClusterSnapshot,
     Decision,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from services.common.keys import blocks_needed
-from services.router.policy.types import RequestInfo, WorkerState
+from services.core.keys import blocks_needed
+from services.core.policy.types import RequestInfo, WorkerState
 
 
 def routable_for_model(

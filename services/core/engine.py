@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from services.common.keys import block_keys, block_seed, blocks_needed
 from services.common.schemas import BlockStored, KvEvent
-from services.worker_sim.kvcache import BlockPool, EventMeta
+from services.core.keys import block_keys, block_seed, blocks_needed
+from services.core.kvcache import BlockPool, EventMeta
 
 # Generated tokens: lowercase ASCII letters and spaces (valid UTF-8 bytes, so the byte-level
 # tokenizer decodes them to readable text). A HuggingFace tokenizer's worker passes its own.

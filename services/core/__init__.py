@@ -1,0 +1,16 @@
+"""kvgate's pure core: the parts every service and the simulator share, with no I/O in them.
+
+- :mod:`services.core.keys`: canonical chained block keys (xxh3-64 over a block's token ids,
+  chained with the parent key, seeded by LoRA / salt) and block arithmetic.
+- :mod:`services.core.index`: the global prefix index (which worker holds which block key).
+- :mod:`services.core.fastmask`: the optional compiled mirror behind the index's hot lookups.
+- :mod:`services.core.policy`: routing policies as pure functions of (request, cluster
+  snapshot) -> decision; filters, scorers and pickers registered by name.
+- :mod:`services.core.engine` and :mod:`services.core.kvcache`: the vLLM-like engine model
+  (scheduler, paged prefix cache, step-time model) that the simulated worker and the cluster
+  simulator both run.
+
+Invariant: nothing under ``services.core`` opens a socket, a file, a database or reads the
+wall clock; callers own time and I/O. Services (``services.router``, ``services.api``, ...)
+and ``bench`` import the core; the core imports only ``services.common.schemas`` (wire types).
+"""
