@@ -14,6 +14,7 @@ import argparse
 import ctypes
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -32,6 +33,9 @@ from services.common.embedded import (
     port_open,
 )
 from services.common.logging import configure_logging, get_logger
+from services.common.permissions import Grant, default_grants, render_authorization
+from services.common.redact import redact_url
+from services.common.subjects import Subjects
 
 OPTIONS = (
     S.option(
@@ -74,6 +78,12 @@ OPTIONS = (
     S.LOG_LEVEL,
     S.LOG_FORMAT,
     S.option(
+        "insecure_nats",
+        False,
+        "start the embedded NATS without authorization (every client may publish anything)",
+        env="KVGATE_UP_INSECURE_NATS",
+    ),
+    S.option(
         "ready_timeout",
         60.0,
         "seconds to wait for the stack to become ready",
@@ -98,12 +108,14 @@ class Child:
     health_url: str | None
     proc: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)
+    role: str = ""  # NATS role (services.common.permissions); its credential goes in its env
+    env: dict[str, str] = field(default_factory=dict)  # added to the stack's environment
 
     def start(self, env: dict[str, str], log_dir: Path) -> None:
         out = open(log_dir / f"{self.name}.log", "ab")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(
             self.argv,
-            env=env,
+            env={**env, **self.env},
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -139,6 +151,7 @@ class Stack:
         self.pg: EmbeddedPostgres | None = None
         self.children: list[Child] = []
         self.stopping = False
+        self.nats_passwords: dict[str, str] = {}  # role -> password (embedded NATS only)
 
     # ------------------------------------------------------------------ infrastructure
     def start_infra(self) -> tuple[str, str]:
@@ -150,7 +163,12 @@ class Stack:
                     "given NATS is not reachable yet; services will keep retrying", url=nats_url
                 )
         else:
-            self.nats = EmbeddedNats(self.state_dir / "nats", port=self.st.embedded_nats_port)
+            authorization = "" if self.st.insecure_nats else self._nats_authorization()
+            self.nats = EmbeddedNats(
+                self.state_dir / "nats",
+                port=self.st.embedded_nats_port,
+                authorization=authorization,
+            )
             nats_url = self.nats.start()
         db_url = self.st.up_database_url
         if not db_url:
@@ -158,6 +176,39 @@ class Stack:
             self.pg.start()
             db_url = self.pg.sqlalchemy_url("kvgate")
         return nats_url, db_url
+
+    def _worker_ids(self) -> list[str]:
+        from services.worker_sim.app import worker_ids
+
+        return worker_ids("sim", self.st.workers) if self.st.workers > 0 else []
+
+    def _nats_authorization(self) -> str:
+        """One NATS user per role with a random password, kept (owner-only) in the state dir
+        so a restart reuses them; the server config is generated from the same grants."""
+        path = self.state_dir / "nats" / "passwords.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError):
+            stored = {}
+        grants = default_grants(self._worker_ids())
+        self.nats_passwords = {
+            g.role: str(stored.get(g.role) or secrets.token_urlsafe(24)) for g in grants
+        }
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.nats_passwords, f)
+
+        def password(g: Grant) -> str:
+            return self.nats_passwords[g.role]
+
+        return render_authorization(grants, Subjects(self.st.subject_prefix), password)
+
+    def role_env(self, role: str) -> dict[str, str]:
+        """The NATS credential of a role (nothing when NATS runs without authorization)."""
+        if role not in self.nats_passwords:
+            return {}
+        return {"KVGATE_NATS_USER": role, "KVGATE_NATS_PASSWORD": self.nats_passwords[role]}
 
     def migrate(self, env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", "services.cli", "migrate", "upgrade"]
@@ -177,6 +228,7 @@ class Stack:
                     "sim-workers",
                     py + ["sim-worker", "--count", str(st.workers), "--port", str(st.sim_port)],
                     f"http://{host}:{st.sim_port}/health",
+                    role="worker",
                 )
             )
         kids += [
@@ -184,23 +236,29 @@ class Stack:
                 "indexer",
                 py + ["indexer", "--port", str(st.indexer_port)],
                 f"http://{host}:{st.indexer_port}/health",
+                role="indexer",
             ),
             Child(
                 "telemetry",
                 py + ["telemetry", "--port", str(st.telemetry_port)],
                 f"http://{host}:{st.telemetry_port}/health",
+                role="telemetry",
             ),
             Child(
                 "api",
                 py + ["api", "--port", str(st.api_port)],
                 f"http://{host}:{st.api_port}/api/v1/health",
+                role="api",
             ),
             Child(
                 "router",
                 py + ["router", "--port", str(st.router_port)],
                 f"http://{host}:{st.router_port}/health",
+                role="router",
             ),
         ]
+        for kid in kids:
+            kid.env = self.role_env(kid.role)
         return kids
 
     def check_ports(self) -> None:
@@ -301,8 +359,8 @@ class Stack:
             "\nkvgate is up\n"
             f"  OpenAI base URL : http://127.0.0.1:{self.st.router_port}/v1\n"
             f"  admin API       : http://127.0.0.1:{self.st.api_port}/api/v1\n"
-            f"  NATS            : {nats_url}\n"
-            f"  database        : {db_url}\n"
+            f"  NATS            : {redact_url(nats_url)}{self._nats_auth_note()}\n"
+            f"  database        : {redact_url(db_url)}\n"
             f"  workers         : {self.st.workers} simulated\n"
             f"  logs            : {self.log_dir}\n"
             "Press Ctrl-C to stop.\n",
@@ -310,6 +368,13 @@ class Stack:
         )
         self.supervise(env)
         return 0
+
+    def _nats_auth_note(self) -> str:
+        if self.nats is None:
+            return ""
+        if not self.nats_passwords:
+            return " (no authorization: --insecure-nats)"
+        return f" (one user per role; credentials in {self.state_dir / 'nats' / 'passwords.json'})"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,8 +1,13 @@
 """`kvgate up` as a user runs it: embedded NATS and Postgres, a chat completion through the
-router with the official openai client, then Ctrl-C leaves no process behind."""
+router with the official openai client, then Ctrl-C leaves no process behind.
+
+NATS authorization is on by default (one generated user per role): the completion going
+through proves every service works within its role's permissions, and no service's log shows a
+permission it was refused or any of the generated passwords."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -96,6 +101,19 @@ def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) ->
             proc.kill()
             raise
     assert proc.returncode == 0, "".join(lines) + (proc.stdout.read() if proc.stdout else "")
+    passwords = json.loads((state / "nats" / "passwords.json").read_text())
+    assert set(passwords) == {"worker", "telemetry", "indexer", "router", "api", "operator"}
+    assert (state / "nats" / "passwords.json").stat().st_mode & 0o077 == 0
+    outputs = {"banner": "".join(lines)} | {
+        p.name: p.read_text(errors="replace") for p in (state / "logs").glob("*.log")
+    }
+    outputs["nats-server.log"] = (state / "nats" / "nats-server.log").read_text(errors="replace")
+    for name, text in outputs.items():
+        for role, secret in passwords.items():
+            assert secret not in text, f"{role}'s NATS password in {name}"
+        assert "permissions violation" not in text.lower(), f"{name}: {text[-3000:]}"
+        assert "authorization violation" not in text.lower(), f"{name}: {text[-3000:]}"
+    assert "bus connected" in outputs["router.log"]
     leftovers = _processes_mentioning(str(state)) + _processes_mentioning(f"--port {router}")
     leftovers += _processes_mentioning(f"--port {sim}")
     assert leftovers == [], leftovers

@@ -24,7 +24,7 @@ from typing import Any
 from services.common import settings as S
 from services.common.subjects import check_token
 
-OPTIONS = (S.NATS_URL, S.SUBJECT_PREFIX)
+OPTIONS = (S.NATS_URL, *S.NATS_AUTH, S.SUBJECT_PREFIX)
 SEVERITIES = ("info", "warning", "critical")
 _COLORS = {"critical": "\033[31;1m", "warning": "\033[33m", "info": "\033[36m"}
 
@@ -104,7 +104,7 @@ def matches(a: Any, args: argparse.Namespace) -> bool:
     return not (args.severity and a.severity not in args.severity)
 
 
-async def tail(args: argparse.Namespace, nats_url: str, prefix: str) -> int:
+async def tail(args: argparse.Namespace, nats_url: str, prefix: str, auth: Any = None) -> int:
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
     from services.common.bus import Bus
@@ -124,7 +124,7 @@ async def tail(args: argparse.Namespace, nats_url: str, prefix: str) -> int:
     else:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    bus = Bus(nats_url, "alerts-tail", subjects)
+    bus = Bus(nats_url, "alerts-tail", subjects, auth=auth, role="operator")
     await bus.connect(max_wait_s=10)
     done = asyncio.Event()
     printed = 0
@@ -170,7 +170,10 @@ def main(args: argparse.Namespace) -> int:
     configure_logging("alerts", "warning", "console")  # logs to stderr; stdout is the alerts
     if args.action == "tail":
         try:
-            return asyncio.run(tail(args, st.nats_url, st.subject_prefix))
+            from services.common.bus import NatsAuth
+
+            auth = NatsAuth.from_settings(st)
+            return asyncio.run(tail(args, st.nats_url, st.subject_prefix, auth))
         except ConnectionError as exc:
             print(f"kvgate alerts tail: {exc}", file=sys.stderr)
             return 1

@@ -23,7 +23,7 @@ from services.api.routes import build_routes
 from services.api.tokens import TokenAuth
 from services.api.workers import ControlRepublisher, WorkerRegistry
 from services.common.aio import cancel_and_wait
-from services.common.bus import Bus
+from services.common.bus import Bus, NatsAuth
 from services.common.logging import RateLimiter, get_logger
 from services.common.service import metrics_handler
 from services.common.streams import ensure_policy_stream
@@ -36,6 +36,7 @@ log = get_logger("api")
 class ApiConfig:
     database_url: str
     nats_url: str
+    nats_auth: NatsAuth | None = None
     subject_prefix: str = ""
     admin_token: str = ""
     eval_interval_s: float = 1.0
@@ -65,7 +66,9 @@ class ApiService:
 
     async def start(self) -> web.Application:
         cfg = self.cfg
-        bus = Bus(cfg.nats_url, cfg.name, Subjects(cfg.subject_prefix))
+        bus = Bus(
+            cfg.nats_url, cfg.name, Subjects(cfg.subject_prefix), auth=cfg.nats_auth, role="api"
+        )
         await bus.connect()
         db = Database(cfg.database_url)
         publisher = PolicyPublisher(db, bus)
@@ -123,6 +126,7 @@ async def serve(st, stop: asyncio.Event) -> None:
         ApiConfig(
             database_url=st.database_url,
             nats_url=st.nats_url,
+            nats_auth=NatsAuth.from_settings(st),
             subject_prefix=st.subject_prefix,
             admin_token=st.admin_token,
             eval_interval_s=st.canary_eval_interval_s,

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import nats
@@ -35,6 +38,7 @@ from prometheus_client import Counter
 
 from services.common.aio import cancel_and_wait
 from services.common.logging import RateLimiter, get_logger
+from services.common.redact import redact_text, redact_url
 from services.common.schemas import SchemaError, decode, encode
 from services.common.subjects import Subjects
 
@@ -47,15 +51,121 @@ BUS_DROPPED = Counter(
     ["type", "reason"],
 )
 BUS_RECONNECTS = Counter("kvgate_bus_reconnects_total", "NATS reconnections")
+BUS_PERMISSION_DENIED = Counter(
+    "kvgate_bus_permission_denied_total",
+    "Publishes or subscriptions the NATS server refused (this service's credential lacks them)",
+)
 
 Handler = Callable[[T, Msg], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class NatsAuth:
+    """How to authenticate to NATS: at most one of user/password, token, nkey seed file or
+    ``.creds`` file (a secret in the URL also works), plus optional TLS.
+
+    Invariant: ``repr`` and every error message name the method, never a secret."""
+
+    user: str = ""
+    password: str = ""
+    token: str = ""
+    nkey_seed: str = ""  # path of a file holding an nkey seed
+    creds: str = ""  # path of a .creds file (user JWT + seed)
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    def __repr__(self) -> str:
+        return f"NatsAuth(method={self.method!r}, tls={self.uses_tls})"
+
+    @classmethod
+    def from_settings(cls, st: Any) -> NatsAuth:
+        """From resolved settings holding services.common.settings.NATS_AUTH."""
+        return cls(
+            user=getattr(st, "nats_user", "") or "",
+            password=getattr(st, "nats_password", "") or "",
+            token=getattr(st, "nats_token", "") or "",
+            nkey_seed=getattr(st, "nats_nkey_seed", "") or "",
+            creds=getattr(st, "nats_creds", "") or "",
+            tls_ca=getattr(st, "nats_tls_ca", "") or "",
+            tls_cert=getattr(st, "nats_tls_cert", "") or "",
+            tls_key=getattr(st, "nats_tls_key", "") or "",
+        )
+
+    @property
+    def method(self) -> str:
+        used = [
+            name
+            for name, on in (
+                ("user", bool(self.user or self.password)),
+                ("token", bool(self.token)),
+                ("nkey", bool(self.nkey_seed)),
+                ("creds", bool(self.creds)),
+            )
+            if on
+        ]
+        if len(used) > 1:
+            raise ValueError(f"choose one NATS authentication method, not {' + '.join(used)}")
+        return used[0] if used else "none"
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert or self.tls_key)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not self.uses_tls:
+            return None
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("NATS TLS: give both --nats-tls-cert and --nats-tls-key")
+        ctx = ssl.create_default_context(
+            ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca or None
+        )  # verifies the server's certificate and host name
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect``; a missing file is a clear error now."""
+        method = self.method
+        for what, path in (
+            ("nkey seed", self.nkey_seed),
+            ("creds", self.creds),
+            ("TLS CA", self.tls_ca),
+            ("TLS certificate", self.tls_cert),
+            ("TLS key", self.tls_key),
+        ):
+            if path and not Path(path).is_file():
+                raise ValueError(f"NATS {what} file not found: {path}")
+        kw: dict[str, Any] = {}
+        if method == "user":
+            kw.update(user=self.user, password=self.password)
+        elif method == "token":
+            kw["token"] = self.token
+        elif method == "nkey":
+            kw["nkeys_seed"] = self.nkey_seed
+        elif method == "creds":
+            kw["user_credentials"] = self.creds
+        tls = self.ssl_context()
+        if tls is not None:
+            kw["tls"] = tls
+        return kw
+
+
 class Bus:
-    def __init__(self, url: str, name: str, subjects: Subjects | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        subjects: Subjects | None = None,
+        auth: NatsAuth | None = None,
+        role: str = "",
+    ) -> None:
         self.url = url
         self.name = name
         self.subjects = subjects or Subjects()
+        self.auth = auth or NatsAuth()
+        # replies come to an inbox only this role may subscribe to (services.common.permissions)
+        self.inbox_prefix = self.subjects.inbox_prefix(role) if role else "_INBOX"
         self.nc: NatsClient | None = None
         self._js: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -67,6 +177,7 @@ class Bus:
     async def connect(self, max_wait_s: float | None = None, backoff_max_s: float = 5.0) -> None:
         """Connect, retrying with backoff until the server answers (or ``max_wait_s`` passes)."""
         servers = [s.strip() for s in self.url.split(",") if s.strip()]
+        auth = self.auth.connect_kwargs()
         delay = 0.1
         loop = asyncio.get_running_loop()
         deadline = None if max_wait_s is None else loop.time() + max_wait_s
@@ -84,12 +195,17 @@ class Bus:
                     error_cb=self._on_error,
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
+                    inbox_prefix=self.inbox_prefix,
+                    **auth,
                 )
                 self._js = self.nc.jetstream()
                 self.connected.set()
+                connected = self.nc.connected_url
                 log.info(
                     "bus connected",
-                    url=self.nc.connected_url.netloc if self.nc.connected_url else self.url,
+                    url=redact_url(connected.geturl() if connected else self.url),
+                    auth=self.auth.method,
+                    tls=self.auth.uses_tls,
                 )
                 return
             except (
@@ -97,11 +213,19 @@ class Bus:
                 OSError,
                 nats.errors.NoServersError,
                 nats.errors.TimeoutError,
+                nats.errors.Error,  # e.g. an authorization violation: may be fixed server-side
             ) as exc:
+                error = redact_text(str(exc) or type(exc).__name__)
                 if deadline is not None and loop.time() + delay > deadline:
-                    raise ConnectionError(f"cannot reach NATS at {self.url}: {exc}") from exc
+                    raise ConnectionError(
+                        f"cannot reach NATS at {redact_url(self.url)}: {error}"
+                    ) from None
                 log.warning(
-                    "bus connect failed, retrying", url=self.url, error=str(exc), retry_in_s=delay
+                    "bus connect failed, retrying",
+                    url=redact_url(self.url),
+                    auth=self.auth.method,
+                    error=error,
+                    retry_in_s=delay,
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, backoff_max_s)
@@ -118,7 +242,10 @@ class Bus:
         self.connected.clear()
 
     async def _on_error(self, exc: Exception) -> None:
-        log.warning("bus error", error=str(exc) or type(exc).__name__)
+        error = redact_text(str(exc) or type(exc).__name__)
+        if "permissions violation" in error.lower():
+            BUS_PERMISSION_DENIED.inc()
+        log.warning("bus error", error=error)
 
     async def _on_disconnected(self) -> None:
         self.connected.clear()

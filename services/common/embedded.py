@@ -92,12 +92,22 @@ def nats_url_reachable(url: str) -> bool:
 
 
 class EmbeddedNats:
-    """A nats-server child process with JetStream, data under ``state_dir``."""
+    """A nats-server child process with JetStream, data under ``state_dir``.
 
-    def __init__(self, state_dir: str | Path, port: int = 0, host: str = "127.0.0.1") -> None:
+    ``authorization``: a config block (services.common.permissions.render_authorization) that
+    the server loads from ``state_dir/auth.conf`` (owner-only: it holds passwords)."""
+
+    def __init__(
+        self,
+        state_dir: str | Path,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        authorization: str = "",
+    ) -> None:
         self.state_dir = Path(state_dir)
         self.host = host
         self.port = port or free_port(host)
+        self.authorization = authorization
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -107,9 +117,17 @@ class EmbeddedNats:
     def start(self, timeout: float = 15.0) -> str:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         logfile = open(self.state_dir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
+        config: list[str] = []
+        if self.authorization:
+            conf = self.state_dir / "auth.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.authorization)
+            config = ["-c", str(conf)]  # command-line flags below override the file's
         self.proc = subprocess.Popen(
             [
                 nats_server_binary(),
+                *config,
                 "-a",
                 self.host,
                 "-p",
@@ -126,7 +144,12 @@ class EmbeddedNats:
         )
         logfile.close()
         wait_port(self.host, self.port, timeout, self.proc)
-        log.info("embedded nats started", url=self.url, state_dir=str(self.state_dir))
+        log.info(
+            "embedded nats started",
+            url=self.url,
+            state_dir=str(self.state_dir),
+            authorization=bool(self.authorization),
+        )
         return self.url
 
     def stop(self, timeout: float = 10.0) -> None:

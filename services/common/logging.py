@@ -12,6 +12,8 @@ import time
 
 import structlog
 
+from services.common.redact import redact_event, redact_text
+
 
 def configure_logging(service: str, level: str = "info", fmt: str = "auto") -> None:
     """Configure structlog and stdlib logging once per process."""
@@ -29,6 +31,7 @@ def configure_logging(service: str, level: str = "info", fmt: str = "auto") -> N
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
+            redact_event,  # last before rendering: also covers formatted tracebacks
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
@@ -43,6 +46,20 @@ def configure_logging(service: str, level: str = "info", fmt: str = "auto") -> N
         stream=sys.stderr,
         format="%(name)s %(levelname)s %(message)s",
     )
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _RedactFilter) for f in handler.filters):
+            handler.addFilter(_RedactFilter())
+
+
+class _RedactFilter(logging.Filter):
+    """Masks URL secrets in stdlib log records (nats-py, aiohttp, alembic) before output."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = redact_text(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        return True
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:

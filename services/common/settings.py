@@ -101,7 +101,32 @@ LOG_FORMAT = option(
 STATE_DIR = option("state_dir", ".kvgate", "directory for embedded servers' data and other state")
 HASH_SEED = option("hash_seed", 0, "seed of the canonical KV block keys (must match cluster-wide)")
 
-COMMON: tuple[Option, ...] = (NATS_URL, SUBJECT_PREFIX, LOG_LEVEL, LOG_FORMAT)
+
+# How a service authenticates to NATS (any one of user/password, token, nkey seed or a .creds
+# file), and TLS. Secrets may also sit in the URL (nats://user:password@host); logs and errors
+# always show URLs redacted (services.common.redact).
+NATS_USER = option("nats_user", "", "NATS user name (with --nats-password)")
+NATS_PASSWORD = option("nats_password", "", "NATS password (secret; prefer the env var)")
+NATS_TOKEN = option("nats_token", "", "NATS authentication token (secret; prefer the env var)")
+NATS_NKEY_SEED = option("nats_nkey_seed", "", "file holding this service's NATS nkey seed (SU...)")
+NATS_CREDS = option(
+    "nats_creds", "", "NATS .creds file (decentralised JWT auth: user JWT + nkey seed, from nsc)"
+)
+NATS_TLS_CA = option("nats_tls_ca", "", "CA bundle that signs the NATS server's certificate")
+NATS_TLS_CERT = option("nats_tls_cert", "", "client certificate for NATS TLS (mutual TLS)")
+NATS_TLS_KEY = option("nats_tls_key", "", "client certificate's private key for NATS TLS")
+NATS_AUTH: tuple[Option, ...] = (
+    NATS_USER,
+    NATS_PASSWORD,
+    NATS_TOKEN,
+    NATS_NKEY_SEED,
+    NATS_CREDS,
+    NATS_TLS_CA,
+    NATS_TLS_CERT,
+    NATS_TLS_KEY,
+)
+
+COMMON: tuple[Option, ...] = (NATS_URL, *NATS_AUTH, SUBJECT_PREFIX, LOG_LEVEL, LOG_FORMAT)
 
 
 class Settings(argparse.Namespace):

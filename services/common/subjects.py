@@ -51,6 +51,16 @@ class Subjects:
     def _s(self, subject: str) -> str:
         return self.prefix + subject
 
+    def inbox_prefix(self, role: str) -> str:
+        """Reply inbox of a role: only that role's credential may subscribe to it, so no other
+        client reads its request replies (KV dumps, snapshots, JetStream acks)."""
+        tag = re.sub(r"[^A-Za-z0-9_\-]", "_", self.prefix.rstrip("."))
+        return (
+            f"_INBOX_{tag}_{check_token(role, 'role')}"
+            if tag
+            else f"_INBOX_{check_token(role, 'role')}"
+        )
+
     # -- streams: names may not contain '.', so the prefix is sanitised ------------------------
     def stream(self, base: str) -> str:
         tag = re.sub(r"[^A-Za-z0-9_\-]", "_", self.prefix.rstrip(".")).upper()

@@ -61,11 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(st, stop: asyncio.Event) -> None:
-    from services.common.bus import Bus
+    from services.common.bus import Bus, NatsAuth
     from services.common.subjects import Subjects
     from services.kv_indexer.app import IndexerService
 
-    bus = Bus(st.nats_url, "indexer", Subjects(st.subject_prefix))
+    bus = Bus(
+        st.nats_url,
+        "indexer",
+        Subjects(st.subject_prefix),
+        auth=NatsAuth.from_settings(st),
+        role="indexer",
+    )
     await bus.connect()
     svc = IndexerService(
         bus,

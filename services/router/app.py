@@ -28,7 +28,7 @@ import msgspec
 from aiohttp import web
 
 from services.common.aio import cancel_and_wait, wait_event
-from services.common.bus import Bus
+from services.common.bus import Bus, NatsAuth
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
     Alert,
@@ -42,7 +42,7 @@ from services.common.schemas import (
     decode,
 )
 from services.common.service import metrics_handler
-from services.common.streams import ensure_outcomes_stream, ensure_policy_stream, raise_alert
+from services.common.streams import ensure_outcomes_stream, raise_alert
 from services.common.tokenizer import load_tokenizer
 from services.core.policy import (
     Decision,
@@ -236,7 +236,8 @@ class Router:
     async def _load_latest_policy(self) -> None:
         """At start: the newest notice kept by the POLICY stream, if any (else --policy)."""
         try:
-            stream = await ensure_policy_stream(self.bus)
+            # read-only: the api owns the POLICY stream (a router's credential may not change it)
+            stream = self.bus.subjects.policy_stream
             raw = await self.bus.js.get_last_msg(stream, self.bus.subjects.policy_updated)
         except Exception as exc:  # no message yet, or JetStream unavailable
             log.info(
@@ -1180,7 +1181,13 @@ async def start_router_http(
 async def serve(st: Any, stop: asyncio.Event) -> None:
     from services.common.subjects import Subjects
 
-    bus = Bus(st.nats_url, f"router-{st.router_id or 'r'}", Subjects(st.subject_prefix))
+    bus = Bus(
+        st.nats_url,
+        f"router-{st.router_id or 'r'}",
+        Subjects(st.subject_prefix),
+        auth=NatsAuth.from_settings(st),
+        role="router",
+    )
     await bus.connect()
     router = Router(st, bus)
     await router.start()

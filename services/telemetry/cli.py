@@ -174,13 +174,19 @@ def agent_config(st: Any) -> Any:
 async def serve(st: Any, stop: asyncio.Event) -> None:
     from aiohttp import web
 
-    from services.common.bus import Bus
+    from services.common.bus import Bus, NatsAuth
     from services.common.schemas import to_builtins
     from services.common.subjects import Subjects
     from services.telemetry.app import Agent
 
     config = agent_config(st)
-    bus = Bus(st.nats_url, "telemetry", Subjects(st.subject_prefix))
+    bus = Bus(
+        st.nats_url,
+        "telemetry",
+        Subjects(st.subject_prefix),
+        auth=NatsAuth.from_settings(st),
+        role="telemetry",
+    )
     await bus.connect()
     agent = Agent(bus, config)
     await agent.start()

@@ -16,7 +16,7 @@ import socket
 from typing import Any
 
 from services.common.aio import cancel_and_wait
-from services.common.bus import Bus
+from services.common.bus import Bus, NatsAuth
 from services.common.logging import get_logger
 from services.common.streams import ensure_kv_events_stream
 from services.common.subjects import Subjects, check_token
@@ -138,7 +138,13 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     config = engine_config_from(st, tokenizer)
     patch = fault_patch_from(st)
     loras = tuple(x.strip() for x in st.lora_modules.split(",") if x.strip())
-    bus = Bus(st.nats_url, "sim-worker", Subjects(st.subject_prefix))
+    bus = Bus(
+        st.nats_url,
+        "sim-worker",
+        Subjects(st.subject_prefix),
+        auth=NatsAuth.from_settings(st),
+        role="worker",
+    )
     workers: list[SimWorker] = []
     for i, wid in enumerate(worker_ids(st.worker_id, st.count)):
         ws = WorkerSettings(

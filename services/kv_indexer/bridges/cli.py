@@ -105,11 +105,17 @@ def default_worker_id(engine: str, topic: str) -> str:
 
 
 async def serve(st, stop: asyncio.Event) -> None:
-    from services.common.bus import Bus
+    from services.common.bus import Bus, NatsAuth
     from services.common.subjects import Subjects
     from services.kv_indexer.bridges.runtime import BridgeRuntime, CapacityDefaults
 
-    bus = Bus(st.nats_url, f"bridge-{st.engine}", Subjects(st.subject_prefix))
+    bus = Bus(
+        st.nats_url,
+        f"bridge-{st.engine}",
+        Subjects(st.subject_prefix),
+        auth=NatsAuth.from_settings(st),
+        role="worker",
+    )
     await bus.connect()
     worker = st.worker_id or default_worker_id(st.engine, st.topic)
     rt = BridgeRuntime(
