@@ -170,6 +170,8 @@ class Bus:
         self._js: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._drop_log = RateLimiter(60.0)
+        self._error_log = RateLimiter(10.0)
+        self._last_error = ""
         self.connected = asyncio.Event()
         self.disconnected = asyncio.Event()  # set while the connection is down
 
@@ -182,22 +184,11 @@ class Bus:
         loop = asyncio.get_running_loop()
         deadline = None if max_wait_s is None else loop.time() + max_wait_s
         while True:
+            remaining = None if deadline is None else max(0.1, deadline - loop.time())
             try:
-                self.nc = await nats.connect(
-                    servers=servers,
-                    name=self.name,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    connect_timeout=2,
-                    ping_interval=5,
-                    max_outstanding_pings=3,
-                    error_cb=self._on_error,
-                    disconnected_cb=self._on_disconnected,
-                    reconnected_cb=self._on_reconnected,
-                    inbox_prefix=self.inbox_prefix,
-                    **auth,
-                )
+                # nats-py itself retries a first connection forever (max_reconnect_attempts=-1):
+                # the deadline bounds that too
+                self.nc = await asyncio.wait_for(self._connect_once(servers, auth), remaining)
                 self._js = self.nc.jetstream()
                 self.connected.set()
                 connected = self.nc.connected_url
@@ -208,27 +199,48 @@ class Bus:
                     tls=self.auth.uses_tls,
                 )
                 return
+            except TimeoutError as exc:
+                if deadline is not None and loop.time() >= deadline - 0.05:
+                    last = self._last_error or "no answer"
+                    raise ConnectionError(
+                        f"cannot reach NATS at {redact_url(self.url)}: {last}"
+                    ) from exc
+                error = "timeout"
             except (
-                TimeoutError,
                 OSError,
                 nats.errors.NoServersError,
                 nats.errors.TimeoutError,
                 nats.errors.Error,  # e.g. an authorization violation: may be fixed server-side
             ) as exc:
                 error = redact_text(str(exc) or type(exc).__name__)
-                if deadline is not None and loop.time() + delay > deadline:
-                    raise ConnectionError(
-                        f"cannot reach NATS at {redact_url(self.url)}: {error}"
-                    ) from None
-                log.warning(
-                    "bus connect failed, retrying",
-                    url=redact_url(self.url),
-                    auth=self.auth.method,
-                    error=error,
-                    retry_in_s=delay,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, backoff_max_s)
+            if deadline is not None and loop.time() + delay > deadline:
+                raise ConnectionError(f"cannot reach NATS at {redact_url(self.url)}: {error}")
+            log.warning(
+                "bus connect failed, retrying",
+                url=redact_url(self.url),
+                auth=self.auth.method,
+                error=error,
+                retry_in_s=delay,
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, backoff_max_s)
+
+    async def _connect_once(self, servers: list[str], auth: dict[str, Any]) -> NatsClient:
+        return await nats.connect(
+            servers=servers,
+            name=self.name,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=2,
+            ping_interval=5,
+            max_outstanding_pings=3,
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnected,
+            reconnected_cb=self._on_reconnected,
+            inbox_prefix=self.inbox_prefix,
+            **auth,
+        )
 
     async def close(self) -> None:
         """Stop consumer loops, then drain (deliver what is buffered) and close."""
@@ -243,9 +255,11 @@ class Bus:
 
     async def _on_error(self, exc: Exception) -> None:
         error = redact_text(str(exc) or type(exc).__name__)
+        self._last_error = error
         if "permissions violation" in error.lower():
             BUS_PERMISSION_DENIED.inc()
-        log.warning("bus error", error=error)
+        if self._error_log.allow(error):  # a wrong password repeats twice a second
+            log.warning("bus error", error=error, suppressed=self._error_log.take_suppressed(error))
 
     async def _on_disconnected(self) -> None:
         self.connected.clear()
