@@ -35,6 +35,7 @@ from services.common.embedded import (
 from services.common.logging import configure_logging, get_logger
 from services.common.permissions import Grant, default_grants, render_authorization
 from services.common.redact import redact_url
+from services.common.signing import Signer, new_seed
 from services.common.subjects import Subjects
 
 OPTIONS = (
@@ -257,9 +258,28 @@ class Stack:
                 role="router",
             ),
         ]
+        signer = self.api_signer()
         for kid in kids:
             kid.env = self.role_env(kid.role)
+            if kid.role == "api":
+                kid.env["KVGATE_SIGNING_SEED"] = str(self.signing_seed_path)
+            elif kid.role == "router":
+                kid.env["KVGATE_TRUSTED_SIGNERS"] = signer.public_key
         return kids
+
+    @property
+    def signing_seed_path(self) -> Path:
+        return self.state_dir / "api-signing.nk"
+
+    def api_signer(self) -> Signer:
+        """The api's signing key (kept in the state dir, owner-only); routers trust only it."""
+        path = self.signing_seed_path
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(new_seed())
+        return Signer.from_file(path)
 
     def check_ports(self) -> None:
         st = self.st

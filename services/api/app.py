@@ -25,7 +25,9 @@ from services.api.workers import ControlRepublisher, WorkerRegistry
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus, NatsAuth
 from services.common.logging import RateLimiter, get_logger
+from services.common.schemas import PolicyRevisionReply, PolicyRevisionRequest
 from services.common.service import metrics_handler
+from services.common.signing import Signer
 from services.common.streams import ensure_policy_stream
 from services.common.subjects import Subjects
 
@@ -37,6 +39,7 @@ class ApiConfig:
     database_url: str
     nats_url: str
     nats_auth: NatsAuth | None = None
+    signing_seed: str = ""  # file: sign what the api publishes (services.common.signing)
     subject_prefix: str = ""
     admin_token: str = ""
     eval_interval_s: float = 1.0
@@ -69,6 +72,8 @@ class ApiService:
         bus = Bus(
             cfg.nats_url, cfg.name, Subjects(cfg.subject_prefix), auth=cfg.nats_auth, role="api"
         )
+        if cfg.signing_seed:
+            bus.signer = Signer.from_file(cfg.signing_seed)
         await bus.connect()
         db = Database(cfg.database_url)
         publisher = PolicyPublisher(db, bus)
@@ -82,6 +87,13 @@ class ApiService:
             policy_schemas=policy_schemas(),
         )
         await registry.subscribe(bus)
+
+        async def answer_revision(_req: PolicyRevisionRequest) -> PolicyRevisionReply:
+            return PolicyRevisionReply(revision=await publisher.stored_revision())
+
+        await bus.serve(
+            bus.subjects.policy_revision, PolicyRevisionRequest, answer_revision, queue="api"
+        )
         await ensure_policy_stream(bus)
         self.collector = OutcomeCollector(db, bus, flush_s=cfg.flush_interval_s)
         await self.collector.start()
@@ -127,6 +139,7 @@ async def serve(st, stop: asyncio.Event) -> None:
             database_url=st.database_url,
             nats_url=st.nats_url,
             nats_auth=NatsAuth.from_settings(st),
+            signing_seed=st.signing_seed,
             subject_prefix=st.subject_prefix,
             admin_token=st.admin_token,
             eval_interval_s=st.canary_eval_interval_s,

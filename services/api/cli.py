@@ -23,6 +23,7 @@ ADMIN_TOKEN = S.option(
     env="KVGATE_API_ADMIN_TOKEN",
 )
 OPTIONS = S.COMMON + (
+    S.SIGNING_SEED,
     S.DATABASE_URL,
     S.option(
         "host", "127.0.0.1", "address of the HTTP (health, metrics) endpoint", env="KVGATE_API_HOST"

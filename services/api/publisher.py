@@ -125,12 +125,23 @@ class PolicyPublisher:
         except SchemaError:
             return -1
 
+    async def stored_revision(self) -> int:
+        async with self.db.session() as s:
+            st = (await s.execute(select(PolicyState).where(PolicyState.id == 1))).scalar_one()
+        return int(st.revision)
+
     async def resync(self) -> bool:
-        """Re-publish if the stream's newest notice is older than the database's revision."""
+        """Re-publish if the stream's newest notice is not the database's revision: older (a
+        lost publish) or newer (a notice the api never sent, e.g. a forged revision 10^9, which
+        would otherwise stay the stream's newest and shadow every later activation)."""
         async with self.db.session() as s:
             st = (await s.execute(select(PolicyState).where(PolicyState.id == 1))).scalar_one()
         if st.active_name is None:
             return False
-        if await self.stream_revision() >= int(st.revision):
+        stream = await self.stream_revision()
+        if stream == int(st.revision):
             return False
+        if stream > int(st.revision):
+            log.warning("policy stream holds a revision the api never stored; republishing",
+                        stream_revision=stream, stored_revision=int(st.revision))  # fmt: skip
         return await self.publish_current()

@@ -40,6 +40,7 @@ from services.common.aio import cancel_and_wait
 from services.common.logging import RateLimiter, get_logger
 from services.common.redact import redact_text, redact_url
 from services.common.schemas import SchemaError, decode, encode
+from services.common.signing import Signer
 from services.common.subjects import Subjects
 
 log = get_logger("bus")
@@ -166,6 +167,8 @@ class Bus:
         self.auth = auth or NatsAuth()
         # replies come to an inbox only this role may subscribe to (services.common.permissions)
         self.inbox_prefix = self.subjects.inbox_prefix(role) if role else "_INBOX"
+        # set on the api: every message it publishes carries its signature (services.common.signing)
+        self.signer: Signer | None = None
         self.nc: NatsClient | None = None
         self._js: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -289,10 +292,18 @@ class Bus:
         return self.nc is not None and self.nc.is_connected
 
     # ------------------------------------------------------------------ core pub/sub
+    def _signed(
+        self, subject: str, data: bytes, headers: dict[str, str] | None
+    ) -> dict[str, str] | None:
+        if self.signer is None:
+            return headers
+        return {**(headers or {}), **self.signer.headers(subject, data)}
+
     async def publish(
         self, subject: str, msg: Struct, headers: dict[str, str] | None = None
     ) -> None:
-        await self.client.publish(subject, encode(msg), headers=headers)
+        data = encode(msg)
+        await self.client.publish(subject, data, headers=self._signed(subject, data, headers))
 
     async def publish_raw(self, subject: str, data: bytes) -> None:
         await self.client.publish(subject, data)
@@ -402,7 +413,9 @@ class Bus:
     ) -> Any:
         """Publish to a stream and wait for the server's ack (so the message is stored)."""
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        return await self.js.publish(subject, encode(msg), timeout=timeout, headers=headers)
+        data = encode(msg)
+        headers = self._signed(subject, data, headers)
+        return await self.js.publish(subject, data, timeout=timeout, headers=headers)
 
     async def consume(
         self,

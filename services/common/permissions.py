@@ -122,6 +122,7 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 s.router_outcomes,
                 s.kv_index_snapshot,
                 s.kv_query,
+                s.policy_revision,
                 s.alert_signal("router"),
                 js_info,
                 *_js_manage(s.outcomes_stream),
@@ -153,7 +154,8 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 *_js_consume(s.alert_signals_stream),
                 *_js_manage(s.alerts_stream),
             ),
-            subscribe=(s.heartbeat_all, s.telemetry_all, inbox),
+            subscribe=(s.heartbeat_all, s.telemetry_all, s.policy_revision, inbox),
+            allow_responses=True,
         )
     if role == "operator":
         return Permissions(

@@ -218,6 +218,17 @@ class CanaryAssignment(Struct, kw_only=True):
     candidate_spec: dict[str, Any]
 
 
+class PolicyRevisionRequest(Message):
+    """A router asks the api which policy revision it stored (``policy.revision``): a notice
+    with a higher revision was not sent by the api."""
+
+    router_id: str = ""
+
+
+class PolicyRevisionReply(Message):
+    revision: NonNeg
+
+
 class PolicyUpdated(Message):
     """The active policy (and canary split, if any). Routers apply the newest ``revision``."""
 

@@ -126,6 +126,18 @@ NATS_AUTH: tuple[Option, ...] = (
     NATS_TLS_KEY,
 )
 
+# The api signs policy notices and worker control (services.common.signing); routers accept them
+# only signed by a trusted key.
+SIGNING_SEED = option(
+    "signing_seed", "", "file holding the api's signing nkey seed (kvgate keys generate)"
+)
+TRUSTED_SIGNERS = option(
+    "trusted_signers",
+    "",
+    "public nkeys (comma-separated) whose signed policy/control messages are accepted; "
+    "empty: accept unsigned ones",
+)
+
 COMMON: tuple[Option, ...] = (NATS_URL, *NATS_AUTH, SUBJECT_PREFIX, LOG_LEVEL, LOG_FORMAT)
 
 

@@ -20,6 +20,7 @@ kv.query                                KvQuery -> KvQueryReply (req/reply)     
 router.load.<router>                    RouterLoad (in-flight per worker)          core
 router.outcomes                         RouterOutcome                              JetStream OUTCOMES
 policy.updated                          PolicyUpdated                              core + JetStream POLICY
+policy.revision                         PolicyRevisionRequest -> Reply (req/reply) core (the api answers)
 alerting.signals.<source>               Alert (raw signal, not yet de-duplicated)  JetStream ALERT_SIGNALS
 alerts.<severity>.<kind>                Alert (managed: firing / resolved)         JetStream ALERTS
 ======================================  =========================================  ===========
@@ -149,6 +150,10 @@ class Subjects:
     @property
     def policy_updated(self) -> str:
         return self._s("policy.updated")
+
+    @property
+    def policy_revision(self) -> str:
+        return self._s("policy.revision")
 
     # -- alerts -------------------------------------------------------------------------------
     def alert_signal(self, source: str) -> str:

@@ -42,6 +42,7 @@ from services.common.schemas import (
     decode,
 )
 from services.common.service import metrics_handler
+from services.common.signing import Verifier
 from services.common.streams import ensure_outcomes_stream, raise_alert
 from services.common.tokenizer import load_tokenizer
 from services.core.policy import (
@@ -69,6 +70,7 @@ from services.router.proxy import (
 )
 from services.router.state import ClusterState, Ticket
 from services.router.tokenize import BadRequest, Parsed, RequestParser
+from services.router.trust import BusTrust, stored_policy_revision
 from services.router.upstream import FastClient, UpstreamError
 
 log = get_logger("router")
@@ -130,6 +132,13 @@ class Router:
         self.hit_pred = M.HitRate("predicted")
         self.hit_reported = M.HitRate("reported")
         self.policy_applied = asyncio.Event()  # set on each applied policy.updated (tests)
+        self.trust = BusTrust(
+            bus.subjects,
+            Verifier((getattr(st, "trusted_signers", "") or "").split(",")),
+            self.router_id,
+            lambda alert: raise_alert(self.bus, alert),
+            self._spawn,
+        )
         self.fast = FastClient(st.connect_timeout)
         self.waits = FirstTokenWaits()  # follower holds (Decision.after)
         self._t_stream = aiohttp.ClientTimeout(
@@ -187,7 +196,9 @@ class Router:
         return app
 
     # ================================================================== bus inputs
-    async def _on_heartbeat(self, hb: WorkerHeartbeat, _raw: Any) -> None:
+    async def _on_heartbeat(self, hb: WorkerHeartbeat, raw: Any) -> None:
+        if not self.trust.heartbeat_ok(hb, raw):
+            return
         if self.state.on_heartbeat(hb, time.monotonic()):
             log.info("worker up", worker=hb.worker_id, url=hb.url, model=hb.model)
             self._notify_capacity()
@@ -197,7 +208,9 @@ class Router:
         if self.queue_len:
             self._notify_capacity()
 
-    async def _on_control(self, ctl: WorkerControl, _raw: Any) -> None:
+    async def _on_control(self, ctl: WorkerControl, raw: Any) -> None:
+        if not self.trust.control_ok(ctl, raw):
+            return
         self.state.on_control(ctl, time.monotonic())
         log.info("worker control", worker=ctl.worker_id, action=ctl.action, by=ctl.by)
         self._notify_capacity()
@@ -209,8 +222,12 @@ class Router:
         if self.queue_len:
             self._notify_capacity()
 
-    async def _on_policy(self, msg: PolicyUpdated, _raw: Any) -> None:
-        self._apply_policy(msg)
+    async def _on_policy(self, msg: PolicyUpdated, raw: Any) -> None:
+        if not self.trust.policy_signed_ok(raw):
+            return
+        stored = await stored_policy_revision(self.bus, msg.revision, self.router_id)
+        if self.trust.policy_revision_ok(msg, stored, raw.subject):
+            self._apply_policy(msg)
 
     def _apply_policy(self, msg: PolicyUpdated) -> bool:
         try:
@@ -245,6 +262,8 @@ class Router:
                 policy=self.policies.control.spec,
                 why=type(exc).__name__,
             )
+            return
+        if not self.trust.policy_signed_ok(raw):
             return
         try:
             self._apply_policy(decode(PolicyUpdated, raw.data))

@@ -10,6 +10,7 @@ from services.common.service import run_service
 
 OPTIONS = S.COMMON + (
     S.HASH_SEED,
+    S.TRUSTED_SIGNERS,
     S.option("host", "127.0.0.1", "address to listen on", env="KVGATE_ROUTER_HOST"),
     S.option(
         "port", 8080, "HTTP port (OpenAI base URL is http://host:port/v1)", env="KVGATE_ROUTER_PORT"

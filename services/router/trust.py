@@ -1,0 +1,192 @@
+"""What a router believes from the bus (defence in depth behind NATS permissions).
+
+- A heartbeat counts only when it arrives on its own worker's subject
+  (``workers.heartbeat.<id>`` with payload ``worker_id == id``): a credential allowed to speak
+  for one worker cannot announce another.
+- ``policy.updated`` and ``workers.control.*`` count only when signed by a trusted key (the api's,
+  services.common.signing), when the router is given trusted keys.
+- A policy notice counts only when its revision is the one the api stored: the newest notice in
+  the POLICY stream (written by the api). A revision above the stored one is "from the future"
+  (a forgery or a replay into a fresh stream): it is rejected rather than allowed to lock out
+  every later legitimate revision.
+
+Every rejection is counted in ``kvgate_router_rejected_messages_total{type,reason}``, logged
+(rate-limited) and raised as a critical ``forged_message`` alert.
+
+Invariant: the checks are pure functions of the message, its subject and headers (and, for
+policy notices, the stored revision); nothing here changes router state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from prometheus_client import Counter
+
+from services.common.logging import RateLimiter, get_logger
+from services.common.schemas import (
+    Alert,
+    PolicyRevisionReply,
+    PolicyRevisionRequest,
+    PolicyUpdated,
+    SchemaError,
+    WorkerControl,
+    WorkerHeartbeat,
+    decode,
+)
+from services.common.signing import Verifier
+from services.common.subjects import Subjects
+
+log = get_logger("router.trust")
+
+REJECTED = Counter(
+    "kvgate_router_rejected_messages_total",
+    "Bus messages the router refused to believe (forged or unverifiable)",
+    ["type", "reason"],
+)
+
+
+def heartbeat_reason(subjects: Subjects, subject: str, hb: WorkerHeartbeat) -> str:
+    """ "" when the heartbeat came on its own worker's subject."""
+    try:
+        own = subjects.heartbeat(hb.worker_id)
+    except ValueError:
+        return "bad_worker_id"
+    return "" if subject == own else "subject_mismatch"
+
+
+def control_reason(subjects: Subjects, subject: str, ctl: WorkerControl) -> str:
+    try:
+        own = subjects.worker_control(ctl.worker_id)
+    except ValueError:
+        return "bad_worker_id"
+    return "" if subject == own else "subject_mismatch"
+
+
+def revision_reason(notice_revision: int, stored_revision: int | None) -> str:
+    """Compare a notice with the api's stored revision (None: the stream has none to compare)."""
+    if stored_revision is None:
+        return ""
+    if notice_revision > stored_revision:
+        return "future_revision"
+    return ""  # equal: the current one; lower: stale, dropped by the policy holder as before
+
+
+async def stored_policy_revision(bus: Any, expected: int, router_id: str = "") -> int | None:
+    """The policy revision the api stored: asked of the api (``policy.revision``); when no api
+    answers, the newest notice in the POLICY stream; None when neither is there."""
+    try:
+        reply = await bus.request(
+            bus.subjects.policy_revision,
+            PolicyRevisionRequest(router_id=router_id),
+            PolicyRevisionReply,
+            timeout=1.0,
+        )
+        return reply.revision
+    except (TimeoutError, SchemaError):
+        pass
+    except Exception as exc:  # disconnected: the stream may still answer after reconnecting
+        log.debug("policy revision request failed", error=repr(exc))
+    return await _stream_policy_revision(bus, expected)
+
+
+async def _stream_policy_revision(bus: Any, expected: int, tries: int = 3) -> int | None:
+    """The api publishes through JetStream, so its notice reaches subscribers while the stream
+    stores it: a stored revision below the notice's is looked up again, briefly."""
+    subjects = bus.subjects
+    stored: int | None = None
+    for attempt in range(tries):
+        try:
+            raw = await bus.js.get_last_msg(subjects.policy_stream, subjects.policy_updated)
+            stored = decode(PolicyUpdated, raw.data).revision
+        except SchemaError:
+            return None
+        except Exception:  # no stream or no message yet, JetStream away: nothing to compare
+            return None
+        if stored >= expected or attempt == tries - 1:
+            return stored
+        await asyncio.sleep(0.05 * (attempt + 1))
+    return stored
+
+
+class BusTrust:
+    def __init__(
+        self,
+        subjects: Subjects,
+        verifier: Verifier,
+        router_id: str,
+        raise_alert: Callable[[Alert], Awaitable[None]],
+        spawn: Callable[[Awaitable[None]], Any],
+    ) -> None:
+        self.subjects = subjects
+        self.verifier = verifier
+        self.router_id = router_id
+        self._raise_alert = raise_alert
+        self._spawn = spawn
+        self._log = RateLimiter(60.0)
+
+    def reject(self, type_name: str, reason: str, subject: str, detail: str = "") -> None:
+        REJECTED.labels(type_name, reason).inc()
+        key = (type_name, reason)
+        if not self._log.allow(key):
+            return
+        log.warning(
+            "bus message rejected",
+            type=type_name,
+            reason=reason,
+            subject=subject,
+            detail=detail,
+            suppressed=self._log.take_suppressed(key),
+        )
+        alert = Alert(
+            fingerprint=f"forged_message:{type_name}:{reason}:{self.router_id}",
+            kind="forged_message",
+            severity="critical",
+            source="router",
+            summary=f"router {self.router_id} rejected a {type_name} on {subject} ({reason})",
+            remedy="Someone with access to the bus published a message the api did not send. "
+            "Check which NATS credential published it (nats-server logs, connection names), "
+            "revoke it, and check the NATS authorization config (kvgate nats-config).",
+            details={"router_id": self.router_id, "type": type_name, "reason": reason},
+        )
+        self._spawn(self._send(alert))
+
+    async def _send(self, alert: Alert) -> None:
+        try:
+            await self._raise_alert(alert)
+        except Exception as exc:
+            log.warning("alert not sent", kind=alert.kind, error=repr(exc))
+
+    # ------------------------------------------------------------------ checks
+    def heartbeat_ok(self, hb: WorkerHeartbeat, raw: Any) -> bool:
+        reason = heartbeat_reason(self.subjects, raw.subject, hb)
+        if reason:
+            self.reject("WorkerHeartbeat", reason, raw.subject, f"payload worker {hb.worker_id}")
+        return not reason
+
+    def _signed_ok(self, type_name: str, raw: Any) -> bool:
+        headers: Mapping[str, str] | None = getattr(raw, "headers", None)
+        reason = self.verifier.reject_reason(raw.subject, raw.data, headers)
+        if reason:
+            self.reject(type_name, reason, raw.subject)
+        return not reason
+
+    def control_ok(self, ctl: WorkerControl, raw: Any) -> bool:
+        reason = control_reason(self.subjects, raw.subject, ctl)
+        if reason:
+            self.reject("WorkerControl", reason, raw.subject, f"payload worker {ctl.worker_id}")
+            return False
+        return self._signed_ok("WorkerControl", raw)
+
+    def policy_signed_ok(self, raw: Any) -> bool:
+        return self._signed_ok("PolicyUpdated", raw)
+
+    def policy_revision_ok(self, msg: PolicyUpdated, stored: int | None, subject: str) -> bool:
+        reason = revision_reason(msg.revision, stored)
+        if reason:
+            self.reject(
+                "PolicyUpdated", reason, subject, f"revision {msg.revision} > stored {stored}"
+            )
+        return not reason
