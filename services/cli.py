@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "bridge a real engine's KV events onto the bus (vllm | sglang | trtllm)",
     ),
     "alerts": ("services.api.alerts_cli", "operator tools for alerts (tail)"),
+    "nats-config": (
+        "services.nats_config",
+        "print the NATS server config with kvgate's per-role authorization",
+    ),
     "bench": ("bench.cli", "benchmark policies and routers with real processes and HTTP"),
     "simulate": (
         "bench.simulate",

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -262,3 +263,53 @@ def test_raw_file_interpolates_without_a_dotenv_only_for_secrets() -> None:
     doc = interpolate_tree(yaml.safe_load(COMPOSE.read_text()), dict(TEST_SECRETS))
     assert doc["services"]["router"]["deploy"]["replicas"] == "2"
     assert doc["services"]["kv-indexer"]["image"] == "kvgate:latest"
+
+
+def test_nats_authorization_is_on_by_default_and_generated_from_the_code(compose: dict) -> None:
+    """deploy/nats.conf is `kvgate nats-config`'s output (permissions follow the subjects), the
+    nats service gets every user's password, and every service that talks to NATS logs in as
+    the user of its role."""
+    from services.nats_config import password_vars, render
+
+    conf = (ROOT / "deploy" / "nats.conf").read_text()
+    assert conf == render(), "deploy/nats.conf is stale: kvgate nats-config > deploy/nats.conf"
+    assert "authorization {" in conf
+    nats_env = environment_of(compose["services"]["nats"])
+    assert set(password_vars()) <= set(nats_env), "nats-server needs every user's password"
+    users = set(re.findall(r'\{user: "([^"]+)"', conf))
+    expected = {"kv-indexer": "indexer", "telemetry": "telemetry", "router": "router"}
+    expected |= {"api": "api", "sim": "sim"}
+    for name, svc in kvgate_services(compose).items():
+        env = environment_of(svc)
+        if "KVGATE_NATS_URL" not in env:
+            continue
+        assert env.get("KVGATE_NATS_USER") == expected[name], name
+        assert env["KVGATE_NATS_USER"] in users, name
+        assert env["KVGATE_NATS_PASSWORD"] == nats_env[f"NATS_PASSWORD_{expected[name].upper()}"]
+
+
+def test_only_the_openai_endpoint_is_published_beyond_this_host(compose: dict) -> None:
+    published = {
+        name: [str(p) for p in svc.get("ports", [])]
+        for name, svc in compose["services"].items()
+        if svc.get("ports")
+    }
+    for name, ports in published.items():
+        for port in ports:
+            if name == "gateway":
+                continue  # the OpenAI base URL (put TLS in front: docs/deploy.md)
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every address"
+
+
+def test_shipped_nats_config_is_valid_for_nats_server() -> None:
+    from services.common.embedded import nats_server_binary
+
+    env = {**os.environ, **TEST_SECRETS}
+    result = subprocess.run(
+        [nats_server_binary(), "-c", str(ROOT / "deploy" / "nats.conf"), "-t"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -26,6 +26,10 @@ ENV_EXAMPLE = ROOT / ".env.example"
 TEST_SECRETS = {
     "POSTGRES_PASSWORD": "pw0123456789abcdef",
     "KVGATE_API_ADMIN_TOKEN": "tok-" + "a" * 32,
+    **{
+        f"NATS_PASSWORD_{role}": f"nats-{role.lower()}-0123456789"
+        for role in ("API", "ROUTER", "INDEXER", "TELEMETRY", "OPERATOR", "SIM")
+    },
 }
 # Site-specific values the env examples leave empty (deploy/gpu-node.env.example).
 TEST_SITE = {

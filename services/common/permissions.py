@@ -185,7 +185,7 @@ def default_grants(worker_ids: Iterable[str] = ()) -> list[Grant]:
 
 def password_env_var(grant: Grant) -> str:
     """The environment variable holding a user's password in the shipped config."""
-    return "KVGATE_NATS_PASSWORD_" + grant.user.upper().replace("-", "_")
+    return "NATS_PASSWORD_" + grant.user.upper().replace("-", "_")
 
 
 def _conf_value(value: object) -> str:
