@@ -59,6 +59,12 @@ OPTIONS = (
     S.option("router_port", 8080, "router (OpenAI API) port", env="KVGATE_ROUTER_PORT"),
     S.option("api_port", 8081, "admin API port", env="KVGATE_API_PORT"),
     S.option(
+        "router_operator_port",
+        8084,
+        "router's operator port (/metrics, /debug/*)",
+        env="KVGATE_ROUTER_OPERATOR_PORT",
+    ),
+    S.option(
         "indexer_port",
         8082,
         "kv_indexer HTTP (health, metrics, debug) port",
@@ -265,6 +271,7 @@ class Stack:
                 kid.env["KVGATE_SIGNING_SEED"] = str(self.signing_seed_path)
             elif kid.role == "router":
                 kid.env["KVGATE_TRUSTED_SIGNERS"] = signer.public_key
+                kid.env["KVGATE_ROUTER_OPERATOR_PORT"] = str(self.st.router_operator_port)
         return kids
 
     @property
@@ -283,7 +290,8 @@ class Stack:
 
     def check_ports(self) -> None:
         st = self.st
-        ports = [st.router_port, st.api_port, st.indexer_port, st.telemetry_port]
+        ports = [st.router_port, st.router_operator_port, st.api_port, st.indexer_port]
+        ports.append(st.telemetry_port)
         ports += [st.sim_port + i for i in range(st.workers)]
         busy = [p for p in ports if port_open("127.0.0.1", p, 0.2)]
         if busy:
@@ -379,6 +387,8 @@ class Stack:
             "\nkvgate is up\n"
             f"  OpenAI base URL : http://127.0.0.1:{self.st.router_port}/v1\n"
             f"  admin API       : http://127.0.0.1:{self.st.api_port}/api/v1\n"
+            f"  router metrics  : http://127.0.0.1:{self.st.router_operator_port}/metrics"
+            " (and /debug/*)\n"
             f"  NATS            : {redact_url(nats_url)}{self._nats_auth_note()}\n"
             f"  database        : {redact_url(db_url)}\n"
             f"  workers         : {self.st.workers} simulated\n"

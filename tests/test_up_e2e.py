@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,7 @@ def _processes_mentioning(needle: str) -> list[str]:
 def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) -> None:
     import openai
 
-    router, api, indexer, telemetry, sim = (free_port() for _ in range(5))
+    router, api, indexer, telemetry, sim, operator = (free_port() for _ in range(6))
     state = tmp_path / "state"
     proc = subprocess.Popen(
         [
@@ -58,6 +60,8 @@ def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) ->
             str(state),
             "--router-port",
             str(router),
+            "--router-operator-port",
+            str(operator),
             "--api-port",
             str(api),
             "--indexer-port",
@@ -93,6 +97,12 @@ def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) ->
         completion = raw.parse()
         assert completion.choices[0].message.content
         assert raw.headers["x-kvgate-worker"].startswith("sim")
+        # operator endpoints answer on the operator port only
+        with urllib.request.urlopen(f"http://127.0.0.1:{operator}/metrics", timeout=5) as resp:
+            assert b"kvgate_router" in resp.read()
+        with pytest.raises(urllib.error.HTTPError) as public:
+            urllib.request.urlopen(f"http://127.0.0.1:{router}/debug/state", timeout=5)
+        assert public.value.code == 404
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -68,6 +68,12 @@ from services.router.proxy import (
     replica_body,
     upstream_body,
 )
+from services.router.public_surface import (
+    check_prompt_size,
+    operator_on_public_port,
+    public_app,
+    start_operator_http,
+)
 from services.router.state import ClusterState, Ticket
 from services.router.tokenize import BadRequest, Parsed, RequestParser
 from services.router.trust import BusTrust, stored_policy_revision
@@ -93,7 +99,7 @@ def _error(
     status: int, message: str, etype: str, headers: dict[str, str] | None = None
 ) -> web.Response:
     return web.json_response(
-        {"error": {"message": message, "type": etype, "code": status}},
+        {"error": {"message": message, "type": etype, "param": None, "code": status}},
         status=status,
         headers=headers,
     )
@@ -185,15 +191,23 @@ class Router:
         await self.fast.close()
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = public_app(self.st)  # body limit, client API keys, OpenAI error shape
         app.router.add_post("/v1/completions", self.h_completions)
         app.router.add_post("/v1/chat/completions", self.h_chat)
         app.router.add_get("/v1/models", self.h_models)
         app.router.add_get("/health", self.h_health)
-        app.router.add_get("/metrics", metrics_handler)
-        app.router.add_route("*", "/debug/route", self.h_debug_route)
-        app.router.add_get("/debug/state", self.h_debug_state)
+        if operator_on_public_port(self.st):
+            app.add_routes(self.operator_routes()[1:])
         return app
+
+    def operator_routes(self) -> list[web.RouteDef]:
+        """Health, metrics and debug views: the operator port's (services.router.public_surface)."""
+        return [
+            web.get("/health", self.h_health),
+            web.get("/metrics", metrics_handler),
+            web.route("*", "/debug/route", self.h_debug_route),
+            web.get("/debug/state", self.h_debug_state),
+        ]
 
     # ================================================================== bus inputs
     async def _on_heartbeat(self, hb: WorkerHeartbeat, raw: Any) -> None:
@@ -587,6 +601,7 @@ class Router:
         t0 = time.perf_counter()
         try:
             body = _json_decode(await request.read())
+            check_prompt_size(body, getattr(self.st, "max_prompt_chars", 0))
             parsed = await self.parser.parse(body, chat)
         except msgspec.DecodeError as exc:
             return _error(400, f"request body is not valid JSON: {exc}", "invalid_request_error")
@@ -1213,6 +1228,7 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     runner = await start_router_http(
         router, st.host, st.port, reuse_port=getattr(st, "reuse_port", False)
     )
+    operator = await start_operator_http(st, router.operator_routes())
     log.info(
         "router listening",
         host=st.host,
@@ -1222,5 +1238,7 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     )
     await stop.wait()
     await runner.cleanup()
+    if operator is not None:
+        await operator.cleanup()
     await router.stop()
     await bus.close()

@@ -7,8 +7,10 @@ import os
 
 from services.common import settings as S
 from services.common.service import run_service
+from services.router.public_surface import OPTIONS as PUBLIC_SURFACE_OPTIONS
 
 OPTIONS = S.COMMON + (
+    *PUBLIC_SURFACE_OPTIONS,
     S.HASH_SEED,
     S.TRUSTED_SIGNERS,
     S.option("host", "127.0.0.1", "address to listen on", env="KVGATE_ROUTER_HOST"),

@@ -1,0 +1,131 @@
+"""The router's public port: body limit (Content-Length and chunked), prompt size before
+tokenizing, client API keys, every error in OpenAI's shape, operator endpoints on their own
+port. Real router, real NATS, a fake engine behind it."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from services.common.bus import Bus
+from services.common.embedded import free_port
+from services.router.public_surface import start_operator_http
+from tests.test_router_support import Beats, FakeWorker, RouterProc
+
+LIMIT = 64 * 1024
+KEY = "sk-kvgate-test-0123456789"
+
+
+def _assert_openai_error(body: dict, status: int) -> dict:
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    return err
+
+
+@pytest.fixture
+async def stack(nats_url, subjects, bus: Bus, tmp_path: Path) -> AsyncIterator[RouterProc]:
+    keys_file = tmp_path / "keys"
+    # one key in plain text, one stored only as its digest
+    keys_file.write_text(f"# client keys\nsha256:{hashlib.sha256(b'sk-hashed-key').hexdigest()}\n")
+    workers = [await FakeWorker("w0").start(bus)]
+    beats = Beats(bus, workers).start()
+    router = await RouterProc(
+        nats_url,
+        subjects,
+        max_body_bytes=LIMIT,
+        max_prompt_chars=1000,
+        api_keys=KEY,
+        api_keys_file=str(keys_file),
+        operator_port=free_port(),
+    ).start()
+    await router.wait_workers(1)
+    yield router
+    await router.stop()
+    await beats.stop()
+    for w in workers:
+        await w.stop()
+
+
+def _auth(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_api_keys(stack: RouterProc) -> None:
+    url = stack.url + "/v1/completions"
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        for headers in ({}, _auth("sk-wrong"), {"Authorization": KEY}, _auth("")):
+            async with s.post(url, json=body, headers=headers) as r:
+                assert r.status == 401, headers
+                err = _assert_openai_error(await r.json(), 401)
+                assert err["code"] == "invalid_api_key"
+        for key in (KEY, "sk-hashed-key"):
+            async with s.post(url, json=body, headers=_auth(key)) as r:
+                assert r.status == 200, await r.text()
+        async with s.get(stack.url + "/health") as r:  # load balancers need no key
+            assert r.status == 200
+
+
+async def test_body_limit_from_content_length_and_while_reading(stack: RouterProc) -> None:
+    url = stack.url + "/v1/completions"
+    big = b'{"model": "m", "prompt": "' + b"x" * (LIMIT + 10) + b'"}'
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, data=big, headers=_auth()) as r:
+            assert r.status == 413
+            err = _assert_openai_error(await r.json(), 413)
+            assert str(LIMIT) in err["message"]
+
+        async def chunked():  # no Content-Length: the limit applies while reading
+            for i in range(0, len(big), 8192):
+                yield big[i : i + 8192]
+
+        async with s.post(url, data=chunked(), headers=_auth()) as r:
+            assert r.status == 413
+            _assert_openai_error(await r.json(), 413)
+
+
+async def test_prompt_size_is_checked_before_tokenizing(stack: RouterProc) -> None:
+    async with aiohttp.ClientSession() as s:
+        long_chat = {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 1500}]}],
+        }
+        async with s.post(stack.url + "/v1/chat/completions", json=long_chat, headers=_auth()) as r:
+            assert r.status == 400
+            err = _assert_openai_error(await r.json(), 400)
+            assert "1000 characters" in err["message"]
+
+
+async def test_aiohttp_errors_are_openai_shaped(stack: RouterProc) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/no-such-thing", json={}, headers=_auth()) as r:
+            assert r.status == 404
+            _assert_openai_error(await r.json(), 404)
+        async with s.get(stack.url + "/v1/completions", headers=_auth()) as r:
+            assert r.status == 405
+            assert "POST" in r.headers["Allow"]
+            _assert_openai_error(await r.json(), 405)
+
+
+async def test_operator_endpoints_only_on_the_operator_port(stack: RouterProc) -> None:
+    assert stack.router is not None
+    st = stack.router.st
+    runner = await start_operator_http(st, stack.router.operator_routes())
+    assert runner is not None
+    try:
+        async with aiohttp.ClientSession() as s:
+            for path in ("/metrics", "/debug/state", "/debug/route?prompt=hi"):
+                async with s.get(stack.url + path, headers=_auth()) as r:
+                    assert r.status == 404, path
+                    _assert_openai_error(await r.json(), 404)
+                async with s.get(f"http://127.0.0.1:{st.operator_port}{path}") as r:
+                    assert r.status == 200, path
+    finally:
+        await runner.cleanup()
