@@ -11,9 +11,9 @@ a task each (:meth:`Scraper.scrape`), bounded together with the polled ones by
 Invariants:
 - A target never has two scrapes in flight (``ScrapeState.inflight``); a slow target does
   not delay the others; every scrape ends within ``scrape_timeout_s``.
-- ``finish`` is called exactly once per scrape, with a reading or an error; an answer that
-  only shows that the ``name[]`` filter is unusable is dropped (the filter is turned off for
-  good for that target) instead of being reported as an error.
+- ``finish`` is called once per scrape, with a reading or an error, with one exception: a
+  polled answer that only shows that the ``name[]`` filter is unusable is dropped (the filter
+  is turned off for good for that target) instead of being reported as an error.
 - Readings are never modified once made, so an identical answer reuses the last reading.
 """
 
