@@ -216,6 +216,17 @@ BODY = {
 }
 
 
+# the client API key of the "kvgate-keys" router (issue 18: the cost of checking keys)
+CLIENT_KEY = "sk-bench-0123456789abcdef"
+
+
+def _headers(url: str) -> dict[str, str]:
+    h = {"Content-Type": "application/json"}
+    if "#key" in url:
+        h["Authorization"] = f"Bearer {CLIENT_KEY}"
+    return h
+
+
 async def _latency(url: str, n: int) -> list[float]:
     import aiohttp
 
@@ -225,7 +236,7 @@ async def _latency(url: str, n: int) -> list[float]:
     async with aiohttp.ClientSession(connector=conn) as s:
         for i in range(n + 100):
             t0 = time.perf_counter()
-            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+            async with s.post(url.split("#")[0], data=data, headers=_headers(url)) as r:
                 await r.read()
                 assert r.status == 200, r.status
             if i >= 100:
@@ -244,7 +255,7 @@ async def _throughput(url: str, conns: int, seconds: float) -> tuple[float, int]
     async def loop(s: aiohttp.ClientSession) -> None:
         nonlocal done, errors
         while time.monotonic() < stop_at:
-            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+            async with s.post(url.split("#")[0], data=data, headers=_headers(url)) as r:
                 await r.read()
                 if r.status == 200:
                     done += 1
@@ -255,7 +266,7 @@ async def _throughput(url: str, conns: int, seconds: float) -> tuple[float, int]
     async with aiohttp.ClientSession(connector=conn) as s:
 
         async def warm() -> None:
-            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+            async with s.post(url.split("#")[0], data=data, headers=_headers(url)) as r:
                 await r.read()
 
         await asyncio.gather(*(warm() for _ in range(conns)))  # open the connections
@@ -329,7 +340,10 @@ async def bench_proxy(
 
         beat_task = asyncio.create_task(beats())
         targets = {"direct": wurl}
-        for n in processes:
+        # (name, processes, extra flags): the same router with client API keys checked
+        variants = [("kvgate" if n == 1 else f"kvgate-{n}proc", n, []) for n in processes]
+        variants.append(("kvgate-keys", 1, ["--api-keys", f"other-key,{CLIENT_KEY}"]))
+        for name, n, extra in variants:
             rport = _free_port()
             procs.append(
                 _spawn(
@@ -350,13 +364,14 @@ async def bench_proxy(
                         "kv_aware",
                         "--processes",
                         str(n),
+                        *extra,
                     ],
                     env=env,
                 )
             )
             rurl = f"http://127.0.0.1:{rport}"
             await _wait_http(rurl + "/health", 30, lambda j: j.get("workers", 0) >= 1)
-            targets["kvgate" if n == 1 else f"kvgate-{n}proc"] = rurl
+            targets[name] = rurl + ("#key" if extra else "")
         if with_sglang:
             try:
                 import sglang_router  # noqa: F401
@@ -386,9 +401,11 @@ async def bench_proxy(
             except Exception as exc:
                 print(f"sglang-router could not run: {exc!r}; reporting ours only", file=sys.stderr)
                 results["sglang_error"] = repr(exc)
-        for name, base in targets.items():
-            lat = await _latency(base + "/v1/completions", requests)
-            rps, errs = await _throughput(base + "/v1/completions", conns, seconds)
+        for name, target in targets.items():
+            base, _, key = target.partition("#")
+            url = base + "/v1/completions" + (f"#{key}" if key else "")
+            lat = await _latency(url, requests)
+            rps, errs = await _throughput(url, conns, seconds)
             results[name] = {
                 "p50_ms": pct(lat, 50) * 1e3,
                 "p99_ms": pct(lat, 99) * 1e3,
@@ -403,6 +420,13 @@ async def bench_proxy(
         d = results["direct"]["p50_ms"]
         k = results["kvgate"]
         results["kvgate_added_p50_ms"] = k["p50_ms"] - d
+        if "kvgate-keys" in results:
+            kk = results["kvgate-keys"]
+            results["api_key_check_added_p50_ms"] = kk["p50_ms"] - k["p50_ms"]
+            print(
+                f"client API key check: p50 {kk['p50_ms'] - k['p50_ms']:+.3f} ms, throughput "
+                f"{kk['throughput_rps'] / k['throughput_rps']:.2f}x the router without keys"
+            )
         line = f"kvgate added p50 {k['p50_ms'] - d:.3f} ms (target <= 1 ms: {'PASS' if k['p50_ms'] - d <= 1 else 'FAIL'})"
         if "sglang-router" in results:
             sg = results["sglang-router"]

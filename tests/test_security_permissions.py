@@ -206,3 +206,52 @@ async def test_no_role_reads_another_roles_inbox_or_deletes_streams(
             "STREAM.DELETE" in p or "STREAM.PURGE" in p
             for p in role_permissions(role, s, WORKERS).publish
         )
+
+
+async def test_roles_can_do_their_jobs(
+    server: EmbeddedNats, passwords: dict[str, str], prefix: str
+) -> None:
+    """The api stores an alert; the operator tails it (ordered consumer on ALERTS) with its
+    read-only credential; a worker stores KV events and the indexer's durable consumer reads them."""
+    from services.common.bus import Bus, NatsAuth
+    from services.common.schemas import Alert
+    from services.common.streams import ensure_alert_streams, ensure_kv_events_stream
+
+    s = Subjects(prefix)
+
+    def bus(role: str) -> Bus:
+        return Bus(
+            server.url, role, s, auth=NatsAuth(user=role, password=passwords[role]), role=role
+        )
+
+    api, operator, worker, indexer = bus("api"), bus("operator"), bus("worker"), bus("indexer")
+    for b in (api, operator, worker, indexer):
+        await b.connect(max_wait_s=5)
+    try:
+        await ensure_alert_streams(api)
+        await api.js_publish(
+            s.alert("critical", "forged_message"),
+            Alert(fingerprint="f", kind="forged_message", severity="critical", summary="x"),
+        )
+        got: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on(msg) -> None:
+            got.put_nowait(msg.data)
+
+        await operator.js.stream_info(s.alerts_stream)
+        await operator.js.subscribe(
+            s.alerts_all, cb=on, stream=s.alerts_stream, ordered_consumer=True
+        )
+        assert b"forged_message" in await asyncio.wait_for(got.get(), 5)
+
+        await ensure_kv_events_stream(worker)
+        await worker.client.publish(s.kv_events("w1"), b"batch")  # stored by the stream
+        psub = await indexer.js.pull_subscribe(
+            s.kv_events_all, durable="idx", stream=s.kv_events_stream
+        )
+        msgs = await psub.fetch(1, timeout=5)
+        assert msgs[0].data == b"batch"
+        await msgs[0].ack()
+    finally:
+        for b in (api, operator, worker, indexer):
+            await b.close()

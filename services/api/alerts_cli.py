@@ -105,6 +105,7 @@ def matches(a: Any, args: argparse.Namespace) -> bool:
 
 
 async def tail(args: argparse.Namespace, nats_url: str, prefix: str, auth: Any = None) -> int:
+    import nats.js.errors
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
     from services.common.bus import Bus
@@ -147,7 +148,10 @@ async def tail(args: argparse.Namespace, nats_url: str, prefix: str, auth: Any =
             done.set()
 
     try:
-        await ensure_alert_streams(bus)
+        try:  # read-only first: an operator's credential may read the stream, not configure it
+            await bus.js.stream_info(subjects.alerts_stream)
+        except nats.js.errors.NotFoundError:
+            await ensure_alert_streams(bus)
         sub = await bus.js.subscribe(
             subject, cb=on, stream=subjects.alerts_stream, ordered_consumer=True, config=config
         )
