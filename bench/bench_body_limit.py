@@ -33,7 +33,7 @@ from services.common.embedded import EmbeddedNats, env_without_proxy, free_port
 
 MIB = 1 << 20
 LIMIT = 4 * MIB
-PROMPT_LIMIT = 2_000_000
+PROMPT_LIMIT = 1_000_000
 BIG = 60_000_000
 
 

@@ -320,9 +320,9 @@ async def test_pause_resume_promote_abort_by_hand(api: ApiHarness, bus: Bus) -> 
     assert (await api.call("DELETE", "/api/v1/policies/control"))[0] == 200
     assert (await api.call("DELETE", "/api/v1/policies/cand"))[0] == 409
     status, body = await api.call(
-        "POST", "/api/v1/canaries", {"policy": "cand", "steps": [0.5, 0.2]}
+        "POST", "/api/v1/canaries", {"policy": "cand", "steps": [0.5, 0.2, 0.5]}
     )
-    assert status == 400 and body["error"]["field"] == "steps"
+    assert status == 400 and body["error"]["field"] == "steps"  # distinct (any order is fine)
     status, body = await api.call("POST", "/api/v1/canaries", {"policy": "cand", "steps": [0, 1]})
     assert status == 400 and body["error"]["field"] == "steps[0]"
 

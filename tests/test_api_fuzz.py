@@ -4,6 +4,7 @@ valid and invalid inputs for every operation; no input may produce a 5xx."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Iterator
 
@@ -62,8 +63,23 @@ def api_url(
         thread.join(30)
 
 
-def test_no_server_error_for_any_input(api_url: dict[str, str]) -> None:
+def test_no_server_error_and_no_schema_mismatch_for_any_input(api_url: dict[str, str]) -> None:
     import schemathesis
+    from schemathesis.checks import (
+        content_type_conformance,
+        negative_data_rejection,
+        positive_data_acceptance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    CONFORMANCE = [
+        status_code_conformance,
+        content_type_conformance,
+        response_schema_conformance,
+        positive_data_acceptance,  # valid input per the schema is not refused
+        negative_data_rejection,  # invalid input is refused
+    ]
     from schemathesis.generation import GenerationMode
 
     base, canary_id = api_url["url"], api_url["canary"]
@@ -84,6 +100,7 @@ def test_no_server_error_for_any_input(api_url: dict[str, str]) -> None:
             strategies.append(op.as_strategy(path_parameters={"name": "cand"}))
     assert len(strategies) >= 60
     failures: list[str] = []
+    mismatches: dict[str, str] = {}  # distinct (operation, status, check) -> an example
     calls = {"n": 0}
 
     @settings(
@@ -104,7 +121,18 @@ def test_no_server_error_for_any_input(api_url: dict[str, str]) -> None:
                 f"{case.method} {case.formatted_path} -> {response.status_code} "
                 f"{response.text[:300]}\n  {case.as_curl_command()}"
             )
+            return
+        try:
+            case.validate_response(response, checks=CONFORMANCE)
+        except (Exception, BaseExceptionGroup) as exc:  # schemathesis FailureGroup
+            text = str(exc)
+            kinds = sorted(set(re.findall(r"ST\d+ [^\n]+", text))) or [type(exc).__name__]
+            key = f"{case.method} {case.path} -> {response.status_code}: {'; '.join(kinds)}"
+            mismatches.setdefault(key, f"{response.text[:200]}\n    {case.as_curl_command()[:400]}")
 
     check()
     assert calls["n"] >= 500
     assert not failures, "\n".join(failures[:10])
+    assert not mismatches, f"{len(mismatches)} distinct schema mismatches:\n" + "\n".join(
+        f"{k}\n    {v}" for k, v in sorted(mismatches.items())
+    )

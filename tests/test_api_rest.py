@@ -421,3 +421,15 @@ def test_token_cli_creates_a_working_token(fresh_database_url: str) -> None:
         timeout=60,
     )
     assert helped.returncode == 0 and "token" in helped.stdout
+
+
+async def test_policy_named_validate_cannot_shadow_the_validate_action(api: ApiHarness) -> None:
+    status, body = await api.call(
+        "POST", "/api/v1/policies", {"name": "validate", "spec": {"name": "random"}}
+    )
+    assert status == 400 and body["error"]["field"] == "name", body
+    status, body = await api.call("POST", "/api/v1/policies/validate", {"name": "random"})
+    assert status == 200 and body["valid"] is True, body
+    _, doc = await api.call("GET", "/api/v1/openapi.json", token=None)
+    name_schema = doc["components"]["schemas"]["PolicyCreate"]["properties"]["name"]
+    assert name_schema["not"] == {"enum": ["validate"]}

@@ -56,8 +56,24 @@ class PolicySpec(Body, kw_only=True):
     params: Annotated[dict[str, Any], Meta(max_length=64)] = {}
 
 
+# Names that are sub-paths of /api/v1/policies/ (POST /api/v1/policies/validate): a policy
+# of that name would be addressed by the same URL as the action, so none may be created.
+RESERVED_POLICY_NAMES = ("validate",)
+PolicyName = Annotated[
+    str,
+    Meta(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$",
+        description="lower-case letters, digits, '_' and '-'; not "
+        + ", ".join(RESERVED_POLICY_NAMES),
+        extra_json_schema={"not": {"enum": list(RESERVED_POLICY_NAMES)}},
+    ),
+]
+
+
 class PolicyCreate(Body, kw_only=True):
-    name: Name
+    name: PolicyName
     description: Text = ""
     spec: PolicySpec
 
@@ -85,9 +101,16 @@ class CriteriaBody(Body, kw_only=True):
 class CanaryCreate(Body, kw_only=True):
     policy: Name
     version: Version | None = None  # default: the candidate's latest version
-    steps: Annotated[list[Fraction], Meta(min_length=1, max_length=20)] = msgspec.field(
-        default_factory=lambda: [0.05, 0.25, 0.5, 1.0]
-    )
+    # the traffic fractions of the rollout's steps: distinct, taken from smallest to largest
+    steps: Annotated[
+        list[Fraction],
+        Meta(
+            min_length=1,
+            max_length=20,
+            description="distinct traffic fractions, applied in increasing order",
+            extra_json_schema={"uniqueItems": True},
+        ),
+    ] = msgspec.field(default_factory=lambda: [0.05, 0.25, 0.5, 1.0])
     step_duration_s: Annotated[float, Meta(ge=0.1, le=7 * 86400.0)] = 600.0
     criteria: CriteriaBody = msgspec.field(default_factory=CriteriaBody)
 

@@ -57,13 +57,34 @@ def _policy_spec_schema(policy_schemas: dict[str, dict[str, Any]]) -> dict[str, 
     }
 
 
+NO_NUL = "^[^\\u0000]*$"  # Postgres text and JSONB cannot hold NUL (services.api.framework)
+
+
+def _describe_no_nul(schema: Any) -> None:
+    """Every free-text string schema says what the server enforces: no NUL characters."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "string" and not {"pattern", "enum", "const"} & set(schema):
+            schema["pattern"] = NO_NUL
+        for value in schema.values():
+            _describe_no_nul(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _describe_no_nul(value)
+
+
 def build_document(
     routes: list[Route], policy_schemas: dict[str, dict[str, Any]], version: str = "0.1.0"
 ) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(bodies.ALL_BODIES, ref_template=REF)
     if policy_schemas:
         components["PolicySpec"] = _policy_spec_schema(policy_schemas)
+    _describe_no_nul(components)
     components["Error"] = ERROR_SCHEMA
+    if "PolicyUpdate" in components:  # what the handler enforces: at least one of the two
+        components["PolicyUpdate"]["anyOf"] = [
+            {"required": ["spec"], "properties": {"spec": {"type": "object"}}},
+            {"required": ["description"], "properties": {"description": {"type": "string"}}},
+        ]
     paths: dict[str, dict[str, Any]] = {}
     seen_ids: set[str] = set()
     for route in routes:
@@ -91,6 +112,7 @@ def build_document(
             params.append(
                 {"name": name, "in": "query", "required": False, "schema": _param_schema(typ)}
             )
+        _describe_no_nul(params)
         if params:
             op["parameters"] = params
         if route.body is not None:
@@ -133,7 +155,8 @@ def _responses(route: Route) -> dict[str, Any]:
         out["401"] = {"description": "missing or invalid token", "content": err}
     if route.role == "admin":
         out["403"] = {"description": "token lacks the admin role", "content": err}
-    if route.path_params:
+    if route.path_params or route.body is not None:
+        # the path's object, or one the body names (a canary's policy)
         out["404"] = {"description": "not found", "content": err}
     if route.method != "GET":
         out["409"] = {"description": "conflicts with the current state", "content": err}

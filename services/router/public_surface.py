@@ -40,7 +40,7 @@ OPTIONS = (
     ),
     S.option(
         "max_prompt_chars",
-        2_000_000,
+        1_000_000,  # ~250k tokens: above any served context, far below the body limit's memory
         "largest prompt (characters of prompt / message text) tokenized; larger: 400",
         env="KVGATE_ROUTER_MAX_PROMPT_CHARS",
     ),

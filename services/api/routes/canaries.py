@@ -46,9 +46,9 @@ def routes(ctx: ApiContext) -> list[Route]:
 
     async def create_canary(r: Req) -> dict[str, Any]:
         b: bodies.CanaryCreate = r.body
-        steps = list(b.steps)
-        if any(later <= earlier for earlier, later in zip(steps, steps[1:], strict=False)):
-            raise ApiError(400, "invalid_body", "steps must increase", "steps")
+        steps = sorted(b.steps)  # any order: a rollout only ever widens
+        if len(set(steps)) != len(steps):
+            raise ApiError(400, "invalid_body", "steps must be distinct", "steps")
         async with db.transaction() as s:
             if (c := await open_canary(s)) is not None:
                 raise conflict(f"canary {c.id} is already {c.state}")

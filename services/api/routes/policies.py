@@ -104,6 +104,8 @@ def routes(ctx: ApiContext) -> list[Route]:
 
     async def create_policy(r: Req) -> dict[str, Any]:
         b: bodies.PolicyCreate = r.body
+        if b.name in bodies.RESERVED_POLICY_NAMES:
+            raise ApiError(400, "invalid_body", f"policy name {b.name!r} is reserved", "name")
         spec = validate_spec(b.spec.name, b.spec.params)
         async with db.transaction() as s:
             exists = (await s.execute(select(Policy.id).where(Policy.name == b.name))).first()
