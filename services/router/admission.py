@@ -1,11 +1,12 @@
 """Admission: a decision with a worker, or the request's error response.
 
-When every worker is at capacity (the decision says ``wait``) the request waits in a bounded
-queue and decides again each time the capacity signal fires (at least every 0.5 s).
+When every worker is at capacity (the decision says ``wait``) the request joins the
+lifecycle's bounded :class:`~services.core.lifecycle.AdmissionQueue` and decides again each
+time the capacity signal fires (at least every 0.5 s).
 
 Invariants: at most ``queue_size`` requests wait at once (the next one gets 429 at once); a
-request waits at most ``queue_timeout`` seconds (then 429 with the workers' reasons);
-``capacity.waiting`` counts exactly the requests waiting now (decremented in ``finally``).
+request waits at most ``queue_timeout`` seconds (then 429 with the workers' reasons); the
+queue holds exactly the requests waiting now (each leaves it in ``finally``).
 Error mapping: never fits -> 400; every candidate failed this request -> 502/504; unknown
 model -> 404; nothing routable -> 503 with Retry-After.
 """
@@ -19,12 +20,12 @@ from typing import Any
 from aiohttp import web
 
 from services.common.aio import wait_event
+from services.core.cluster import ClusterState
 from services.core.policy import Decision
 from services.router import metrics as M
 from services.router.decide import Decider
 from services.router.proxy import Ctx, reject
 from services.router.signals import CapacitySignal
-from services.router.state import ClusterState
 
 
 class Admission:
@@ -38,7 +39,8 @@ class Admission:
 
     async def decide_or_wait(self, ctx: Ctx) -> Decision | web.Response:
         """A decision with a worker, or the error response (400 / 404 / 429 / 502 / 503 / 504)."""
-        deadline = None
+        entry = object()  # this request's place in the queue
+        queue = self.capacity.queue
         queued = False
         try:
             while True:
@@ -55,7 +57,7 @@ class Admission:
                     return self._no_worker(ctx, d)
                 # every worker is at capacity: wait in the bounded queue
                 if not queued:
-                    if self.capacity.waiting >= self.st.queue_size:
+                    if not queue.join(entry, time.monotonic()):
                         M.QUEUE_REJECTED.labels("full").inc()
                         return reject(
                             ctx,
@@ -66,10 +68,8 @@ class Admission:
                             {"Retry-After": str(self.st.retry_after)},
                         )
                     queued = True
-                    self.capacity.waiting += 1
-                    M.QUEUE_LEN.set(self.capacity.waiting)
-                    deadline = time.monotonic() + self.st.queue_timeout
-                left = deadline - time.monotonic()  # type: ignore[operator]
+                    M.QUEUE_LEN.set(len(queue))
+                left = queue.left_s(entry, time.monotonic())
                 if left <= 0:
                     M.QUEUE_REJECTED.labels("timeout").inc()
                     return reject(
@@ -84,8 +84,8 @@ class Admission:
                 await wait_event(self.capacity.event, min(left, 0.5))
         finally:
             if queued:
-                self.capacity.waiting -= 1
-                M.QUEUE_LEN.set(self.capacity.waiting)
+                queue.leave(entry)
+                M.QUEUE_LEN.set(len(queue))
 
     def _no_worker(self, ctx: Ctx, d: Decision) -> web.Response:
         """No worker and no point waiting: why, as the client's error."""

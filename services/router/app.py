@@ -39,6 +39,8 @@ from services.common.schemas import (
 from services.common.service import metrics_handler
 from services.common.streams import ensure_outcomes_stream
 from services.common.tokenizer import load_tokenizer
+from services.core.cluster import ClusterState
+from services.core.lifecycle import AdmissionQueue, RequestLifecycle
 from services.core.policy import build_policy
 from services.router.admission import Admission
 from services.router.breaker import Breaker
@@ -59,7 +61,6 @@ from services.router.policy_reload import PolicyReload
 from services.router.request_path import RequestPath
 from services.router.send import Sender
 from services.router.signals import CapacitySignal, Spawner
-from services.router.state import ClusterState
 from services.router.sweeper import Sweeper
 from services.router.tokenize import RequestParser
 from services.router.upstream import FastClient
@@ -97,7 +98,10 @@ class Router:
             st.default_max_tokens,
             is_lora=self.state.is_lora,
         )
-        self.capacity = CapacitySignal()
+        self.lifecycle: RequestLifecycle[asyncio.Event] = RequestLifecycle(
+            self.state, FirstTokenWaits()
+        )
+        self.capacity = CapacitySignal(AdmissionQueue(st.queue_size, st.queue_timeout))
         self.spawner = Spawner()
         self.fast = FastClient(st.connect_timeout)
         self.session: aiohttp.ClientSession | None = None
@@ -119,10 +123,10 @@ class Router:
         self.outcomes = OutcomePublisher(bus, maxsize=st.outcome_buffer)
         self.recorder = OutcomeRecorder(self.router_id, self.outcomes)
         # the request path
-        self.decider = Decider(self.state, self.index_source, self.parser)
+        self.decider = Decider(self.lifecycle, self.index_source, self.parser)
         self.admission = Admission(self.decider, self.state, self.capacity, st)
         self.dispatcher = Dispatcher(
-            self.state, self.load, self.capacity, self.spawner, self.fast, st
+            self.lifecycle, self.load, self.capacity, self.spawner, self.fast, st
         )
         self.sender = Sender(self.state, self.circuits, self.dispatcher, self.fast, st)
         self.sender.migrator = Migrator(

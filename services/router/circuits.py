@@ -20,10 +20,10 @@ from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import Alert
 from services.common.streams import raise_alert
+from services.core.cluster import ClusterState
 from services.router import metrics as M
 from services.router.breaker import STATE_VALUE, Breaker
 from services.router.signals import CapacitySignal, Spawner
-from services.router.state import ClusterState
 
 log = get_logger("router")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from services.common.logging import get_logger
 from services.common.schemas import WorkerControl, WorkerHeartbeat, WorkerLoad
+from services.core.cluster import ClusterState
 from services.router.signals import CapacitySignal
-from services.router.state import ClusterState
 
 log = get_logger("router")
 

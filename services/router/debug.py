@@ -14,11 +14,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from services.core.cluster import ClusterState
 from services.router.canary import PolicySet
 from services.router.circuits import Circuits
 from services.router.decide import Decider
 from services.router.proxy import error_response, session_of
-from services.router.state import ClusterState
 from services.router.tokenize import BadRequest, RequestParser
 
 _json_decode = msgspec.json.decode

@@ -1,8 +1,9 @@
 """Deciding: the prefix index's overlaps plus the policy core's decision for one request.
 
 Invariant: deciding never waits on the network and never changes the cluster state: it reads
-the local :class:`ClusterState` (excluding workers that already failed this request) and the
-local index replica, and calls the pure ``decide``. The policy's clock is the monotonic one
+the local index replica and asks the lifecycle (``services.core.lifecycle``, the code the
+simulator runs too) for the policy's decision over the local :class:`ClusterState`,
+excluding workers that already failed this request. The policy's clock is the monotonic one
 (the same clock ``first_token`` stamps prefills with).
 """
 
@@ -11,15 +12,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.core.policy import Decision, Policy, RequestInfo, decide
-from services.core.policy.types import ClusterSnapshot
-from services.router.state import ClusterState
+from services.core.cluster import ClusterState
+from services.core.lifecycle import RequestLifecycle
+from services.core.policy import Decision, Policy, RequestInfo
 from services.router.tokenize import Parsed, RequestParser
 
 
 class Decider:
-    def __init__(self, state: ClusterState, index_source: Any, parser: RequestParser) -> None:
-        self.state = state
+    def __init__(
+        self, lifecycle: RequestLifecycle[Any], index_source: Any, parser: RequestParser
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.state: ClusterState = lifecycle.state
         self.index_source = index_source
         self.parser = parser
 
@@ -80,9 +84,4 @@ class Decider:
             session_id=session_id,
         )
         now = time.monotonic()  # the policy's clock (prefill progress), as in first_token
-        if excluded:
-            snap = ClusterSnapshot(states, now)
-        else:
-            snap = self.state.snapshot
-            snap.now = now
-        return decide(policy, req, snap, overlaps), overlaps
+        return self.lifecycle.decide(policy, req, overlaps, now, excluded), overlaps

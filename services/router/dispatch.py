@@ -1,33 +1,34 @@
-"""Dispatch: a decided request's claim on its worker, from the decision to the release.
+"""Dispatch on the live clock: a decided request's claim on its worker, from the decision to
+the release, through the lifecycle the simulator runs too (``services.core.lifecycle``).
 
 On dispatch the request takes a :class:`Ticket` on its worker (in-flight count, queued
-prefill, reserved KV blocks), is marked as waiting for its first token (followers may hold on
-it), and the decision's hot-prefix replicas are sent as one-token copies in the background.
-A follower (``Decision.after``) waits for its leader's first token, at most ``hold_s``.
+prefill, reserved KV blocks) and becomes pending until its first token (followers may hold
+on it); the decision's hot-prefix replicas take their tickets at once and are sent as
+one-token copies in the background. A follower (``Decision.after``) waits for its leader's
+first token, at most ``hold_s``.
 
-Invariants: every ticket is released exactly once (``ClusterState.release`` is idempotent and
-every path ends in :meth:`Dispatcher.release` or :meth:`Dispatcher.release_ticket` in a
-``finally``); every request marked ``sent`` is marked ``done`` at its first token or its end;
-every release notifies the capacity signal and the load publisher. A replica's failure never
-affects the user's request.
+Invariants: every ticket is released exactly once (every path ends in :meth:`Dispatcher.release`
+or :meth:`Dispatcher.release_ticket` in a ``finally``); every release notifies the capacity
+signal and the load publisher. A replica's failure never affects the user's request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import aiohttp
 
 from services.common.logging import get_logger
+from services.core.cluster import ClusterState, Ticket
+from services.core.lifecycle import Replica, RequestLifecycle
 from services.core.policy import Decision
-from services.core.policy.types import replica_id
 from services.router import metrics as M
 from services.router.holds import FirstTokenWaits
 from services.router.load_share import LoadSharing
 from services.router.proxy import Ctx, replica_body
 from services.router.signals import CapacitySignal, Spawner
-from services.router.state import ClusterState, Ticket
 from services.router.upstream import FastClient, UpstreamError
 
 log = get_logger("router")
@@ -36,14 +37,17 @@ log = get_logger("router")
 class Dispatcher:
     def __init__(
         self,
-        state: ClusterState,
+        lifecycle: RequestLifecycle[asyncio.Event],
         load: LoadSharing,
         capacity: CapacitySignal,
         spawner: Spawner,
         fast: FastClient,
         st: Any,
     ) -> None:
-        self.state = state
+        self.lifecycle = lifecycle
+        self.state: ClusterState = lifecycle.state
+        assert isinstance(lifecycle.holds, FirstTokenWaits)
+        self.waits: FirstTokenWaits = lifecycle.holds  # follower holds (Decision.after)
         self.load = load
         self.capacity = capacity
         self.spawner = spawner
@@ -52,7 +56,6 @@ class Dispatcher:
         self.whole_timeout = aiohttp.ClientTimeout(
             total=st.request_timeout, sock_connect=st.connect_timeout, sock_read=st.request_timeout
         )
-        self.waits = FirstTokenWaits()  # follower holds (Decision.after)
         self.session: aiohttp.ClientSession | None = None  # set by the router at start
 
     def dispatch(self, ctx: Ctx, d: Decision) -> Ticket:
@@ -61,13 +64,16 @@ class Dispatcher:
         assert wid is not None
         ctx.worker_id = wid
         ctx.predicted_cached = d.cached_tokens
-        ticket = self.state.reserve(
-            wid, len(ctx.parsed.token_ids), ctx.parsed.max_tokens, d.cached_tokens, time.time()
+        prompt_tokens, wall = len(ctx.parsed.token_ids), time.time()
+        ticket = self.lifecycle.dispatch(
+            ctx.request_id, wid, prompt_tokens, ctx.parsed.max_tokens, d.cached_tokens, wall
         )
+        replicas = self.lifecycle.replicas(ctx.request_id, d, prompt_tokens, ctx.overlaps, wall)
         self.load.mark_dirty()
-        self.waits.sent(ctx.request_id)
-        for rw in d.replicate_to:
-            self.spawner.spawn(self.replicate(ctx, rw))
+        if len(replicas) < len(d.replicate_to):  # a replica's worker is gone
+            M.child(M.REPLICAS, "skipped").inc(len(d.replicate_to) - len(replicas))
+        for rep in replicas:
+            self.spawner.spawn(self.replicate(ctx, rep))
         return ticket
 
     async def hold(self, d: Decision) -> None:
@@ -83,17 +89,16 @@ class Dispatcher:
 
     def first_token(self, ctx: Ctx, ticket: Ticket) -> None:
         """The request's first token: its prefill is done, its followers may go."""
-        if ticket.prefilling:
-            self.state.first_token(ticket, time.monotonic())
-            self.waits.done(ctx.request_id)
+        self.lifecycle.first_token(ctx.request_id, ticket, time.monotonic())
 
     def release(self, ctx: Ctx, ticket: Ticket) -> None:
         """The attempt ended (answered, failed or cancelled)."""
-        self.waits.done(ctx.request_id)
-        self.release_ticket(ticket)
+        self.lifecycle.end(ctx.request_id, ticket)
+        self.load.mark_dirty()
+        self.capacity.notify()
 
     def reserve(self, wid: str, prompt_tokens: int, max_tokens: int, cached: int) -> Ticket:
-        """A ticket outside a user's first attempt (a migration's continuation)."""
+        """A ticket for a migration's continuation (nobody holds on it)."""
         ticket = self.state.reserve(wid, prompt_tokens, max_tokens, cached, time.time())
         self.load.mark_dirty()
         return ticket
@@ -103,36 +108,34 @@ class Dispatcher:
         self.load.mark_dirty()
         self.capacity.notify()
 
-    async def replicate(self, ctx: Ctx, wid: str) -> None:
-        """Hot-prefix replication: a one-token copy of the request to ``wid``, counted there
-        like any request, so that worker computes the prefix before users need it there.
-        Best effort: a failure is counted and logged, the user's request is unaffected."""
+    async def replicate(self, ctx: Ctx, rep: Replica) -> None:
+        """Hot-prefix replication: a one-token copy of the request to ``rep.worker_id``
+        (claimed there by the lifecycle like any request), so that worker computes the prefix
+        before users need it there. Best effort: a failure is counted and logged, the user's
+        request is unaffected."""
+        rid, wid = rep.request_id, rep.worker_id
         s = self.state.states.get(wid)
-        if s is None or self.session is None:
-            M.child(M.REPLICAS, "skipped").inc()
-            return
-        rid = replica_id(ctx.request_id, wid)
-        cached = min(ctx.overlaps.get(wid, 0) * s.capacity.block_size, len(ctx.parsed.token_ids))
-        ticket = self.state.reserve(wid, len(ctx.parsed.token_ids), 1, cached, time.time())
-        self.load.mark_dirty()
-        self.waits.sent(rid)
-        body = replica_body(ctx)
-        headers = {"x-request-id": rid}
         outcome = "ok"
         try:
-            status = await self._post_replica(s.url, ctx.path, body, headers)
+            if s is None or self.session is None:
+                outcome = "skipped"
+                return
+            status = await self._post_replica(
+                s.url, ctx.path, replica_body(ctx), {"x-request-id": rid}
+            )
             if status >= 400:
                 outcome = "error"
                 log.warning("replica failed", request_id=rid, worker=wid, status=status)
             else:
-                self.state.first_token(ticket, time.monotonic())
+                self.lifecycle.first_token(rid, rep.ticket, time.monotonic())
         except (UpstreamError, aiohttp.ClientError, OSError, TimeoutError) as exc:
             outcome = "error"
             log.warning("replica failed", request_id=rid, worker=wid, error=str(exc))
         finally:
             M.child(M.REPLICAS, outcome).inc()
-            self.waits.done(rid)
-            self.release_ticket(ticket)
+            self.lifecycle.end(rid, rep.ticket)
+            self.load.mark_dirty()
+            self.capacity.notify()
 
     async def _post_replica(self, url: str, path: str, body: bytes, headers: Any) -> int:
         if url.startswith("http://"):

@@ -10,10 +10,10 @@ from typing import Any
 from aiohttp import web
 
 from services.common.bus import Bus
+from services.core.cluster import ClusterState
 from services.router.canary import PolicySet
 from services.router.request_path import RequestPath
 from services.router.signals import CapacitySignal
-from services.router.state import ClusterState
 
 
 class Handlers:

@@ -16,8 +16,8 @@ from services.common.aio import wait_event
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import RouterLoad
+from services.core.cluster import ClusterState
 from services.router.signals import CapacitySignal
-from services.router.state import ClusterState
 
 log = get_logger("router")
 

@@ -19,6 +19,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from services.core.cluster import ClusterState, Ticket
 from services.router import sse
 from services.router.circuits import Circuits
 from services.router.dispatch import Dispatcher
@@ -34,7 +35,6 @@ from services.router.proxy import (
     worker_headers,
     write,
 )
-from services.router.state import ClusterState, Ticket
 from services.router.upstream import FastClient, UpstreamError
 
 _json_decode = msgspec.json.decode

@@ -1,6 +1,7 @@
 """Signals between the request path and the background parts of the router.
 
-- :class:`CapacitySignal`: requests waiting for capacity (``admission``) sleep on it; whatever
+- :class:`CapacitySignal`: requests waiting for capacity (in the admission queue) sleep on it;
+  whatever
   may free capacity (a release, a heartbeat, telemetry, a closed circuit) calls ``notify``.
   Invariant: ``notify`` wakes every request waiting at that moment, and does nothing (costs
   nothing) while no request waits.
@@ -14,11 +15,17 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
+from services.core.lifecycle import AdmissionQueue
+
 
 class CapacitySignal:
-    def __init__(self) -> None:
-        self.waiting = 0  # requests in the admission queue
+    def __init__(self, queue: AdmissionQueue[Any]) -> None:
+        self.queue = queue  # the requests waiting for capacity
         self.event = asyncio.Event()
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
 
     def notify(self) -> None:
         if not self.waiting:

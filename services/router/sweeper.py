@@ -10,10 +10,10 @@ import asyncio
 import time
 
 from services.common.bus import Bus
+from services.core.cluster import ClusterState
 from services.router import metrics as M
 from services.router.circuits import Circuits
 from services.router.signals import CapacitySignal
-from services.router.state import ClusterState
 
 
 class Sweeper:
