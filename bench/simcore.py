@@ -129,6 +129,7 @@ def simulate(
     if keys is None:
         keys = request_keys(requests, bs, getattr(cfg, "hash_seed", 0))
     policy = build_policy(policy_spec)
+    with_keys = RequestLifecycle.wants_block_keys(policy)  # like the live router
     names = [f"{opts.worker_prefix}-{i}" for i in range(opts.num_workers)]
     engines = {w: eng_mod.Engine(replace(cfg, seed=cfg.seed + i), w) for i, w in enumerate(names)}
     # the router's own state and lifecycle; workers never time out on the virtual clock (they
@@ -303,7 +304,7 @@ def simulate(
             model=opts.model,
             prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens,
-            block_keys=lv.keys,
+            block_keys=lv.keys if with_keys else (),
             session_id=req.session_id,
         )
         overlaps = index.find_matches(lv.keys) if lv.keys else {}

@@ -137,6 +137,14 @@ class RequestLifecycle(Generic[F]):
         self.state = state
         self.holds: FirstTokenHolds[F] = holds if holds is not None else FirstTokenHolds()
 
+    @staticmethod
+    def wants_block_keys(policy: Policy) -> bool:
+        """Does ``policy`` get the prompt's whole block-key chain in ``RequestInfo.block_keys``?
+        Only policies that remember where they sent a prefix (``routed_ttl`` > 0) use it, and
+        hashing the whole chain costs the live router a pass over the prompt; a policy that
+        gets keys also tells prefixes apart by them, so both callers must ask here."""
+        return bool(policy.params.get("routed_ttl"))
+
     def decide(
         self,
         policy: Policy,

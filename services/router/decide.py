@@ -69,7 +69,7 @@ class Decider:
             states = {k: v for k, v in states.items() if k not in excluded}
         keys: tuple[int, ...] = ()
         bs = 0
-        if policy.params.get("routed_ttl") and len(self.state.block_sizes) == 1:
+        if self.lifecycle.wants_block_keys(policy) and len(self.state.block_sizes) == 1:
             # only policies that remember where they sent a prefix need the full key chain;
             # hashed once, it also answers the index match (no second hashing of the prompt)
             bs = next(iter(self.state.block_sizes))
