@@ -40,7 +40,7 @@ from services.router.upstream import FastClient, UpstreamError
 _json_decode = msgspec.json.decode
 
 
-class Migrator(Protocol):
+class StreamMigrator(Protocol):
     async def migrate(self, request: web.Request, ctx: Ctx, exc: StreamBroken) -> None: ...
 
 
@@ -65,7 +65,7 @@ class Sender:
             total=st.request_timeout, sock_connect=st.connect_timeout, sock_read=st.request_timeout
         )
         self.session: aiohttp.ClientSession | None = None  # set by the router at start
-        self.migrator: Migrator | None = None  # set by the router (migrate.Migrator)
+        self.migrator: StreamMigrator | None = None  # set by the router (migrate.Migrator)
 
     async def send(self, request: web.Request, ctx: Ctx, ticket: Ticket) -> web.StreamResponse:
         wid = ticket.worker_id
