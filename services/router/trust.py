@@ -190,3 +190,32 @@ class BusTrust:
                 "PolicyUpdated", reason, subject, f"revision {msg.revision} > stored {stored}"
             )
         return not reason
+
+    # ------------------------------------------------------------------ handler guards
+    def guard_heartbeat(self, handler: Callable[[WorkerHeartbeat, Any], Awaitable[None]]):
+        """``handler`` for heartbeats that came on their own worker's subject only."""
+
+        async def on(hb: WorkerHeartbeat, raw: Any) -> None:
+            if self.heartbeat_ok(hb, raw):
+                await handler(hb, raw)
+
+        return on
+
+    def guard_control(self, handler: Callable[[WorkerControl, Any], Awaitable[None]]):
+        async def on(ctl: WorkerControl, raw: Any) -> None:
+            if self.control_ok(ctl, raw):
+                await handler(ctl, raw)
+
+        return on
+
+    def guard_policy(self, bus: Any, handler: Callable[[PolicyUpdated, Any], Awaitable[None]]):
+        """``handler`` for notices signed as configured and not above the api's revision."""
+
+        async def on(msg: PolicyUpdated, raw: Any) -> None:
+            if not self.policy_signed_ok(raw):
+                return
+            stored = await stored_policy_revision(bus, msg.revision, self.router_id)
+            if self.policy_revision_ok(msg, stored, raw.subject):
+                await handler(msg, raw)
+
+        return on
