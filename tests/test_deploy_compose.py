@@ -123,6 +123,8 @@ def test_no_secret_is_written_in_the_compose_files() -> None:
         raw = yaml.safe_load(path.read_text())
         for name, svc in raw.get("services", {}).items():
             for key, value in environment_of(svc).items():
+                if key.endswith("_FILE") and value.startswith("/run/secrets/"):
+                    continue  # a compose secret, mounted as a file
                 if re.search(r"PASSWORD|TOKEN|SECRET", key):
                     # ${X:?why} (required) or ${X} / ${X:-} (optional): never a literal
                     assert re.fullmatch(r"\$\{[A-Z0-9_]+(:\?[^}]+|:-)?\}", value), (
@@ -313,3 +315,18 @@ def test_shipped_nats_config_is_valid_for_nats_server() -> None:
         timeout=30,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_postgres_password_reaches_containers_only_as_a_secret_file(compose: dict) -> None:
+    assert compose["secrets"]["postgres_password"] == {"environment": "POSTGRES_PASSWORD"}
+    for name in ("postgres", "migrate", "api"):
+        svc = compose["services"][name]
+        assert svc["secrets"] == ["postgres_password"], name
+        env = environment_of(svc)
+        assert TEST_SECRETS["POSTGRES_PASSWORD"] not in " ".join(map(str, env.values())), name
+    assert environment_of(compose["services"]["postgres"])["POSTGRES_PASSWORD_FILE"] == (
+        "/run/secrets/postgres_password"
+    )
+    for name in ("migrate", "api"):
+        env = environment_of(compose["services"][name])
+        assert env["KVGATE_DATABASE_PASSWORD_FILE"] == "/run/secrets/postgres_password"

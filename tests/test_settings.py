@@ -39,3 +39,22 @@ def test_bad_env_value_is_a_clear_error() -> None:
 def test_registry_knows_common_env_vars() -> None:
     assert "KVGATE_NATS_URL" in S.ALL_OPTIONS
     assert "KVGATE_DATABASE_URL" in S.ALL_OPTIONS
+
+
+def test_database_password_comes_from_a_secret_file(tmp_path) -> None:
+    secret = tmp_path / "pg_password"
+    secret.write_text("s3cret/with@odd:chars\n")
+    st = S.resolve(
+        None,
+        [S.DATABASE_URL, S.DATABASE_PASSWORD_FILE],
+        environ={
+            "KVGATE_DATABASE_URL": "postgresql+asyncpg://kvgate@postgres:5432/kvgate",
+            "KVGATE_DATABASE_PASSWORD_FILE": str(secret),
+        },
+    )
+    assert st.database_url == (
+        "postgresql+asyncpg://kvgate:s3cret%2Fwith%40odd%3Achars@postgres:5432/kvgate"
+    )
+    from sqlalchemy.engine import make_url
+
+    assert make_url(st.database_url).password == "s3cret/with@odd:chars"

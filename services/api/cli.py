@@ -25,6 +25,7 @@ ADMIN_TOKEN = S.option(
 OPTIONS = S.COMMON + (
     S.SIGNING_SEED,
     S.DATABASE_URL,
+    S.DATABASE_PASSWORD_FILE,
     S.option(
         "host", "127.0.0.1", "address of the HTTP (health, metrics) endpoint", env="KVGATE_API_HOST"
     ),
@@ -42,7 +43,7 @@ OPTIONS = S.COMMON + (
         env="KVGATE_API_REPUBLISH_S",
     ),
 )
-TOKEN_OPTIONS = (S.DATABASE_URL, S.LOG_LEVEL, S.LOG_FORMAT)
+TOKEN_OPTIONS = (S.DATABASE_URL, S.DATABASE_PASSWORD_FILE, S.LOG_LEVEL, S.LOG_FORMAT)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from services.common import settings as S
 from services.common.embedded import ensure_database
 from services.common.logging import configure_logging, get_logger
 
-OPTIONS = (S.DATABASE_URL, S.LOG_LEVEL, S.LOG_FORMAT)
+OPTIONS = (S.DATABASE_URL, S.DATABASE_PASSWORD_FILE, S.LOG_LEVEL, S.LOG_FORMAT)
 
 
 def alembic_config(database_url: str):

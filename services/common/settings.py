@@ -86,6 +86,12 @@ DATABASE_URL = option(
     "postgresql+asyncpg://postgres@127.0.0.1:5432/kvgate",
     "PostgreSQL URL (SQLAlchemy form, asyncpg driver)",
 )
+DATABASE_PASSWORD_FILE = option(
+    "database_password_file",
+    "",
+    "file holding the database password (a Docker or Kubernetes secret); it is put into "
+    "--database-url, which then carries no password itself",
+)
 SUBJECT_PREFIX = option(
     "subject_prefix",
     "",
@@ -183,4 +189,24 @@ def resolve(
         if value is None:
             value = opt.default
         setattr(out, opt.name, value)
+    if getattr(out, "database_password_file", "") and getattr(out, "database_url", ""):
+        out.database_url = with_password(out.database_url, out.database_password_file)
     return out
+
+
+def with_password(url: str, password_file: str) -> str:
+    """``url`` with the password read from ``password_file`` (URL-quoted) as its password."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    try:
+        with open(password_file) as f:
+            password = f.read().strip()
+    except OSError as exc:
+        raise SystemExit(
+            f"cannot read the database password file {password_file}: {exc.strerror}"
+        ) from None
+    parts = urlsplit(url)
+    user = (parts.username or "").strip()
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"
+    return urlunsplit(parts._replace(netloc=netloc))
