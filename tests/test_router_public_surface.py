@@ -14,7 +14,7 @@ import pytest
 from services.common.bus import Bus
 from services.common.embedded import free_port
 from services.router.public_surface import start_operator_http
-from tests.test_router_support import Beats, FakeWorker, RouterProc
+from tests.test_router_support import Beats, FakeWorker, RouterProc, wait_until
 
 LIMIT = 64 * 1024
 KEY = "sk-kvgate-test-0123456789"
@@ -114,9 +114,14 @@ async def test_aiohttp_errors_are_openai_shaped(stack: RouterProc) -> None:
             _assert_openai_error(await r.json(), 405)
 
 
-async def test_operator_endpoints_only_on_the_operator_port(stack: RouterProc) -> None:
+async def test_operator_endpoints_only_on_the_operator_port(stack: RouterProc, bus: Bus) -> None:
     assert stack.router is not None
     st = stack.router.st
+    # an engine URL with credentials in it is shown redacted
+    hb = FakeWorker("wc").heartbeat()
+    hb.url = "http://engine:Pw0rdInUrl@127.0.0.1:9"
+    await bus.publish(bus.subjects.heartbeat("wc"), hb)
+    await wait_until(lambda: "wc" in stack.router.state.states, what="wc seen")
     runner = await start_operator_http(st, stack.router.operator_routes())
     assert runner is not None
     try:
@@ -127,5 +132,6 @@ async def test_operator_endpoints_only_on_the_operator_port(stack: RouterProc) -
                     _assert_openai_error(await r.json(), 404)
                 async with s.get(f"http://127.0.0.1:{st.operator_port}{path}") as r:
                     assert r.status == 200, path
+                    assert "Pw0rdInUrl" not in await r.text(), path
     finally:
         await runner.cleanup()

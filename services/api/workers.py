@@ -22,6 +22,7 @@ from services.api.models import WorkerControlState
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
+from services.common.redact import redact_url
 from services.common.schemas import WorkerControl, WorkerHeartbeat, WorkerLoad, to_builtins
 
 log = get_logger("api.workers")
@@ -93,7 +94,7 @@ class WorkerRegistry:
             "state": hb.state if hb else None,
             "admin_state": CONTROL_STATE.get(control or "uncordon", "active"),
             "breaker": "open" if breaker_open else "closed",
-            "url": hb.url if hb else None,
+            "url": redact_url(hb.url) if hb else None,
             "model": hb.model if hb else None,
             "engine": hb.engine if hb else None,
             "capacity": to_builtins(hb.capacity) if hb else None,

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from services.common.redact import redact_url
 from services.core.cluster import ClusterState
 from services.router.canary import PolicySet
 from services.router.circuits import Circuits
@@ -47,7 +48,7 @@ class DebugViews:
         workers = {}
         for wid, s in sorted(self.state.states.items()):
             workers[wid] = {
-                "url": s.url,
+                "url": redact_url(s.url),
                 "model": s.model,
                 "routable": s.routable,
                 "healthy": s.healthy,

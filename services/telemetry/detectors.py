@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from services.common.redact import redact_url
 from services.common.schemas import Alert, GpuSample
 
 SOURCE = "telemetry"
@@ -440,7 +441,11 @@ class StaleTelemetry:
                 + (f" ({last.url})" if last.url else "")
                 + "; meanwhile its samples are published with stale=true and no values."
             ),
-            details={"stale_for_s": round(now - since, 2), "error": last.error, "url": last.url},
+            details={
+                "stale_for_s": round(now - since, 2),
+                "error": last.error,
+                "url": redact_url(last.url),
+            },
         )
 
 
