@@ -32,6 +32,7 @@ from services.common.embedded import free_port
 from tests.test_deploy_compose import HOST_VARS, SERVICES
 from tests.test_deploy_helpers import (
     ROOT,
+    TEST_SECRETS,
     command_of,
     environment_of,
     health_url,
@@ -87,6 +88,7 @@ def compose_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServe
     server = Path(sys.executable).parent / "nats-server"
     proc = subprocess.Popen(
         [str(server), "-c", str(base / "nats.conf"), "-p", str(port), "-m", str(http_port)],
+        env={**os.environ, **TEST_SECRETS},  # the users' passwords, as compose passes them
         stdout=subprocess.DEVNULL,
         stderr=open(base / "nats.log", "wb"),  # noqa: SIM115 - closed with the process
     )
@@ -110,6 +112,7 @@ def test_nats_config_is_valid_and_its_health_check_reports_jetstream(
     server = Path(sys.executable).parent / "nats-server"
     check = subprocess.run(
         [str(server), "-t", "-c", str(ROOT / "deploy" / "nats.conf")],
+        env={**os.environ, **TEST_SECRETS},
         capture_output=True,
         text=True,
         timeout=30,
@@ -175,17 +178,23 @@ def _logs(running: list[Running]) -> str:
 
 @pytest.mark.slow
 def test_compose_services_come_up_route_and_stop_cleanly(
-    compose_nats: NatsServer, fresh_database_url: str, subject_prefix: str, tmp_path: Path
+    compose_nats: NatsServer, fresh_database_url: str, tmp_path: Path
 ) -> None:
     compose = load_compose()
     services = compose["services"]
-    common = {"KVGATE_NATS_URL": compose_nats.url, "KVGATE_SUBJECT_PREFIX": subject_prefix}
+    # a private server: no subject prefix, so deploy/nats.conf's per-role permissions apply as
+    # shipped (each service logs in as its compose user)
+    common = {"KVGATE_NATS_URL": compose_nats.url, "KVGATE_SUBJECT_PREFIX": ""}
 
     def overrides(name: str, port: int) -> dict[str, str]:
         svc = services[name]
         out = dict(common)
         if "KVGATE_DATABASE_URL" in environment_of(svc):
             out["KVGATE_DATABASE_URL"] = fresh_database_url
+            out["KVGATE_DATABASE_PASSWORD_FILE"] = ""  # the test database trusts local users
+        if "KVGATE_ROUTER_OPERATOR_PORT" in environment_of(svc):  # replicas share this host
+            out["KVGATE_ROUTER_OPERATOR_PORT"] = str(free_port())
+            out["KVGATE_ROUTER_OPERATOR_HOST"] = "127.0.0.1"
         if name in SERVICES:
             out[HOST_VARS[name]] = "127.0.0.1"
             out[SERVICES[name][1]] = str(port)
@@ -282,3 +291,8 @@ def test_compose_services_come_up_route_and_stop_cleanly(
         f"exit codes after SIGTERM ('killed': still running after the "
         f"{_grace_s(services['router']):.0f} s stop_grace_period): {codes}\n{_logs(running)}"
     )
+    # every service did its job within its role's NATS permissions (deploy/nats.conf)
+    for r in running:
+        text = r.log.read_text(errors="replace").lower()
+        assert "permissions violation" not in text, f"{r.name}:\n{_logs([r])}"
+        assert "authorization violation" not in text, f"{r.name}:\n{_logs([r])}"
