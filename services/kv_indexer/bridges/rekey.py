@@ -2,21 +2,43 @@
 
 Engines name blocks by their own hashes; kvgate names them by canonical keys derived from the
 token ids (services.core.keys). A :class:`Rekeyer` serves one engine (one worker): for
-each stored block it computes the canonical key, chained from the parent's key, and keeps
-``engine hash -> key`` so that removals (which carry engine hashes only) resolve.
+each stored block it computes the canonical keys, chained from the parent's key, and keeps
+``(group, engine hash) -> keys`` so that removals (which carry engine hashes only) resolve.
+
+What makes two requests share a key is what makes the engine reuse the cache between them:
+- the chain starts at ``block_seed(cluster seed, LoRA name, cache salt)`` (salt: SGLang
+  ``cache_salt``; vLLM the salt string in the first block's ``extra_keys``), so salted and
+  unsalted prompts, or two adapters, never share a key (the router keys a request's
+  ``cache_salt`` and adapter the same way);
+- any other per-block extra key (vLLM multimodal ``(mm_hash, offset)`` pairs, prompt-embeds
+  digests) is folded into that block's chain seed: an image prompt never matches text blocks;
+- an engine block of ``m * B`` tokens (B = the worker's block size) is ``m`` canonical blocks;
+  an event whose block size is not a multiple of B cannot be keyed and is dropped, counted;
+- vLLM hybrid models publish one stream per KV cache ``group_idx``: a canonical key is held
+  while at least one group holds it (a sliding-window group's eviction leaves the
+  full-attention group's blocks alone); groups of a non-prefix kind (sliding window, mamba,
+  ...) are ignored once a prefix-kind group is known, since reuse is decided by the latter;
+- blocks that are not on this engine (vLLM ``locality`` REMOTE, SGLang ``EXTERNAL``) are not
+  its cache: skipped, counted.
 
 Invariants:
-- ``key_of`` holds exactly the engine hashes the engine still caches on some tier (as far as
-  the events seen tell), so :meth:`dump` is the worker's cache in canonical form;
+- ``refs`` counts, per (canonical key, tier), the (group, engine hash) entries holding it; a
+  canonical BlockStored is emitted when a count leaves 0, a BlockRemoved when it returns to 0,
+  so :meth:`dump` (the keys with a count) is the worker's cache in canonical form;
 - a stored block whose parent hash is unknown cannot be keyed (its key depends on the whole
   prefix): the event is dropped and counted as ``unknown_parent``, never guessed;
-- bad input is counted per reason in ``counts`` and never raises.
+- bad input is counted per reason in ``counts`` and never raises; one bad event never costs
+  the other events of its batch.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import xxhash
 
 from services.common.schemas import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from services.core.keys import block_keys, block_seed
@@ -34,6 +56,11 @@ from services.kv_indexer.bridges.engine_formats import (
 
 TIER_BIT = {"gpu": 1, "cpu": 2, "disk": 4}
 TIER_OF_LEVEL = {0: "gpu", 1: "cpu"}  # TensorRT-LLM cache levels: 0 primary, 1 secondary
+# vLLM KVCacheSpecKind values whose blocks do not decide prefix reuse on their own
+NON_PREFIX_KINDS = frozenset(
+    {"sliding_window", "sliding_window_mla", "chunked_local_attention", "mamba"}
+)
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 def _noop(reason: str, detail: str) -> None:
@@ -46,31 +73,71 @@ class Rekeyer:
         hash_seed: int = 0,
         block_size: int | None = None,
         on_bad: Callable[[str, str], None] = _noop,
+        on_skip: Callable[[str, str], None] = _noop,
     ) -> None:
         self.hash_seed = hash_seed
-        self.block_size = block_size  # expected; None = take the engine's
+        self.block_size = block_size  # the worker's (canonical) block size; None = first seen
         self.on_bad = on_bad
-        self.key_of: dict[object, int] = {}
-        self.tiers: dict[object, int] = {}  # sparse: engine hash -> tier bits when != {gpu}
+        self.on_skip = on_skip
+        # (group, engine hash) -> [canonical keys of the block, tier bits]
+        self.held: dict[tuple[int, object], list[Any]] = {}
+        self.ends: dict[object, list[int]] = {}  # engine hash -> [last key, entries holding]
+        self.refs: dict[tuple[int, int], int] = {}  # (key, tier bit) -> entries holding
+        self.group_kind: dict[int, str] = {}
         self.counts: collections.Counter[str] = collections.Counter()
-        self._seeds: dict[str | None, int] = {None: hash_seed & 0xFFFFFFFFFFFFFFFF}
+        self.skipped: collections.Counter[str] = collections.Counter()
+        self._seeds: dict[tuple[str | None, str | None], int] = {}
         self.num_gpu_blocks: int | None = None  # TensorRT-LLM "created" event
 
     def bad(self, reason: str, detail: str) -> None:
         self.counts[reason] += 1
         self.on_bad(reason, detail)
 
-    def _seed(self, lora: str | None) -> int:
-        s = self._seeds.get(lora)
+    def skip(self, reason: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        self.on_skip(reason, detail)
+
+    def _seed(self, lora: str | None, salt: str | None = None) -> int:
+        s = self._seeds.get((lora, salt))
         if s is None:
-            s = self._seeds[lora] = block_seed(self.hash_seed, lora=lora)
+            if len(self._seeds) > 4096:
+                self._seeds.clear()
+            s = self._seeds[(lora, salt)] = block_seed(self.hash_seed, lora=lora, salt=salt)
         return s
 
     def reset(self) -> None:
-        self.key_of.clear()
-        self.tiers.clear()
+        self.held.clear()
+        self.ends.clear()
+        self.refs.clear()
+
+    def blocks(self) -> int:
+        """Canonical (key, tier) entries held."""
+        return len(self.refs)
 
     # ------------------------------------------------------------------ primitives
+    @staticmethod
+    def _split_extra(
+        extra: object, lora: str | None, root: bool
+    ) -> tuple[str | None, list[Any] | None]:
+        """One block's vLLM ``extra_keys`` entry -> (cache salt, what else its hash covers).
+
+        The entry lists, in order, the LoRA name (when the request has one), multimodal
+        ``(mm_identifier, offset)`` pairs, the cache salt (first block only) and prompt-embeds
+        digests (bytes)."""
+        if not extra:
+            return None, None
+        items = list(extra) if isinstance(extra, (list, tuple)) else [extra]
+        if lora is not None and items and items[0] == lora:
+            items = items[1:]
+        salt = None
+        mix: list[Any] = []
+        for x in items:
+            if root and salt is None and isinstance(x, str):
+                salt = x
+            else:
+                mix.append(x)
+        return salt, mix or None
+
     def stored(
         self,
         hashes: Sequence[object],
@@ -79,6 +146,10 @@ class Rekeyer:
         block_size: int,
         tier: str = "gpu",
         lora: str | None = None,
+        *,
+        group: int = 0,
+        salt: str | None = None,
+        extra_keys: Sequence[object] | None = None,
     ) -> BlockStored | None:
         n = len(hashes)
         if n == 0:
@@ -86,73 +157,121 @@ class Rekeyer:
         if block_size <= 0:
             self.bad("invalid_schema", f"block_size {block_size}")
             return None
-        if self.block_size is None:
-            self.block_size = block_size
-        elif block_size != self.block_size:
-            self.bad("block_size_mismatch", f"event {block_size} != engine's {self.block_size}")
+        bs = self.block_size
+        if bs is None:
+            bs = self.block_size = block_size
+        if block_size % bs:
+            self.bad(
+                "block_size_mismatch",
+                f"event block_size {block_size} is not a multiple of the worker's {bs}",
+            )
             return None
+        per = block_size // bs  # canonical blocks per engine block
         if len(token_ids) < n * block_size:
             self.bad("token_count_mismatch", f"{len(token_ids)} tokens for {n} blocks")
             return None
+        if extra_keys is not None and len(extra_keys) != n:
+            self.bad("invalid_schema", f"{len(extra_keys)} extra_keys for {n} blocks")
+            return None
         parent_key = None
         if parent_hash is not None:
-            parent_key = self.key_of.get(parent_hash)
-            if parent_key is None:
+            end = self.ends.get(parent_hash)
+            if end is None:
                 self.bad("unknown_parent", f"parent hash {parent_hash!r} never stored")
                 return None
+            parent_key = end[0]
         try:
-            keys = block_keys(token_ids, block_size, self._seed(lora), parent_key, n)
-        except OverflowError:
-            self.bad("invalid_schema", "token id outside uint32")
+            if not extra_keys or not any(extra_keys):
+                seed = self._seed(lora, salt) if parent_key is None else parent_key
+                keys = block_keys(token_ids, bs, seed, None, n * per)
+            else:
+                keys = []
+                prev = parent_key
+                for i in range(n):
+                    root = i == 0 and parent_key is None
+                    s, mix = self._split_extra(extra_keys[i], lora, root)
+                    seed = self._seed(lora, salt or s) if prev is None else prev
+                    if mix:
+                        seed = _xxh3(msgspec.msgpack.encode(mix), seed=seed)
+                    chunk = token_ids[i * block_size : (i + 1) * block_size]
+                    ks = block_keys(chunk, bs, seed, None, per)
+                    keys += ks
+                    prev = ks[-1]
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+            self.bad("invalid_schema", f"cannot key block: {exc}")
             return None
-        key_of = self.key_of
-        if tier == "gpu" and not self.tiers:
-            for h, k in zip(hashes, keys, strict=True):
-                key_of[h] = k
-        else:
-            bit = TIER_BIT[tier]
-            tiers = self.tiers
-            for h, k in zip(hashes, keys, strict=True):
-                if h in key_of:
-                    cur = tiers.get(h, 1) | bit
+        bit = TIER_BIT[tier]
+        held, ends, refs = self.held, self.ends, self.refs
+        new_keys: list[int] = []
+        for i, h in enumerate(hashes):
+            ks = keys[i * per : (i + 1) * per] if per > 1 else keys[i : i + 1]
+            entry = held.get((group, h))
+            if entry is not None and entry[0] != ks:  # the engine reused the hash: replace
+                self._drop(group, h, 7, {})
+                entry = None
+            if entry is None:
+                held[(group, h)] = [ks, bit]
+                e = ends.get(h)
+                if e is None:
+                    ends[h] = [ks[-1], 1]
                 else:
-                    cur = bit
-                key_of[h] = k
-                if cur == 1:
-                    tiers.pop(h, None)
-                else:
-                    tiers[h] = cur
-        return BlockStored(keys=keys, parent_key=parent_key, block_size=block_size, tier=tier)
+                    e[1] += 1
+            elif entry[1] & bit:
+                continue  # already held on this tier (a duplicate store)
+            else:
+                entry[1] |= bit
+            for k in ks:
+                c = refs.get((k, bit), 0)
+                refs[(k, bit)] = c + 1
+                if not c:
+                    new_keys.append(k)
+        if not new_keys:
+            return None
+        whole = len(new_keys) == len(keys)
+        return BlockStored(
+            keys=new_keys, parent_key=parent_key if whole else None, block_size=bs, tier=tier
+        )
 
-    def removed(self, hashes: Sequence[object], tier: str | None) -> list[BlockRemoved]:
+    def _drop(self, group: int, h: object, drop: int, by_tier: dict[str, list[int]]) -> bool:
+        """Take tiers ``drop`` (bits) of ``(group, h)``; keys whose count falls to 0 go to
+        ``by_tier``. False when the entry is unknown."""
+        entry = self.held.get((group, h))
+        if entry is None:
+            return False
+        ks, bits = entry
+        gone = bits & drop
+        refs = self.refs
+        for t, bit in TIER_BIT.items():
+            if gone & bit:
+                for k in ks:
+                    c = refs[(k, bit)] - 1
+                    if c:
+                        refs[(k, bit)] = c
+                    else:
+                        del refs[(k, bit)]
+                        by_tier.setdefault(t, []).append(k)
+        bits &= ~drop
+        if bits:
+            entry[1] = bits
+        else:
+            del self.held[(group, h)]
+            e = self.ends[h]
+            e[1] -= 1
+            if not e[1]:
+                del self.ends[h]
+        return True
+
+    def removed(
+        self, hashes: Sequence[object], tier: str | None, group: int = 0
+    ) -> list[BlockRemoved]:
         """Canonical removals; ``tier`` None = every tier the block is on (one event per
         tier, since a canonical BlockRemoved names its tier)."""
-        key_of = self.key_of
-        tiers = self.tiers
         by_tier: dict[str, list[int]] = {}
-        unknown = 0
         drop = 7 if tier is None else TIER_BIT[tier]
+        unknown = 0
         for h in hashes:
-            k = key_of.get(h)
-            if k is None:
+            if not self._drop(group, h, drop, by_tier):
                 unknown += 1
-                continue
-            cur = tiers.get(h, 1)
-            gone = cur & drop
-            if not gone:
-                continue
-            for t, bit in TIER_BIT.items():
-                if gone & bit:
-                    by_tier.setdefault(t, []).append(k)
-            cur &= ~drop
-            if cur:
-                if cur == 1:
-                    tiers.pop(h, None)
-                else:
-                    tiers[h] = cur
-            else:
-                del key_of[h]
-                tiers.pop(h, None)
         if unknown:
             self.bad("unknown_block", f"{unknown} removed hashes never stored")
         return [BlockRemoved(keys=keys, tier=t) for t, keys in by_tier.items()]  # type: ignore[arg-type]
@@ -162,29 +281,60 @@ class Rekeyer:
         return AllBlocksCleared()
 
     # ------------------------------------------------------------------ engine batches
+    def _ignored_group(self, group: int) -> bool:
+        kinds = self.group_kind
+        return kinds.get(group) in NON_PREFIX_KINDS and any(
+            k not in NON_PREFIX_KINDS for k in kinds.values()
+        )
+
     def vllm_events(self, events: Sequence[object]) -> list[KvEvent]:
-        """Canonical events of one decoded vLLM / SGLang batch (see engine_formats)."""
+        """Canonical events of one decoded vLLM / SGLang batch (see engine_formats). Each
+        event stands alone: one that cannot be applied is counted and the rest go on."""
         out: list[KvEvent] = []
         for ev in events:
-            if isinstance(ev, STORED_TYPES):
-                lora = ev.lora_name or (f"lora-{ev.lora_id}" if ev.lora_id else None)
-                c = self.stored(
-                    ev.block_hashes,
-                    ev.parent_block_hash,
-                    ev.token_ids,
-                    ev.block_size,
-                    medium_tier(ev.medium),
-                    lora,
-                )
-            elif isinstance(ev, REMOVED_TYPES):
-                out += self.removed(ev.block_hashes, medium_tier(ev.medium) if ev.medium else None)
-                continue
-            elif isinstance(ev, CLEARED_TYPES):
-                c = self.cleared()
-            else:  # pragma: no cover - closed union
-                continue
-            if c is not None:
-                out.append(c)
+            try:
+                if isinstance(ev, STORED_TYPES):
+                    tier = medium_tier(ev.medium, ev.locality)
+                    group = ev.group_idx or 0
+                    if ev.kv_cache_spec_kind:
+                        self.group_kind[group] = ev.kv_cache_spec_kind
+                    if tier is None:
+                        self.skip("remote_medium", f"{ev.medium}/{ev.locality}")
+                        continue
+                    if self._ignored_group(group):
+                        self.skip("non_prefix_group", f"group {group}")
+                        continue
+                    lora = ev.lora_name or (f"lora-{ev.lora_id}" if ev.lora_id else None)
+                    c = self.stored(
+                        ev.block_hashes,
+                        ev.parent_block_hash,
+                        ev.token_ids,
+                        ev.block_size,
+                        tier,
+                        lora,
+                        group=group,
+                        salt=ev.cache_salt,
+                        extra_keys=ev.extra_keys,
+                    )
+                    if c is not None:
+                        out.append(c)
+                elif isinstance(ev, REMOVED_TYPES):
+                    group = ev.group_idx or 0
+                    if ev.medium or ev.locality:
+                        tier = medium_tier(ev.medium, ev.locality)
+                        if tier is None:
+                            self.skip("remote_medium", f"{ev.medium}/{ev.locality}")
+                            continue
+                    else:
+                        tier = None
+                    if self._ignored_group(group):
+                        self.skip("non_prefix_group", f"group {group}")
+                        continue
+                    out += self.removed(ev.block_hashes, tier, group)
+                elif isinstance(ev, CLEARED_TYPES):
+                    out.append(self.cleared())
+            except Exception as exc:  # one event's surprise never takes the batch down
+                self.bad("invalid_schema", f"{type(ev).__name__}: {exc!r}"[:300])
         return out
 
     def trtllm_events(self, events: Sequence[TEvent]) -> list[KvEvent]:
@@ -220,23 +370,30 @@ class Rekeyer:
                 out += self.removed(d.block_hashes, None)
             elif isinstance(d, TUpdated):
                 lvl = d.cache_level
-                k = self.key_of.get(d.block_hash)
                 if lvl is None or lvl.new_value is None or lvl.new_value == lvl.old_value:
                     continue
-                if k is None:
+                entry = self.held.get((0, d.block_hash))
+                if entry is None:
                     self.bad("unknown_block", f"updated hash {d.block_hash} never stored")
                     continue
                 new = TIER_OF_LEVEL.get(lvl.new_value, "disk")
                 old = TIER_OF_LEVEL.get(lvl.old_value or 0, "disk")
-                self.tiers[d.block_hash] = TIER_BIT[new]
-                if new == "gpu":
-                    self.tiers.pop(d.block_hash, None)
-                out.append(
-                    BlockStored(
-                        keys=[k], parent_key=None, block_size=self.block_size or 1, tier=new
+                bit = TIER_BIT[new]
+                added: list[int] = []
+                if not entry[1] & bit:
+                    entry[1] |= bit
+                    for k in entry[0]:
+                        c = self.refs.get((k, bit), 0)
+                        self.refs[(k, bit)] = c + 1
+                        if not c:
+                            added.append(k)
+                if added:
+                    out.append(
+                        BlockStored(
+                            keys=added, parent_key=None, block_size=self.block_size or 1, tier=new
+                        )
                     )
-                )
-                out.append(BlockRemoved(keys=[k], tier=old))  # type: ignore[arg-type]
+                out += self.removed([d.block_hash], old)
             elif isinstance(d, TCreated):
                 if d.num_blocks_per_cache_level:
                     self.num_gpu_blocks = d.num_blocks_per_cache_level[0]
@@ -248,14 +405,10 @@ class Rekeyer:
         (in the order they were stored; ``parent_key`` None: keys are self-describing)."""
         events: list[KvEvent] = [AllBlocksCleared()]
         bs = self.block_size or 1
-        by_tier: dict[str, list[int]] = {"gpu": [], "cpu": [], "disk": []}
-        tiers = self.tiers
-        for h, k in self.key_of.items():
-            bits = tiers.get(h, 1)
-            for t, bit in TIER_BIT.items():
-                if bits & bit:
-                    by_tier[t].append(k)
-        for t, keys in by_tier.items():
-            if keys:
-                events.append(BlockStored(keys=keys, parent_key=None, block_size=bs, tier=t))  # type: ignore[arg-type]
+        by_bit: dict[int, list[int]] = {1: [], 2: [], 4: []}
+        for k, bit in self.refs:
+            by_bit[bit].append(k)
+        for t, bit in TIER_BIT.items():
+            if by_bit[bit]:
+                events.append(BlockStored(keys=by_bit[bit], parent_key=None, block_size=bs, tier=t))  # type: ignore[arg-type]
         return events

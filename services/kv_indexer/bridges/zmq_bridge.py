@@ -91,6 +91,8 @@ class ZmqBridge:
         except EngineFormatError as exc:
             self.rt.bad(exc.reason, exc.detail)
             return
+        for reason, detail in batch.bad:
+            self.rt.bad(reason, detail)
         self.rt.emit(self.rt.rekeyer.vllm_events(batch.events), batch.ts or None)
 
     async def on_message(self, seq: int, payload: bytes) -> None:
