@@ -122,6 +122,7 @@ async def bridge(
     nats_url: str, subjects: Subjects, worker: str, endpoint: str, replay: str | None, **kw
 ) -> AsyncIterator[ZmqBridge]:
     async with connected(nats_url, subjects, "bridge") as b:
+        kw.setdefault("block_size", None if kw.get("engine_url") else 16)
         rt = BridgeRuntime(b, worker, engine="vllm", model="m", heartbeat_s=0.2, **kw)
         await rt.start()
         zb = ZmqBridge(rt, endpoint, replay, topic="kv@")

@@ -2,23 +2,40 @@
 
 Live messages: SUB socket, frames ``[topic, seq (8-byte BE), payload]`` (topic
 ``kv@<pod>@<model>``; we subscribe to a topic prefix, "" = all). ``seq`` counts from 0 per
-engine process.
+engine process. The SUB socket connects to an engine that binds its PUB (``tcp://*:5557``),
+or, with ``bind=True``, binds and lets engines whose PUB connects out reach it (an endpoint
+without ``*``, the central-subscriber pattern llm-d uses).
 
-Gaps: when ``seq`` jumps, the bridge asks the engine's ROUTER replay socket from the first
-missing seq: a DEALER sends ``[b"", start_seq]`` and receives ``[b"", seq, payload]`` per
-buffered batch (or ``[b"", topic, seq, payload]``, the vLLM >= 0.26 framing; both are
-accepted) and an end marker with seq -1. While replaying, live messages wait in the SUB
-socket's queue and are deduplicated by seq afterwards. A seq that falls back to 0 means the
-engine restarted: a new instance id makes the indexer drop the old blocks.
+Replay: a DEALER asks the engine's ROUTER replay socket for batches from a seq: it sends
+``[b"", start_seq]`` and receives ``[b"", seq, payload]`` per buffered batch (or
+``[b"", topic, seq, payload]``, the vLLM >= 0.26 framing; both are accepted) and an end
+marker with seq -1. While replaying, live messages wait in the SUB socket's queue and are
+deduplicated by seq afterwards.
+
+Engine identity (each case resets the bridge's view of the engine -- a new instance, so the
+indexer drops the old blocks -- then replays from 0, and is counted by reason):
+- ``seq_backwards``: a live seq at or below one already received live (the PUB socket never
+  repeats one): the engine restarted, even when its first batches were lost;
+- ``engine_restarted``: the engine's start time changed (runtime.probe_engine);
+- ``unrecovered_gap``: a gap the replay cannot fill (the buffer no longer holds it): what the
+  lost batches removed would stay indexed forever, so the view is rebuilt from what the
+  engine still has;
+- ``lost_history``: at start (or after a reset) the replay begins past seq 0: the engine's
+  earliest batches are gone (short replay buffer); the blocks they stored cannot be keyed.
+
+Start: the bridge waits for the engine's block size, replays from seq 0 and only then says
+it is ready; while idle it asks the replay socket for anything after its last seq every
+``tail_check_s`` (a lost last batch is refilled without waiting for the next one).
 
 Invariant: engine batches are turned into canonical batches strictly in engine seq order,
-each at most once.
+each at most once per bridge instance view.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import zmq
@@ -63,14 +80,20 @@ class ZmqBridge:
         replay_endpoint: str | None = None,
         topic: str = "",
         replay_timeout_s: float = 2.0,
+        *,
+        bind: bool = False,
+        tail_check_s: float = 2.0,
     ) -> None:
         self.rt = runtime
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.replay_timeout_s = replay_timeout_s
+        self.bind = bind
+        self.tail_check_s = tail_check_s
         self.decoder = VllmDecoder()
-        self.expected: int | None = None  # next engine seq
+        self.expected: int | None = None  # next engine seq (None: nothing applied yet)
+        self.last_live = -1  # highest seq received on the live socket (this engine process)
         self.gaps = 0
         self.replays = 0
         self.replay_failures = 0
@@ -80,6 +103,7 @@ class ZmqBridge:
         self._ctx = zmq.asyncio.Context.instance()
         self._sub: Any = None
         self.subscribed = asyncio.Event()
+        self.bound_endpoint: str | None = None
 
     # ------------------------------------------------------------------ engine batches
     def handle(self, seq: int, payload: bytes) -> None:
@@ -95,23 +119,41 @@ class ZmqBridge:
             self.rt.bad(reason, detail)
         self.rt.emit(self.rt.rekeyer.vllm_events(batch.events), batch.ts or None)
 
+    def reset(self, reason: str) -> None:
+        """Forget the engine's state (new instance); the next batch applied starts afresh."""
+        self.restarts += 1
+        self.rt.new_instance(reason)
+        self.expected = None
+
     async def on_message(self, seq: int, payload: bytes) -> None:
-        exp = self.expected
-        if exp is None or seq == exp:
-            if exp is None and seq > 0 and self.replay_endpoint:
-                # started late: recover what the engine still buffers
+        if seq <= self.last_live:
+            # a PUB socket never repeats a seq: the engine process is a new one
+            self.last_live = seq
+            self.reset("seq_backwards")
+            if self.replay_endpoint:
                 await self.replay(0, upto=seq)
-                if self.expected is not None and seq < self.expected:
-                    return
+            if self.expected is not None and seq < self.expected:
+                return
+            if seq > 0 and self.expected is None:
+                self._lost_history(0, seq)
             self.handle(seq, payload)
             return
-        if seq < exp:
-            if seq == 0:  # the engine restarted and numbers from 0 again
-                self.restarts += 1
-                self.rt.new_instance()
-                self.handle(seq, payload)
-            else:
-                self.duplicates += 1
+        self.last_live = seq
+        exp = self.expected
+        if exp is None:
+            if self.replay_endpoint:
+                await self.replay(0, upto=seq)
+            if self.expected is not None and seq < self.expected:
+                return
+            if seq > (self.expected or 0):
+                self._lost_history(self.expected or 0, seq)
+            self.handle(seq, payload)
+            return
+        if seq == exp:
+            self.handle(seq, payload)
+            return
+        if seq < exp:  # already applied through a replay
+            self.duplicates += 1
             return
         self.gaps += 1
         BRIDGE_GAPS.inc()
@@ -119,20 +161,31 @@ class ZmqBridge:
             await self.replay(exp, upto=seq)
         if self.expected is not None and seq < self.expected:
             return  # the replay covered it
-        if self.expected != seq:
-            self.rt.bad("seq_gap_unrecovered", f"engine batches {self.expected}..{seq - 1} lost")
+        if self.expected is not None and self.expected != seq:
+            self._unrecovered(self.expected, seq)
         self.handle(seq, payload)
 
-    async def replay(self, start: int, upto: int) -> None:
-        """Ask the engine for batches ``start..`` and apply those before ``upto`` (and after,
-        if it sends them) in order."""
+    def _lost_history(self, first_missing: int, seq: int) -> None:
+        """Nothing applied yet and the engine's history starts past ``first_missing``: the
+        blocks those batches stored cannot be keyed (their children count unknown_parent)."""
+        self.rt.bad("seq_gap_unrecovered", f"engine batches {first_missing}..{seq - 1} lost")
+        self.rt.new_instance("lost_history")
+
+    def _unrecovered(self, first_missing: int, seq: int) -> None:
+        self.rt.bad("seq_gap_unrecovered", f"engine batches {first_missing}..{seq - 1} lost")
+        self.reset("unrecovered_gap")
+
+    async def replay(self, start: int, upto: int | None = None) -> bool:
+        """Ask the engine for batches ``start..`` and apply them in order. A reply that does
+        not continue what was applied (the buffer no longer holds the missing batches)
+        resets the view and goes on from there. False when the replay failed."""
         self.replays += 1
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        got = 0
         try:
             sock.connect(self.replay_endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            got = 0
             while True:
                 if not await sock.poll(int(self.replay_timeout_s * 1000)):
                     raise TimeoutError("replay timed out")
@@ -143,20 +196,37 @@ class ZmqBridge:
                 seq, payload = parsed
                 if seq < 0:
                     break
-                if self.expected is None or seq == self.expected:
-                    self.handle(seq, payload)
-                    got += 1
-                elif seq > (self.expected or 0):
-                    self.rt.bad("seq_gap_unrecovered", f"replay starts at {seq}")
-                    self.handle(seq, payload)
+                exp = self.expected if self.expected is not None else 0
+                if seq < exp:
+                    continue
+                if seq > exp:
+                    if self.expected is None:
+                        self._lost_history(exp, seq)
+                    else:
+                        self._unrecovered(exp, seq)
+                self.handle(seq, payload)
+                got += 1
             BRIDGE_REPLAYS.labels("ok").inc()
-            log.info("replayed engine batches", worker_id=self.rt.worker_id, start=start, got=got)
+            if got:
+                log.info(
+                    "replayed engine batches", worker_id=self.rt.worker_id, start=start, got=got
+                )
+            return True
         except (TimeoutError, zmq.ZMQError) as exc:
             self.replay_failures += 1
             BRIDGE_REPLAYS.labels("failed").inc()
             self.rt.bad("replay_failed", str(exc))
+            return False
         finally:
             sock.close(linger=0)
+
+    async def resync_from_start(self, reason: str | None) -> None:
+        """Replay the engine's whole buffer into an empty view (start, engine restart)."""
+        if reason is not None:
+            self.reset(reason)
+            self.last_live = -1
+        if self.replay_endpoint:
+            await self.replay(0)
 
     # ------------------------------------------------------------------ loop
     async def run(self, stop: asyncio.Event) -> None:
@@ -164,18 +234,44 @@ class ZmqBridge:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        sub.connect(self.endpoint)
+        if self.bind:
+            sub.bind(self.endpoint)
+            self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            sub.connect(self.endpoint)
         self.subscribed.set()
         stopper = asyncio.create_task(stop.wait())
+        restart = asyncio.create_task(self.rt.restart_detected.wait())
         try:
+            # live batches wait in the SUB queue while the block size is read and history
+            # replayed (then they are deduplicated by seq)
+            if not await self.rt.wait_block_size(stop):
+                return
+            await self.resync_from_start(None)
+            self.rt.mark_ready()
+            last_msg = time.monotonic()
             while not stop.is_set():
                 recv = asyncio.ensure_future(sub.recv_multipart())
-                done, _ = await asyncio.wait({recv, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                timeout = self.tail_check_s if self.replay_endpoint else None
+                done, _ = await asyncio.wait(
+                    {recv, stopper, restart}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
                 if recv not in done:
                     recv.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await recv
-                    break
+                    if stopper in done:
+                        break
+                    if restart in done:
+                        self.rt.restart_detected.clear()
+                        restart = asyncio.create_task(self.rt.restart_detected.wait())
+                        await self.resync_from_start("engine_restarted")
+                    elif time.monotonic() - last_msg >= self.tail_check_s:
+                        # idle: anything the engine published that we did not receive?
+                        await self.replay(self.expected or 0)
+                        last_msg = time.monotonic()
+                    continue
+                last_msg = time.monotonic()
                 parsed = parse_live(recv.result())
                 if parsed is None:
                     self.rt.bad("invalid_frame", "expected [topic, seq, payload]")
@@ -184,4 +280,5 @@ class ZmqBridge:
                 await self.on_message(seq, payload)
         finally:
             stopper.cancel()
+            restart.cancel()
             sub.close(linger=0)
