@@ -15,8 +15,11 @@ deduplicated by seq afterwards.
 Engine identity (each case resets the bridge's view of the engine -- a new instance, so the
 indexer drops the old blocks -- then replays from 0, and is counted by reason):
 - ``seq_backwards``: a live seq at or below one already received live (the PUB socket never
-  repeats one): the engine restarted, even when its first batches were lost;
+  repeats one), or below the next expected seq with content other than the batch applied
+  under that seq: the engine restarted, even when its first batches were lost;
 - ``engine_restarted``: the engine's start time changed (runtime.probe_engine);
+- ``replay_mismatch``: filling a gap, the engine's copy of the last applied batch differs
+  from the one applied: a new engine process whose seq already passed ours;
 - ``unrecovered_gap``: a gap the replay cannot fill (the buffer no longer holds it): what the
   lost batches removed would stay indexed forever, so the view is rebuilt from what the
   engine still has;
@@ -38,6 +41,7 @@ import contextlib
 import time
 from typing import Any
 
+import xxhash
 import zmq
 import zmq.asyncio
 
@@ -46,6 +50,13 @@ from services.kv_indexer.bridges.engine_formats import EngineFormatError, VllmDe
 from services.kv_indexer.bridges.runtime import BRIDGE_GAPS, BRIDGE_REPLAYS, BridgeRuntime
 
 log = get_logger("bridge.zmq")
+
+
+RECENT_BATCHES = 4096  # digests kept to tell a replayed duplicate from a new process's batch
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def parse_live(frames: list[bytes]) -> tuple[bytes, int, bytes] | None:
@@ -93,6 +104,8 @@ class ZmqBridge:
         self.tail_check_s = tail_check_s
         self.decoder = VllmDecoder()
         self.expected: int | None = None  # next engine seq (None: nothing applied yet)
+        self.last_applied: tuple[int, int] | None = None  # (seq, payload digest)
+        self.recent: dict[int, int] = {}  # seq -> payload digest of recently applied batches
         self.last_live = -1  # highest seq received on the live socket (this engine process)
         self.gaps = 0
         self.replays = 0
@@ -109,6 +122,12 @@ class ZmqBridge:
     def handle(self, seq: int, payload: bytes) -> None:
         """Apply one engine batch that is next in order (decode, re-key, queue)."""
         self.expected = seq + 1
+        d = _digest(payload)
+        self.last_applied = (seq, d)
+        recent = self.recent
+        recent[seq] = d
+        if len(recent) > RECENT_BATCHES:
+            del recent[next(iter(recent))]
         self.batches += 1
         try:
             batch = self.decoder.decode(payload)
@@ -124,18 +143,27 @@ class ZmqBridge:
         self.restarts += 1
         self.rt.new_instance(reason)
         self.expected = None
+        self.last_applied = None
+        self.recent.clear()
 
     async def on_message(self, seq: int, payload: bytes) -> None:
-        if seq <= self.last_live:
-            # a PUB socket never repeats a seq: the engine process is a new one
+        exp = self.expected
+        # a PUB socket never repeats a seq; below the next expected one, only a batch a replay
+        # already gave us under that seq may come again: otherwise a new engine process
+        backwards = seq <= self.last_live or (
+            exp is not None and seq < exp and self.recent.get(seq) != _digest(payload)
+        )
+        if backwards:
             self.last_live = seq
             self.reset("seq_backwards")
             if self.replay_endpoint:
                 await self.replay(0, upto=seq)
             if self.expected is not None and seq < self.expected:
                 return
-            if seq > 0 and self.expected is None:
-                self._lost_history(0, seq)
+            if seq > (self.expected or 0):
+                self.rt.bad(
+                    "seq_gap_unrecovered", f"engine batches {self.expected or 0}..{seq - 1} lost"
+                )
             self.handle(seq, payload)
             return
         self.last_live = seq
@@ -175,14 +203,12 @@ class ZmqBridge:
         self.rt.bad("seq_gap_unrecovered", f"engine batches {first_missing}..{seq - 1} lost")
         self.reset("unrecovered_gap")
 
-    async def replay(self, start: int, upto: int | None = None) -> bool:
-        """Ask the engine for batches ``start..`` and apply them in order. A reply that does
-        not continue what was applied (the buffer no longer holds the missing batches)
-        resets the view and goes on from there. False when the replay failed."""
+    async def _fetch(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The engine's buffered batches from ``start`` (None when the replay failed)."""
         self.replays += 1
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        got = 0
+        out: list[tuple[int, bytes]] = []
         try:
             sock.connect(self.replay_endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
@@ -193,32 +219,54 @@ class ZmqBridge:
                 if parsed is None:
                     self.rt.bad("invalid_replay_frame", "unexpected replay framing")
                     continue
-                seq, payload = parsed
-                if seq < 0:
+                if parsed[0] < 0:
                     break
-                exp = self.expected if self.expected is not None else 0
-                if seq < exp:
-                    continue
-                if seq > exp:
-                    if self.expected is None:
-                        self._lost_history(exp, seq)
-                    else:
-                        self._unrecovered(exp, seq)
-                self.handle(seq, payload)
-                got += 1
+                out.append(parsed)
             BRIDGE_REPLAYS.labels("ok").inc()
-            if got:
-                log.info(
-                    "replayed engine batches", worker_id=self.rt.worker_id, start=start, got=got
-                )
-            return True
+            return out
         except (TimeoutError, zmq.ZMQError) as exc:
             self.replay_failures += 1
             BRIDGE_REPLAYS.labels("failed").inc()
             self.rt.bad("replay_failed", str(exc))
-            return False
+            return None
         finally:
             sock.close(linger=0)
+
+    async def replay(self, start: int, upto: int | None = None) -> bool:
+        """Ask the engine for batches ``start..`` and apply them in order. False when the
+        replay failed.
+
+        Continuing an applied history, the request starts one batch earlier and that batch
+        must be byte-identical to the one applied: otherwise the engine is a new process
+        whose seq has passed ours (its first batches lost), and the view is reset and
+        replayed from 0. A reply that does not continue what was applied (the buffer no
+        longer holds the missing batches) resets the view and goes on from there."""
+        last = self.last_applied
+        verify = start > 0 and last is not None and last[0] == start - 1
+        frames = await self._fetch(start - 1 if verify else start)
+        if frames is None:
+            return False
+        if verify and last is not None and frames and frames[0][0] == start - 1:
+            if _digest(frames[0][1]) != last[1]:
+                self.reset("replay_mismatch")
+                frames = await self._fetch(0)
+                if frames is None:
+                    return False
+        got = 0
+        for seq, payload in frames:
+            exp = self.expected if self.expected is not None else 0
+            if seq < exp:
+                continue
+            if seq > exp:
+                if self.expected is None:
+                    self._lost_history(exp, seq)
+                else:
+                    self._unrecovered(exp, seq)
+            self.handle(seq, payload)
+            got += 1
+        if got:
+            log.info("replayed engine batches", worker_id=self.rt.worker_id, start=start, got=got)
+        return True
 
     async def resync_from_start(self, reason: str | None) -> None:
         """Replay the engine's whole buffer into an empty view (start, engine restart)."""
