@@ -295,7 +295,8 @@ class ZmqBridge:
             # replayed (then they are deduplicated by seq)
             if not await self.rt.wait_block_size(stop):
                 return
-            await self.resync_from_start(None)
+            if self.replay_endpoint:  # from 0 at start; after a pause, on from where we were
+                await self.replay(self.expected or 0)
             self.rt.mark_ready()
             last_msg = time.monotonic()
             while not stop.is_set():
