@@ -278,18 +278,24 @@ class LivePublisher:
         """A new engine process on the same endpoints (seq from 0, empty buffer)."""
         replay = self.replay_endpoint
         self.pub.shutdown()
-        await asyncio.sleep(0.1)  # the old sockets release their ports
         port = int(replay.rsplit(":", 1)[1])
         pub_port = int(self.endpoint.rsplit(":", 1)[1])
         endpoint = self.bind_to or f"tcp://*:{pub_port}"
         rank = "attn_dp_rank" if self.flavor.startswith("sglang") else "data_parallel_rank"
-        self.pub = self.m.ZmqEventPublisher(
-            **{rank: 0},
-            endpoint=endpoint,
-            replay_endpoint=f"tcp://*:{port}",
-            buffer_steps=self.buffer_steps,
-            topic=self.topic.decode(),
-        )
+        for attempt in range(100):  # the closed sockets release their ports asynchronously
+            try:
+                self.pub = self.m.ZmqEventPublisher(
+                    **{rank: 0},
+                    endpoint=endpoint,
+                    replay_endpoint=f"tcp://*:{port}",
+                    buffer_steps=self.buffer_steps,
+                    topic=self.topic.decode(),
+                )
+                break
+            except zmq.ZMQError:
+                if attempt == 99:
+                    raise
+                await asyncio.sleep(0.05)
         self.published = 0
 
     def close(self) -> None:
@@ -379,7 +385,16 @@ class FixturePublisher:
         pub_port = None if self.bind_to else int(self.endpoint.rsplit(":", 1)[1])
         replay_port = int(self.replay_endpoint.rsplit(":", 1)[1])
         await self._stop()
-        self._start(pub_port, replay_port)
+        for _ in range(100):  # the closed sockets release their ports asynchronously
+            try:
+                self._start(pub_port, replay_port)
+                return
+            except zmq.ZMQError:
+                for sock in (getattr(self, "pub", None), getattr(self, "router", None)):
+                    if sock is not None:
+                        sock.close(linger=0)
+                await asyncio.sleep(0.05)
+        raise RuntimeError("engine ports stayed busy after the restart")
 
     async def aclose(self) -> None:
         await self._stop()

@@ -55,6 +55,7 @@ from services.kv_indexer.bridges.engine_formats import (
 )
 
 TIER_BIT = {"gpu": 1, "cpu": 2, "disk": 4}
+_GPU_ONLY = (("gpu", 1),)
 TIER_OF_LEVEL = {0: "gpu", 1: "cpu"}  # TensorRT-LLM cache levels: 0 primary, 1 secondary
 # vLLM KVCacheSpecKind values whose blocks do not decide prefix reuse on their own
 NON_PREFIX_KINDS = frozenset(
@@ -79,10 +80,13 @@ class Rekeyer:
         self.block_size = block_size  # the worker's (canonical) block size; None = first seen
         self.on_bad = on_bad
         self.on_skip = on_skip
-        # (group, engine hash) -> [canonical keys of the block, tier bits]
-        self.held: dict[tuple[int, object], list[Any]] = {}
+        # (group, engine hash) -> [canonical keys of the block, tier bits]; written as plain
+        # ``hash`` for group 0 (engine hashes are ints or bytes, never tuples)
+        self.held: dict[object, list[Any]] = {}
         self.ends: dict[object, list[int]] = {}  # engine hash -> [last key, entries holding]
-        self.refs: dict[tuple[int, int], int] = {}  # (key, tier bit) -> entries holding
+        # (key, tier bit) -> entries holding; written as plain ``key`` for the GPU tier (the
+        # common case: no tuple to build per block)
+        self.refs: dict[object, int] = {}
         self.group_kind: dict[int, str] = {}
         self.counts: collections.Counter[str] = collections.Counter()
         self.skipped: collections.Counter[str] = collections.Counter()
@@ -205,12 +209,13 @@ class Rekeyer:
         new_keys: list[int] = []
         for i, h in enumerate(hashes):
             ks = keys[i * per : (i + 1) * per] if per > 1 else keys[i : i + 1]
-            entry = held.get((group, h))
+            hk = h if not group else (group, h)
+            entry = held.get(hk)
             if entry is not None and entry[0] != ks:  # the engine reused the hash: replace
                 self._drop(group, h, 7, {})
                 entry = None
             if entry is None:
-                held[(group, h)] = [ks, bit]
+                held[hk] = [ks, bit]
                 e = ends.get(h)
                 if e is None:
                     ends[h] = [ks[-1], 1]
@@ -221,8 +226,9 @@ class Rekeyer:
             else:
                 entry[1] |= bit
             for k in ks:
-                c = refs.get((k, bit), 0)
-                refs[(k, bit)] = c + 1
+                rk = k if bit == 1 else (k, bit)
+                c = refs.get(rk, 0)
+                refs[rk] = c + 1
                 if not c:
                     new_keys.append(k)
         if not new_keys:
@@ -235,26 +241,28 @@ class Rekeyer:
     def _drop(self, group: int, h: object, drop: int, by_tier: dict[str, list[int]]) -> bool:
         """Take tiers ``drop`` (bits) of ``(group, h)``; keys whose count falls to 0 go to
         ``by_tier``. False when the entry is unknown."""
-        entry = self.held.get((group, h))
+        hk = h if not group else (group, h)
+        entry = self.held.get(hk)
         if entry is None:
             return False
         ks, bits = entry
         gone = bits & drop
         refs = self.refs
-        for t, bit in TIER_BIT.items():
+        for t, bit in TIER_BIT.items() if gone != 1 else _GPU_ONLY:
             if gone & bit:
                 for k in ks:
-                    c = refs[(k, bit)] - 1
+                    rk = k if bit == 1 else (k, bit)
+                    c = refs[rk] - 1
                     if c:
-                        refs[(k, bit)] = c
+                        refs[rk] = c
                     else:
-                        del refs[(k, bit)]
+                        del refs[rk]
                         by_tier.setdefault(t, []).append(k)
         bits &= ~drop
         if bits:
             entry[1] = bits
         else:
-            del self.held[(group, h)]
+            del self.held[hk]
             e = self.ends[h]
             e[1] -= 1
             if not e[1]:
@@ -372,7 +380,7 @@ class Rekeyer:
                 lvl = d.cache_level
                 if lvl is None or lvl.new_value is None or lvl.new_value == lvl.old_value:
                     continue
-                entry = self.held.get((0, d.block_hash))
+                entry = self.held.get(d.block_hash)
                 if entry is None:
                     self.bad("unknown_block", f"updated hash {d.block_hash} never stored")
                     continue
@@ -383,8 +391,9 @@ class Rekeyer:
                 if not entry[1] & bit:
                     entry[1] |= bit
                     for k in entry[0]:
-                        c = self.refs.get((k, bit), 0)
-                        self.refs[(k, bit)] = c + 1
+                        rk = k if bit == 1 else (k, bit)
+                        c = self.refs.get(rk, 0)
+                        self.refs[rk] = c + 1
                         if not c:
                             added.append(k)
                 if added:
@@ -406,8 +415,11 @@ class Rekeyer:
         events: list[KvEvent] = [AllBlocksCleared()]
         bs = self.block_size or 1
         by_bit: dict[int, list[int]] = {1: [], 2: [], 4: []}
-        for k, bit in self.refs:
-            by_bit[bit].append(k)
+        for r in self.refs:
+            if isinstance(r, tuple):
+                by_bit[r[1]].append(r[0])
+            else:
+                by_bit[1].append(r)
         for t, bit in TIER_BIT.items():
             if by_bit[bit]:
                 events.append(BlockStored(keys=by_bit[bit], parent_key=None, block_size=bs, tier=t))  # type: ignore[arg-type]
