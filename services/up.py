@@ -64,6 +64,15 @@ OPTIONS = (
     ),
     S.option("sim_port", 8100, "first simulated worker port", env="KVGATE_SIM_PORT"),
     S.option(
+        "bridge",
+        "",
+        "also run `kvgate bridge <engine>` (vllm, sglang, trtllm) for a local engine; its "
+        "endpoints come from KVGATE_BRIDGE_* (see kvgate bridge --help). '' = none",
+        choices=["", "vllm", "sglang", "trtllm"],
+        env="KVGATE_UP_BRIDGE",
+    ),
+    S.option("bridge_port", 8090, "bridge HTTP (health, metrics) port", env="KVGATE_BRIDGE_PORT"),
+    S.option(
         "embedded_nats_port",
         0,
         "port of the embedded NATS (0: a free one)",
@@ -201,11 +210,21 @@ class Stack:
                 f"http://{host}:{st.router_port}/health",
             ),
         ]
+        if st.bridge:
+            # its /health answers 200 once the engine answered and its history is replayed
+            kids.append(
+                Child(
+                    "bridge",
+                    py + ["bridge", st.bridge, "--port", str(st.bridge_port)],
+                    f"http://{host}:{st.bridge_port}/health",
+                )
+            )
         return kids
 
     def check_ports(self) -> None:
         st = self.st
         ports = [st.router_port, st.api_port, st.indexer_port, st.telemetry_port]
+        ports += [st.bridge_port] if st.bridge else []
         ports += [st.sim_port + i for i in range(st.workers)]
         busy = [p for p in ports if port_open("127.0.0.1", p, 0.2)]
         if busy:

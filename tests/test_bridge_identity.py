@@ -372,3 +372,86 @@ def test_rate_limited_bad_input_logs_say_how_many_were_suppressed() -> None:
         rt._on_bad("invalid_frame", "x")
     lines = [(e["reason"], e["suppressed"]) for e in logs if e["event"] == "bad engine KV input"]
     assert lines == [("invalid_frame", 0), ("malformed_msgpack", 0), ("invalid_frame", 18)]
+
+
+async def test_kvgate_bridge_serves_health_and_metrics_on_its_port(
+    bus: Bus, nats_url: str, subjects: Subjects
+) -> None:
+    """`kvgate bridge vllm --port P`: a real process; /health says 503 while it waits for its
+    engine's history, 200 once replayed; /metrics has the kvgate_bridge_* counters."""
+    import os
+    import subprocess
+    import sys
+
+    await ensure_kv_events_stream(bus)
+    eng = TinyEngine()
+    port = free_port()
+    env = {**os.environ, "KVGATE_NATS_URL": nats_url, "KVGATE_SUBJECT_PREFIX": subjects.prefix}
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "bridge",
+        "vllm",
+        "--worker-id",
+        "pod-p",
+        "--endpoint",
+        f"tcp://127.0.0.1:{eng.pub_port}",
+        "--replay-endpoint",
+        f"tcp://127.0.0.1:{eng.replay_port}",
+        "--block-size",
+        "16",
+        "--port",
+        str(port),
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        for evs in chain_events(eng, 0, 3):
+            await eng.publish(evs)
+        async with aiohttp.ClientSession() as s:
+            body: dict = {}
+
+            async def health() -> int:
+                nonlocal body
+                try:
+                    async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                        body = await r.json()
+                        return r.status
+                except aiohttp.ClientError:
+                    return 0
+
+            deadline = time.monotonic() + 20
+            while await health() != 200:
+                assert proc.returncode is None, "kvgate bridge exited"
+                assert time.monotonic() < deadline, "bridge never became healthy"
+                await asyncio.sleep(0.05)
+            assert body["ready"] and body["blocks"] == 3 and body["block_size"] == 16
+            async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+            assert "kvgate_bridge_batches_total" in text
+            assert "kvgate_bridge_instance_resets_total" in text
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 10)
+        await eng.close()
+
+
+def test_kvgate_up_runs_a_bridge_on_its_port(tmp_path) -> None:
+    import argparse
+
+    from services import up
+    from services.common import settings as S
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args(
+        ["--bridge", "sglang", "--bridge-port", "8199", "--state-dir", str(tmp_path)]
+    )
+    stack = up.Stack(S.resolve(args, up.OPTIONS))
+    kids = {c.name: c for c in stack.plan()}
+    assert kids["bridge"].argv[-4:] == ["bridge", "sglang", "--port", "8199"]
+    assert kids["bridge"].health_url == "http://127.0.0.1:8199/health"
+    args = parser.parse_args(["--state-dir", str(tmp_path)])
+    assert "bridge" not in {c.name for c in up.Stack(S.resolve(args, up.OPTIONS)).plan()}
