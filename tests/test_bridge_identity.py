@@ -203,7 +203,7 @@ class HttpEngine:
 
     def __init__(self, page_size: int | None = None, block_size: int | None = None) -> None:
         self.page_size, self.block_size = page_size, block_size
-        self.start_time = 1_700_000_000.0
+        self.start_time: float | None = 1_700_000_000.0
         self.healthy = True
         self.port = free_port()
         self.runner: web.AppRunner | None = None
@@ -212,10 +212,12 @@ class HttpEngine:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        text = (
-            "# TYPE process_start_time_seconds gauge\n"
-            f"process_start_time_seconds {self.start_time}\n"
-        )
+        text = ""
+        if self.start_time is not None:
+            text += (
+                "# TYPE process_start_time_seconds gauge\n"
+                f"process_start_time_seconds {self.start_time}\n"
+            )
         if self.block_size:
             text += (
                 "# TYPE vllm:cache_config_info gauge\n"
@@ -299,15 +301,42 @@ async def test_engine_start_time_change_resyncs_an_idle_bridge(
                 await eng.publish(evs)
             await wait_until(lambda: held(svc) == set(KEYS[:4]), what="first process")
             eng.restart()
-            http.start_time += 60
-            for e in chain_events(eng, 10, 2, base=0)[:0] + [
-                [eng.stored([800], None, TOKENS[16 * 30 : 16 * 31])]
-            ]:
-                await eng.publish(e, send=False)
+            http.start_time = (http.start_time or 0) + 60
+            await eng.publish([eng.stored([800], None, TOKENS[16 * 30 : 16 * 31])], send=False)
             await wait_until(
                 lambda: held(svc) == set(block_keys(TOKENS[16 * 30 : 16 * 31], 16)),
                 what="new process indexed",
             )
+            assert zb.rt.resets.get("engine_restarted") == 1
+    finally:
+        await eng.close()
+
+
+async def test_engine_back_from_failed_health_without_start_time_resyncs(
+    bus: Bus, nats_url: str, subjects: Subjects
+) -> None:
+    """An engine that exports no start time went down (/health failed) and came back: it
+    may be a new process whose batches were lost, so the bridge resyncs from 0."""
+    await ensure_kv_events_stream(bus)
+    eng = TinyEngine()
+    pub, rep = f"tcp://127.0.0.1:{eng.pub_port}", f"tcp://127.0.0.1:{eng.replay_port}"
+    try:
+        async with (
+            HttpEngine(block_size=16) as http,
+            indexer(nats_url, subjects) as svc,
+            bridge(nats_url, subjects, pub, rep, engine_url=http.url) as zb,
+        ):
+            http.start_time = None
+            for evs in chain_events(eng, 0, 3):
+                await eng.publish(evs)
+            await wait_until(lambda: held(svc) == set(KEYS[:3]), what="first process")
+            http.healthy = False
+            await wait_until(lambda: not zb.rt.engine_ok, what="bridge sees the engine down")
+            eng.restart()
+            await eng.publish([eng.stored([800], None, TOKENS[16 * 30 : 16 * 31])], send=False)
+            http.healthy = True
+            want = set(block_keys(TOKENS[16 * 30 : 16 * 31], 16))
+            await wait_until(lambda: held(svc) == want, what="new process indexed")
             assert zb.rt.resets.get("engine_restarted") == 1
     finally:
         await eng.close()

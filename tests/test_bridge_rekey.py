@@ -374,3 +374,45 @@ def test_unknown_event_types_and_bigram_pages_cost_only_themselves() -> None:
     )
     assert [e.keys for e in out] == [keys]
     assert rk.counts == {"bigram_page": 1, "unknown_event_type": 2}
+
+
+def test_trtllm_window_sizes_are_groups() -> None:
+    """Variable sliding-window attention: the small window's eviction leaves the blocks the
+    full window still holds."""
+    import json
+
+    keys = block_keys(TOKENS[:32], 16)
+
+    def stored(eid: int, window: int) -> dict:
+        blocks = [_trt_block(100 + i, TOKENS[16 * i : 16 * i + 16]) for i in range(2)]
+        data = {"type": "stored", "parent_hash": None, "blocks": blocks}
+        return {"event_id": eid, "data": data, "window_size": window}
+
+    events = [
+        stored(0, 4096),
+        stored(1, 512),
+        {
+            "event_id": 2,
+            "data": {"type": "removed", "block_hashes": [100, 101]},
+            "window_size": 512,
+        },
+    ]
+    parsed, bad = decode_trtllm(json.dumps(events).encode())
+    rk = Rekeyer()
+    out = rk.trtllm_events(parsed)
+    assert bad == [] and out == [BlockStored(keys=keys, parent_key=None, block_size=16, tier="gpu")]
+    assert {k for ev in rk.dump()[1:] for k in ev.keys} == set(keys)
+    rm = rk.trtllm_events(
+        decode_trtllm(
+            json.dumps(
+                [
+                    {
+                        "event_id": 3,
+                        "data": {"type": "removed", "block_hashes": [100, 101]},
+                        "window_size": 4096,
+                    }
+                ]
+            ).encode()
+        )[0]
+    )
+    assert rm == [BlockRemoved(keys=keys, tier="gpu")] and rk.counts == {}

@@ -92,6 +92,7 @@ class Rekeyer:
         self.skipped: collections.Counter[str] = collections.Counter()
         self._seeds: dict[tuple[str | None, str | None], int] = {}
         self.num_gpu_blocks: int | None = None  # TensorRT-LLM "created" event
+        self._first_window: int | None = None  # TensorRT-LLM: its window is group 0
 
     def bad(self, reason: str, detail: str) -> None:
         self.counts[reason] += 1
@@ -346,10 +347,16 @@ class Rekeyer:
         return out
 
     def trtllm_events(self, events: Sequence[TEvent]) -> list[KvEvent]:
-        """Canonical events of TensorRT-LLM ``/kv_cache_events`` entries."""
+        """Canonical events of TensorRT-LLM ``/kv_cache_events`` entries. With variable
+        sliding-window attention each window size has its own cache (its own events): it is
+        a group, like vLLM's ``group_idx``."""
         out: list[KvEvent] = []
         for ev in events:
             d = ev.data
+            ws = ev.window_size
+            if ws is not None and self._first_window is None:
+                self._first_window = ws
+            group = 0 if ws is None or ws == self._first_window else ws
             if isinstance(d, TStored):
                 # blocks may change cache level or token count inside one event: cut runs
                 run: list = []
@@ -367,6 +374,7 @@ class Rekeyer:
                             len(run[0].tokens),
                             TIER_OF_LEVEL.get(run[0].cache_level, "disk"),
                             None,
+                            group=group,
                         )
                         if c is not None:
                             out.append(c)
@@ -375,12 +383,12 @@ class Rekeyer:
                     if b is not None:
                         run.append(b)
             elif isinstance(d, TRemoved):
-                out += self.removed(d.block_hashes, None)
+                out += self.removed(d.block_hashes, None, group)
             elif isinstance(d, TUpdated):
                 lvl = d.cache_level
                 if lvl is None or lvl.new_value is None or lvl.new_value == lvl.old_value:
                     continue
-                entry = self.held.get(d.block_hash)
+                entry = self.held.get(d.block_hash if not group else (group, d.block_hash))
                 if entry is None:
                     self.bad("unknown_block", f"updated hash {d.block_hash} never stored")
                     continue
@@ -402,7 +410,7 @@ class Rekeyer:
                             keys=added, parent_key=None, block_size=self.block_size or 1, tier=new
                         )
                     )
-                out += self.removed([d.block_hash], old)
+                out += self.removed([d.block_hash], old, group)
             elif isinstance(d, TCreated):
                 if d.num_blocks_per_cache_level:
                     self.num_gpu_blocks = d.num_blocks_per_cache_level[0]
