@@ -416,3 +416,22 @@ def test_trtllm_window_sizes_are_groups() -> None:
         )[0]
     )
     assert rm == [BlockRemoved(keys=keys, tier="gpu")] and rk.counts == {}
+
+
+async def test_router_keys_a_salted_lora_request_like_the_bridge_keys_its_blocks() -> None:
+    """The request a client sends (OpenAI body with vLLM's ``cache_salt``, a LoRA model) and
+    the blocks the engine reports for it (vLLM extra_keys) land on the same keys; the same
+    prompt without the salt does not."""
+    from services.common.tokenizer import ByteTokenizer
+    from services.router.tokenize import RequestParser
+
+    parser = RequestParser(ByteTokenizer(), hash_seed=5, is_lora=lambda m: m == "sql-lora")
+    body = {"model": "sql-lora", "prompt": "z" * 64, "cache_salt": "tenant-a"}
+    req = await parser.parse(body, chat=False)
+    toks = req.token_ids[:64]
+    rk = Rekeyer(hash_seed=5, block_size=16)
+    extra = [["sql-lora", "tenant-a"], ["sql-lora"], ["sql-lora"], ["sql-lora"]]
+    out = run(rk, [vllm_stored([1, 2, 3, 4], None, toks, lora_name="sql-lora", extra_keys=extra)])
+    assert RequestParser.keys(req, 16)[:4] == out[0].keys
+    plain = await parser.parse({**body, "cache_salt": None}, chat=False)
+    assert not set(RequestParser.keys(plain, 16)) & set(out[0].keys)
