@@ -435,3 +435,21 @@ async def test_router_keys_a_salted_lora_request_like_the_bridge_keys_its_blocks
     assert RequestParser.keys(req, 16)[:4] == out[0].keys
     plain = await parser.parse({**body, "cache_salt": None}, chat=False)
     assert not set(RequestParser.keys(plain, 16)) & set(out[0].keys)
+
+
+def test_trtllm_token_extra_ids_key_their_own_space() -> None:
+    import json
+
+    def ev(eid: int, h: int, extra: int) -> dict:
+        blk = _trt_block(h, TOKENS[:16])
+        for t in blk["tokens"][4:8]:
+            t["token_extra_id"] = extra
+        return {"event_id": eid, "data": {"type": "stored", "parent_hash": None, "blocks": [blk]}}
+
+    text = block_keys(TOKENS[:16], 16)
+    outs = []
+    for extra in (7, 7, 9):
+        rk = Rekeyer()
+        outs.append(rk.trtllm_events(decode_trtllm(json.dumps([ev(0, 1, extra)]).encode())[0]))
+    assert outs[0][0].keys == outs[1][0].keys  # the same image: the engine reuses it
+    assert outs[0][0].keys != text and outs[2][0].keys != outs[0][0].keys

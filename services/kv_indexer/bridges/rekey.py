@@ -367,6 +367,14 @@ class Rekeyer:
                         or b.cache_level != run[0].cache_level
                         or len(b.tokens) != len(run[0].tokens)
                     ):
+                        # token_extra_id (multimodal placeholders) is part of what the
+                        # engine reuses: folded into the block's key like vLLM's mm hashes
+                        extra = [
+                            [t.token_extra_id for t in x.tokens]
+                            if any(t.token_extra_id for t in x.tokens)
+                            else None
+                            for x in run
+                        ]
                         c = self.stored(
                             [x.block_hash for x in run],
                             parent,
@@ -375,6 +383,7 @@ class Rekeyer:
                             TIER_OF_LEVEL.get(run[0].cache_level, "disk"),
                             None,
                             group=group,
+                            extra_keys=extra if any(extra) else None,
                         )
                         if c is not None:
                             out.append(c)
