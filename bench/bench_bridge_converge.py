@@ -10,6 +10,9 @@ measures, per run, from the fault to the moment the indexer holds exactly the en
 - ``restart_lost``: the engine restarts (seq from 0); the batches the new process publishes
   while the bridge's SUB socket reconnects are lost; then one batch arrives. Clock: from
   that batch's publish.
+- ``restart_idle``: the engine restarts, the new process's batches are all lost and it goes
+  idle; only its new ``process_start_time_seconds`` on ``/metrics`` (probed once per
+  heartbeat, 1 s) tells. Clock: from the start-time change.
 - ``idle_start``: the bridge starts next to an idle engine that has ``--batches`` batches (one
   block each) in its replay buffer. Clock: from the bridge's start.
 
@@ -37,6 +40,10 @@ from tests.tools.engine_conformance import (
     stack,
     wait_for,
 )
+from tests.tools.engine_http import HttpEngine
+
+# the bridge's defaults (`kvgate bridge`): heartbeat every 1 s, idle replay check every 2 s
+DEFAULTS = {"heartbeat_s": 1.0, "tail_check_s": 2.0}
 
 
 def held(svc, worker: str) -> set[int]:
@@ -47,7 +54,7 @@ def held(svc, worker: str) -> set[int]:
 async def restart_lost(module, bus, svc, run: int, batches: int) -> float:
     worker = f"bench-restart-{run}"
     pub = LivePublisher(module, "vllm-0.33.0", buffer_steps=10_000, bind_to=None)
-    h = BridgeHarness(bus, worker, "vllm", pub.endpoint, pub.replay_endpoint, False)
+    h = BridgeHarness(bus, worker, "vllm", pub.endpoint, pub.replay_endpoint, False, **DEFAULTS)
     await h.start()
     try:
         for b in range(batches):  # one block per batch, one chain
@@ -67,6 +74,41 @@ async def restart_lost(module, bus, svc, run: int, batches: int) -> float:
         pub.close()
 
 
+async def restart_idle(module, bus, svc, run: int, batches: int) -> float:
+    """The engine restarts, every batch of the new process is lost and it goes idle: only
+    its changed start time (``/metrics`` process_start_time_seconds) tells."""
+    worker = f"bench-restart-idle-{run}"
+    pub = LivePublisher(module, "vllm-0.33.0", buffer_steps=10_000, bind_to=None)
+    async with HttpEngine(block_size=16) as http:
+        h = BridgeHarness(
+            bus,
+            worker,
+            "vllm",
+            pub.endpoint,
+            pub.replay_endpoint,
+            False,
+            engine_url=http.url,
+            **DEFAULTS,
+        )
+        await h.start()
+        try:
+            for b in range(batches):
+                await pub.publish([S([b], b - 1 if b else None, b)])
+            await wait_for(lambda: held(svc, worker) == keys(0, batches), 10, "first instance")
+            await h.pause()  # the new process's batches are lost to the bridge
+            await pub.restart()
+            for i in range(3):
+                await pub.publish([S([1000 + i], 1000 + i - 1 if i else None, i)])
+            await h.resume()
+            t0 = time.monotonic()
+            http.start_time = (http.start_time or 0) + 60  # the new process's start time
+            await wait_for(lambda: held(svc, worker) == keys(0, 3), 30, "restart converged")
+            return time.monotonic() - t0
+        finally:
+            await h.close()
+            pub.close()
+
+
 async def idle_start(module, bus, svc, run: int, batches: int) -> float:
     worker = f"bench-idle-{run}"
     pub = LivePublisher(module, "vllm-0.33.0", buffer_steps=10_000, bind_to=None)
@@ -75,7 +117,7 @@ async def idle_start(module, bus, svc, run: int, batches: int) -> float:
             await pub.publish([S([b], b - 1 if b else None, b)])
         truth = keys(0, batches)
         t0 = time.monotonic()
-        h = BridgeHarness(bus, worker, "vllm", pub.endpoint, pub.replay_endpoint, False)
+        h = BridgeHarness(bus, worker, "vllm", pub.endpoint, pub.replay_endpoint, False, **DEFAULTS)
         await h.start()
         try:
             await wait_for(lambda: held(svc, worker) == truth, 30, "idle start converged")
@@ -101,7 +143,11 @@ def main() -> int:
 
     async def go() -> None:
         async with stack(args.nats_url) as (bus, svc):
-            for label, fn in (("restart_lost", restart_lost), ("idle_start", idle_start)):
+            for label, fn in (
+                ("restart_lost", restart_lost),
+                ("restart_idle", restart_idle),
+                ("idle_start", idle_start),
+            ):
                 times = [await fn(module, bus, svc, r, batches) for r in range(args.runs)]
                 ms = [t * 1000 for t in times]
                 print(

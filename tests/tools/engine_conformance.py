@@ -408,12 +408,30 @@ class BridgeHarness:
     published while paused are lost to it, as on a flaky link or during a bridge outage)."""
 
     def __init__(
-        self, bus: Bus, worker: str, engine: str, endpoint: str, replay: str, bind: bool
+        self,
+        bus: Bus,
+        worker: str,
+        engine: str,
+        endpoint: str,
+        replay: str,
+        bind: bool,
+        *,
+        heartbeat_s: float = 0.1,
+        tail_check_s: float = 0.3,
+        engine_url: str = "",
     ) -> None:
         self.rt = BridgeRuntime(
-            bus, worker, engine=engine, model="m", heartbeat_s=0.1, block_size=B
+            bus,
+            worker,
+            engine=engine,
+            model="m",
+            engine_url=engine_url,
+            heartbeat_s=heartbeat_s,
+            block_size=B,
         )
-        self.zb = ZmqBridge(self.rt, endpoint, replay, topic="kv@", bind=bind, tail_check_s=0.3)
+        self.zb = ZmqBridge(
+            self.rt, endpoint, replay, topic="kv@", bind=bind, tail_check_s=tail_check_s
+        )
         self._stop: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
