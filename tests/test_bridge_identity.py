@@ -433,3 +433,19 @@ def test_kvgate_up_runs_a_bridge_on_its_port(tmp_path) -> None:
     assert kids["bridge"].health_url == "http://127.0.0.1:8199/health"
     args = parser.parse_args(["--state-dir", str(tmp_path)])
     assert "bridge" not in {c.name for c in up.Stack(S.resolve(args, up.OPTIONS)).plan()}
+
+
+def test_indexer_bad_input_logs_are_per_reason_with_suppressed_counts() -> None:
+    from services.kv_indexer.app import IndexerService
+
+    now = [0.0]
+    svc = IndexerService.__new__(IndexerService)
+    svc._log = RateLimiter(60.0, clock=lambda: now[0])
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(5):
+            svc._on_bad("unknown_parent", "w1", "x")
+        svc._on_bad("block_size_mismatch", "w1", "y")  # not hidden behind the other reason
+        now[0] = 61.0
+        svc._on_bad("unknown_parent", "w1", "x")
+    lines = [(e["reason"], e["suppressed"]) for e in logs if e["event"] == "bad kv input"]
+    assert lines == [("unknown_parent", 0), ("block_size_mismatch", 0), ("unknown_parent", 4)]
