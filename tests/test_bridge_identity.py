@@ -144,6 +144,34 @@ async def test_engine_restart_with_lost_first_batches_is_a_new_instance(
         await eng.close()
 
 
+async def test_restart_whose_seq_lands_exactly_on_ours_is_caught_by_the_idle_check(
+    bus: Bus, nats_url: str, subjects: Subjects
+) -> None:
+    """The new process's first received seq is exactly the next one expected: it looks like
+    a continuation; the idle replay check compares the batches before it and tells."""
+    await ensure_kv_events_stream(bus)
+    eng = TinyEngine()
+    pub, rep = f"tcp://127.0.0.1:{eng.pub_port}", f"tcp://127.0.0.1:{eng.replay_port}"
+    try:
+        async with (
+            indexer(nats_url, subjects) as svc,
+            bridge(nats_url, subjects, pub, rep, block_size=16) as zb,
+        ):
+            await wait_until(lambda: zb.rt.ready, what="ready")
+            for evs in chain_events(eng, 0, 3):
+                await eng.publish(evs)
+            await wait_until(lambda: held(svc) == set(KEYS[:3]), what="first process")
+            eng.restart()
+            for i in range(4):  # 0..2 lost, 3 received: seq 3 is the one expected
+                ev = eng.stored([900 + i], 900 + i - 1 if i else None, TOKENS[16 * (30 + i) :][:16])
+                await eng.publish([ev], send=i == 3)
+            want = set(block_keys(TOKENS[16 * 30 : 16 * 34], 16))
+            await wait_until(lambda: held(svc) == want, what="new process indexed")
+            assert zb.rt.resets.get("replay_mismatch") == 1
+    finally:
+        await eng.close()
+
+
 async def test_short_replay_buffer_counts_lost_history(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:

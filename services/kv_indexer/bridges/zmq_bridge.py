@@ -53,6 +53,9 @@ log = get_logger("bridge.zmq")
 
 
 RECENT_BATCHES = 4096  # digests kept to tell a replayed duplicate from a new process's batch
+# batches before a replay's start compared with the engine's copies (a new process whose seq
+# reached ours is told by its different batches; two, because one may already be its own)
+VERIFY_BATCHES = 2
 
 
 def _digest(payload: bytes) -> int:
@@ -104,7 +107,6 @@ class ZmqBridge:
         self.tail_check_s = tail_check_s
         self.decoder = VllmDecoder()
         self.expected: int | None = None  # next engine seq (None: nothing applied yet)
-        self.last_applied: tuple[int, int] | None = None  # (seq, payload digest)
         self.recent: dict[int, int] = {}  # seq -> payload digest of recently applied batches
         self.last_live = -1  # highest seq received on the live socket (this engine process)
         self.gaps = 0
@@ -123,7 +125,6 @@ class ZmqBridge:
         """Apply one engine batch that is next in order (decode, re-key, queue)."""
         self.expected = seq + 1
         d = _digest(payload)
-        self.last_applied = (seq, d)
         recent = self.recent
         recent[seq] = d
         if len(recent) > RECENT_BATCHES:
@@ -143,7 +144,6 @@ class ZmqBridge:
         self.restarts += 1
         self.rt.new_instance(reason)
         self.expected = None
-        self.last_applied = None
         self.recent.clear()
 
     async def on_message(self, seq: int, payload: bytes) -> None:
@@ -236,22 +236,23 @@ class ZmqBridge:
         """Ask the engine for batches ``start..`` and apply them in order. False when the
         replay failed.
 
-        Continuing an applied history, the request starts one batch earlier and that batch
-        must be byte-identical to the one applied: otherwise the engine is a new process
-        whose seq has passed ours (its first batches lost), and the view is reset and
-        replayed from 0. A reply that does not continue what was applied (the buffer no
-        longer holds the missing batches) resets the view and goes on from there."""
-        last = self.last_applied
-        verify = start > 0 and last is not None and last[0] == start - 1
-        frames = await self._fetch(start - 1 if verify else start)
+        Continuing an applied history, the request starts up to ``VERIFY_BATCHES`` batches
+        earlier and those must be byte-identical to the ones applied: otherwise the engine is
+        a new process whose seq has reached ours (its first batches lost), and the view is
+        reset and replayed from 0. A reply that does not continue what was applied (the
+        buffer no longer holds the missing batches) resets the view and goes on from there."""
+        recent = self.recent
+        first = start
+        while first > 0 and start - first < VERIFY_BATCHES and (first - 1) in recent:
+            first -= 1
+        frames = await self._fetch(first)
         if frames is None:
             return False
-        if verify and last is not None and frames and frames[0][0] == start - 1:
-            if _digest(frames[0][1]) != last[1]:
-                self.reset("replay_mismatch")
-                frames = await self._fetch(0)
-                if frames is None:
-                    return False
+        if any(seq < start and recent.get(seq) != _digest(p) for seq, p in frames):
+            self.reset("replay_mismatch")
+            frames = await self._fetch(0)
+            if frames is None:
+                return False
         got = 0
         for seq, payload in frames:
             exp = self.expected if self.expected is not None else 0
