@@ -553,6 +553,11 @@ async def case_bigram_pages(c: Ctx) -> set[int]:
     return keys(0, 2)
 
 
+async def case_lookahead(c: Ctx) -> set[int]:
+    await c.publish(S([5], None, 5, lookahead_token_ids=[toks(6)[:4]]), S([0], None, 0))
+    return keys(0, 1)
+
+
 async def case_remote_medium(c: Ctx, flavor: str) -> set[int]:
     remote = {"medium": "EXTERNAL"} if flavor.startswith("sglang") else {"locality": "REMOTE"}
     await c.publish(S([5], None, 5, **remote), S([0], None, 0))
@@ -613,6 +618,7 @@ def cases_for(flavor: str) -> list[Case]:
             engines=("vllm",),
             counts={"block_size_mismatch": 1},
         ),
+        Case("lookahead", case_lookahead, engines=("vllm",), counts={"lookahead_hash": 1}),
         Case("bigram_pages", case_bigram_pages, engines=("sglang",), counts={"bigram_page": 1}),
         Case(
             "remote_medium", lambda c: case_remote_medium(c, flavor), skipped={"remote_medium": 1}

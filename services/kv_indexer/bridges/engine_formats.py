@@ -6,8 +6,9 @@ either a map with a ``"type"`` key (vLLM >= 0.24, SGLang >= 0.5.20) or an array 
 first (older)::
 
     BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-                 lora_name, extra_keys, group_idx, kv_cache_spec_kind, locality (vLLM),
-                 cache_salt (SGLang); other fields (session_id, ownership, ...) ignored
+                 lora_name, extra_keys, group_idx, kv_cache_spec_kind, locality,
+                 lookahead_token_ids (vLLM), cache_salt (SGLang); other fields
+                 (session_id, ownership, ...) ignored
     BlockRemoved: block_hashes, medium, group_idx, locality
     AllBlocksCleared
 
@@ -51,6 +52,7 @@ class MStored(Struct, tag="BlockStored", tag_field="type"):
     kv_cache_spec_kind: str | None = None  # vLLM: the group's attention kind
     locality: str | None = None  # vLLM: LOCAL / REMOTE to the publisher
     cache_salt: str | None = None  # SGLang
+    lookahead_token_ids: list[Any] | None = None  # vLLM: tokens past each block in its hash
 
 
 class MRemoved(Struct, tag="BlockRemoved", tag_field="type"):
@@ -77,6 +79,7 @@ class AStored(Struct, array_like=True, tag="BlockStored"):
     kv_cache_spec_kind: str | None = None
     locality: str | None = None
     cache_salt: str | None = None
+    lookahead_token_ids: list[Any] | None = None
 
 
 class ARemoved(Struct, array_like=True, tag="BlockRemoved"):

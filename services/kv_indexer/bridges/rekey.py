@@ -19,7 +19,10 @@ What makes two requests share a key is what makes the engine reuse the cache bet
   full-attention group's blocks alone); groups of a non-prefix kind (sliding window, mamba,
   ...) are ignored once a prefix-kind group is known, since reuse is decided by the latter;
 - blocks that are not on this engine (vLLM ``locality`` REMOTE, SGLang ``EXTERNAL``) are not
-  its cache: skipped, counted.
+  its cache: skipped, counted;
+- blocks whose reuse depends on tokens after the block (vLLM ``lookahead_token_ids``, SGLang
+  EAGLE bigram pages, whose token_ids are (token, next token) pairs) cannot be keyed as a
+  prefix of whole blocks: dropped, counted (``lookahead_hash``, ``bigram_page``).
 
 Invariants:
 - ``refs`` counts, per (canonical key, tier), the (group, engine hash) entries holding it; a
@@ -312,6 +315,11 @@ class Rekeyer:
                         continue
                     if self._ignored_group(group):
                         self.skip("non_prefix_group", f"group {group}")
+                        continue
+                    if ev.lookahead_token_ids:
+                        # the engine reuses such a block only when the tokens after it match
+                        # too; a canonical key (a prefix of whole blocks) cannot say that
+                        self.bad("lookahead_hash", "blocks hashed with lookahead tokens")
                         continue
                     lora = ev.lora_name or (f"lora-{ev.lora_id}" if ev.lora_id else None)
                     c = self.stored(
