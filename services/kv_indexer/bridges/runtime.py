@@ -142,7 +142,6 @@ class BridgeRuntime:
         self.defaults = capacity or CapacityDefaults()
         self._log = RateLimiter(60.0)
         self.rekeyer = Rekeyer(hash_seed, block_size, on_bad=self._on_bad, on_skip=self._on_skip)
-        self.explicit_block_size = block_size
         self.block_size_known = asyncio.Event()
         if block_size:
             self.block_size_known.set()

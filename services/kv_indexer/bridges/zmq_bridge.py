@@ -157,7 +157,7 @@ class ZmqBridge:
             self.last_live = seq
             self.reset("seq_backwards")
             if self.replay_endpoint:
-                await self.replay(0, upto=seq)
+                await self.replay(0)
             if self.expected is not None and seq < self.expected:
                 return
             if seq > (self.expected or 0):
@@ -170,7 +170,7 @@ class ZmqBridge:
         exp = self.expected
         if exp is None:
             if self.replay_endpoint:
-                await self.replay(0, upto=seq)
+                await self.replay(0)
             if self.expected is not None and seq < self.expected:
                 return
             if seq > (self.expected or 0):
@@ -186,7 +186,7 @@ class ZmqBridge:
         self.gaps += 1
         BRIDGE_GAPS.inc()
         if self.replay_endpoint:
-            await self.replay(exp, upto=seq)
+            await self.replay(exp)
         if self.expected is not None and seq < self.expected:
             return  # the replay covered it
         if self.expected is not None and self.expected != seq:
@@ -232,7 +232,7 @@ class ZmqBridge:
         finally:
             sock.close(linger=0)
 
-    async def replay(self, start: int, upto: int | None = None) -> bool:
+    async def replay(self, start: int) -> bool:
         """Ask the engine for batches ``start..`` and apply them in order. False when the
         replay failed.
 
