@@ -9,6 +9,12 @@ Examples::
         --replay-endpoint tcp://127.0.0.1:5558 --engine-url http://127.0.0.1:8000 --model llama
     kvgate bridge sglang --worker-id pod-b --endpoint tcp://127.0.0.1:5557 ...
     kvgate bridge trtllm --worker-id pod-c --engine-url http://127.0.0.1:8000 --model llama
+    # an engine whose PUB connects out (its endpoint has no '*'): the bridge binds
+    kvgate bridge vllm --bind true --endpoint 'tcp://*:5557' --replay-endpoint tcp://pod-d:5558
+
+The block size is read from the engine (or --block-size) before anything is published; the
+bridge replays the engine's buffer from seq 0 before it says ready. GET /health and
+GET /metrics (kvgate_bridge_*) are served on --host:--port.
 """
 
 from __future__ import annotations
