@@ -84,9 +84,12 @@ class Rekeyer:
         self.on_bad = on_bad
         self.on_skip = on_skip
         # (group, engine hash) -> [canonical keys of the block, tier bits]; written as plain
-        # ``hash`` for group 0 (engine hashes are ints or bytes, never tuples)
-        self.held: dict[object, list[Any]] = {}
-        self.ends: dict[object, list[int]] = {}  # engine hash -> [last key, entries holding]
+        # ``hash`` for group 0 (engine hashes are ints or bytes, never tuples), and the entry
+        # as the bare key when it is one key on the GPU tier (the common case)
+        self.held: dict[object, Any] = {}
+        # engine hash -> [last key, entries holding] for hashes of groups other than 0 (a
+        # group-0 hash's last key is in ``held``): a parent is named by its hash alone
+        self.ends: dict[object, list[int]] = {}
         # (key, tier bit) -> entries holding; written as plain ``key`` for the GPU tier (the
         # common case: no tuple to build per block)
         self.refs: dict[object, int] = {}
@@ -183,11 +186,10 @@ class Rekeyer:
             return None
         parent_key = None
         if parent_hash is not None:
-            end = self.ends.get(parent_hash)
-            if end is None:
+            parent_key = self._last_key(parent_hash)
+            if parent_key is None:
                 self.bad("unknown_parent", f"parent hash {parent_hash!r} never stored")
                 return None
-            parent_key = end[0]
         try:
             if not extra_keys or not any(extra_keys):
                 seed = self._seed(lora, salt) if parent_key is None else parent_key
@@ -209,32 +211,27 @@ class Rekeyer:
             self.bad("invalid_schema", f"cannot key block: {exc}")
             return None
         bit = TIER_BIT[tier]
-        held, ends, refs = self.held, self.ends, self.refs
+        held, refs = self.held, self.refs
         new_keys: list[int] = []
-        for i, h in enumerate(hashes):
-            ks = keys[i * per : (i + 1) * per] if per > 1 else keys[i : i + 1]
-            hk = h if not group else (group, h)
-            entry = held.get(hk)
-            if entry is not None and entry[0] != ks:  # the engine reused the hash: replace
-                self._drop(group, h, 7, {})
-                entry = None
-            if entry is None:
-                held[hk] = [ks, bit]
-                e = ends.get(h)
-                if e is None:
-                    ends[h] = [ks[-1], 1]
-                else:
-                    e[1] += 1
-            elif entry[1] & bit:
-                continue  # already held on this tier (a duplicate store)
-            else:
-                entry[1] |= bit
-            for k in ks:
-                rk = k if bit == 1 else (k, bit)
-                c = refs.get(rk, 0)
-                refs[rk] = c + 1
-                if not c:
-                    new_keys.append(k)
+        if not group and per == 1 and bit == 1:
+            # the common case (one group, GPU, engine block = canonical block): an entry is
+            # the key itself
+            get, rget = held.get, refs.get
+            for h, k in zip(hashes, keys, strict=True):
+                entry = get(h)
+                if entry is None:
+                    held[h] = k
+                    c = rget(k)
+                    if c is None:
+                        refs[k] = 1
+                        new_keys.append(k)
+                    else:
+                        refs[k] = c + 1
+                elif entry != k:
+                    new_keys += self._add(0, h, [k], bit)
+        else:
+            for i, h in enumerate(hashes):
+                new_keys += self._add(group, h, keys[i * per : (i + 1) * per], bit)
         if not new_keys:
             return None
         whole = len(new_keys) == len(keys)
@@ -242,11 +239,56 @@ class Rekeyer:
             keys=new_keys, parent_key=parent_key if whole else None, block_size=bs, tier=tier
         )
 
+    def _last_key(self, h: object) -> int | None:
+        """The canonical key at the end of engine block ``h`` (any group), None if unknown."""
+        e = self.held.get(h)
+        if e is None:
+            end = self.ends.get(h)
+            return None if end is None else end[0]
+        return e if type(e) is int else e[0][-1]
+
+    def _entry(self, hk: object) -> list[Any] | None:
+        """``held[hk]`` as ``[keys, tier bits]`` (a compact entry is expanded in place)."""
+        e = self.held.get(hk)
+        if e is None or type(e) is not int:
+            return e
+        e = self.held[hk] = [[e], 1]
+        return e
+
+    def _add(self, group: int, h: object, ks: list[int], bit: int) -> list[int]:
+        """Hold ``(group, h)`` with keys ``ks`` on tier ``bit``; the keys that became held."""
+        hk = h if not group else (group, h)
+        entry = self._entry(hk)
+        if entry is not None and entry[0] != ks:  # the engine reused the hash: replace
+            self._drop(group, h, 7, {})
+            entry = None
+        if entry is None:
+            self.held[hk] = [ks, bit]
+            if group:
+                e = self.ends.get(h)
+                if e is None:
+                    self.ends[h] = [ks[-1], 1]
+                else:
+                    e[1] += 1
+        elif entry[1] & bit:
+            return []  # already held on this tier (a duplicate store)
+        else:
+            entry[1] |= bit
+        refs = self.refs
+        out: list[int] = []
+        for k in ks:
+            rk = k if bit == 1 else (k, bit)
+            c = refs.get(rk, 0)
+            refs[rk] = c + 1
+            if not c:
+                out.append(k)
+        return out
+
     def _drop(self, group: int, h: object, drop: int, by_tier: dict[str, list[int]]) -> bool:
         """Take tiers ``drop`` (bits) of ``(group, h)``; keys whose count falls to 0 go to
         ``by_tier``. False when the entry is unknown."""
         hk = h if not group else (group, h)
-        entry = self.held.get(hk)
+        entry = self._entry(hk)
         if entry is None:
             return False
         ks, bits = entry
@@ -267,10 +309,11 @@ class Rekeyer:
             entry[1] = bits
         else:
             del self.held[hk]
-            e = self.ends[h]
-            e[1] -= 1
-            if not e[1]:
-                del self.ends[h]
+            if group:
+                e = self.ends[h]
+                e[1] -= 1
+                if not e[1]:
+                    del self.ends[h]
         return True
 
     def removed(
@@ -281,9 +324,22 @@ class Rekeyer:
         by_tier: dict[str, list[int]] = {}
         drop = 7 if tier is None else TIER_BIT[tier]
         unknown = 0
+        held, refs = self.held, self.refs
+        gpu: list[int] = []
         for h in hashes:
-            if not self._drop(group, h, drop, by_tier):
+            e = held.get(h) if not group and drop & 1 else None
+            if type(e) is int:  # compact entry: one key, GPU only
+                del held[h]
+                c = refs[e] - 1
+                if c:
+                    refs[e] = c
+                else:
+                    del refs[e]
+                    gpu.append(e)
+            elif not self._drop(group, h, drop, by_tier):
                 unknown += 1
+        if gpu:
+            by_tier.setdefault("gpu", [])[:0] = gpu
         if unknown:
             self.bad("unknown_block", f"{unknown} removed hashes never stored")
         return [BlockRemoved(keys=keys, tier=t) for t, keys in by_tier.items()]  # type: ignore[arg-type]
@@ -405,7 +461,7 @@ class Rekeyer:
                 lvl = d.cache_level
                 if lvl is None or lvl.new_value is None or lvl.new_value == lvl.old_value:
                     continue
-                entry = self.held.get(d.block_hash if not group else (group, d.block_hash))
+                entry = self._entry(d.block_hash if not group else (group, d.block_hash))
                 if entry is None:
                     self.bad("unknown_block", f"updated hash {d.block_hash} never stored")
                     continue
