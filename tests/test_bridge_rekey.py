@@ -453,3 +453,17 @@ def test_trtllm_token_extra_ids_key_their_own_space() -> None:
         outs.append(rk.trtllm_events(decode_trtllm(json.dumps([ev(0, 1, extra)]).encode())[0]))
     assert outs[0][0].keys == outs[1][0].keys  # the same image: the engine reuses it
     assert outs[0][0].keys != text and outs[2][0].keys != outs[0][0].keys
+
+
+def test_a_block_moving_between_tiers_keeps_its_key_and_chain() -> None:
+    keys = block_keys(TOKENS[:48], 16)
+    rk = Rekeyer(block_size=16)
+    assert rk.stored([1, 2], None, TOKENS[:32], 16).keys == keys[:2]  # GPU
+    assert rk.stored([2], 1, TOKENS[16:32], 16, "cpu").keys == [keys[1]]  # offloaded copy
+    assert rk.removed([2], "gpu") == [BlockRemoved(keys=[keys[1]], tier="gpu")]
+    # the CPU copy still names the chain: a child keys from it
+    assert rk.stored([3], 2, TOKENS[32:48], 16).keys == [keys[2]]
+    tiers = {ev.tier: set(ev.keys) for ev in rk.dump()[1:]}
+    assert tiers == {"gpu": {keys[0], keys[2]}, "cpu": {keys[1]}}
+    assert rk.removed([2], None) == [BlockRemoved(keys=[keys[1]], tier="cpu")]
+    assert rk.stored([1], None, TOKENS[:16], 16) is None and rk.counts == {}  # duplicate
