@@ -316,7 +316,7 @@ class ZmqBridge:
                         self.rt.restart_detected.clear()
                         restart = asyncio.create_task(self.rt.restart_detected.wait())
                         await self.resync_from_start("engine_restarted")
-                    elif time.monotonic() - last_msg >= self.tail_check_s:
+                    elif self.rt.engine_ok and time.monotonic() - last_msg >= self.tail_check_s:
                         # idle: anything the engine published that we did not receive?
                         await self.replay(self.expected or 0)
                         last_msg = time.monotonic()
