@@ -57,6 +57,7 @@ from services.router import metrics as M
 from services.router import sse
 from services.router.breaker import STATE_VALUE, Breaker
 from services.router.canary import PolicySet, spec_of
+from services.router.ejection import RouterOutliers, outlier_config
 from services.router.holds import FirstTokenWaits
 from services.router.index_feed import make_index_source
 from services.router.proxy import (
@@ -70,6 +71,7 @@ from services.router.proxy import (
 from services.router.state import ClusterState, Ticket
 from services.router.tokenize import BadRequest, Parsed, RequestParser
 from services.router.upstream import FastClient, UpstreamError
+from services.router.usage import continued_usage
 
 log = get_logger("router")
 _json_decode = msgspec.json.decode
@@ -114,6 +116,7 @@ class Router:
             is_lora=self.state.is_lora,
         )
         self.breakers: dict[str, Breaker] = {}
+        self.outliers = RouterOutliers(self, outlier_config(st))
         self.queue_len = 0
         self._cap_event = asyncio.Event()
         self._load_dirty = asyncio.Event()
@@ -293,6 +296,7 @@ class Router:
             if self.state.sweep(now):
                 self._notify_capacity()
             M.WORKERS.set(self.state.routable_count())
+            self.outliers.evaluate(now)
             for wid, br in list(self.breakers.items()):
                 before = br.state
                 if br.tick(now) == "half_open" and not br.probing:
@@ -306,6 +310,7 @@ class Router:
         """Half-open probe: GET /health on the worker; success closes the breaker."""
         ws = self.state.states.get(wid)
         ok = False
+        sent_at = time.monotonic()
         if ws is not None and self.session is not None:
             try:
                 async with self.session.get(
@@ -316,9 +321,9 @@ class Router:
             except Exception:
                 ok = False
         if ok:
-            self._breaker_success(wid)
+            self._breaker_success(wid, sent_at)
         else:
-            self._breaker_failure(wid, "health probe failed")
+            self._breaker_failure(wid, "health probe failed", sent_at)
 
     def _spawn(self, coro: Any) -> None:
         """Fire-and-forget task, referenced until done (so it cannot be garbage-collected)."""
@@ -340,23 +345,28 @@ class Router:
             M.BREAKER.labels(wid).set(0)
         return br
 
-    def _breaker_success(self, wid: str) -> None:
+    def _breaker_success(self, wid: str, sent_at: float) -> None:
+        """A request (or probe) sent to ``wid`` at ``sent_at`` (monotonic) succeeded."""
         br = self.breakers.get(wid)
         if br is None or (br.state == "closed" and br.failures == 0):
             return
         was = br.state
-        br.success()
-        if was != "closed":
+        br.success(sent_at)
+        if was != "closed" and br.state == "closed":
             self.state.set_breaker_open(wid, False)
             M.BREAKER.labels(wid).set(0)
             log.info("circuit closed", worker=wid)
-            self._alert(wid, "resolved", f"worker {wid} answers again; circuit closed")
+            self._alert(
+                wid,
+                "resolved",
+                f"circuit_open resolved: worker {wid} answers again, circuit closed",
+            )
             self._notify_capacity()
 
-    def _breaker_failure(self, wid: str, reason: str) -> None:
+    def _breaker_failure(self, wid: str, reason: str, sent_at: float | None = None) -> None:
         br = self._breaker(wid)
         was = br.state
-        br.failure(time.monotonic())
+        br.failure(time.monotonic(), sent_at)
         if br.state == "open":
             self.state.set_breaker_open(wid, True)
             M.BREAKER.labels(wid).set(2)
@@ -372,7 +382,8 @@ class Router:
         alert = Alert(
             fingerprint=f"circuit_open:{wid}",
             kind="circuit_open",
-            severity="warning",
+            # critical: the worker is out of service (see docs/api.md, alert severities)
+            severity="critical",
             state=state,  # type: ignore[arg-type]
             source="router",
             worker_id=wid,
@@ -590,6 +601,7 @@ class Router:
         pol = ctx.arm.policy.name
         M.child(M.REQUESTS, pol, ctx.worker_id or "none", ctx.status).inc()
         if ctx.status == "ok":
+            self.outliers.record(ctx, e2e)
             M.child(M.E2E, pol).observe(e2e)
             if ctx.ttft is not None:
                 M.child(M.TTFT, pol).observe(ctx.ttft)
@@ -728,11 +740,12 @@ class Router:
             try:
                 if d.after is not None:
                     await self._hold(d.after, d.hold_s)
+                ctx.sent_at = time.monotonic()
                 return await self._send(request, ctx, ticket)
             except WorkerFailed as exc:
                 last_error = exc.reason
                 ctx.last_failure = exc
-                self._breaker_failure(exc.worker_id, exc.reason)
+                self._breaker_failure(exc.worker_id, exc.reason, ctx.sent_at)
                 ctx.excluded.add(exc.worker_id)
                 if ctx.retries >= self.st.max_retries:
                     st = "timeout" if exc.timeout else "error"
@@ -848,7 +861,7 @@ class Router:
             if resp.status == 503:
                 raise WorkerFailed(wid, f"503 from worker: {detail}")
             # other 5xx: counts against the breaker, passed through to the client
-            self._breaker_failure(wid, f"{resp.status} from worker")
+            self._breaker_failure(wid, f"{resp.status} from worker", ctx.sent_at)
             raise _Upstream5xx(resp.status, detail)
         return resp
 
@@ -893,10 +906,10 @@ class Router:
                 wid, f"503 from worker: {resp.body[:200].decode('utf-8', 'replace')}"
             )
         if status >= 500:
-            self._breaker_failure(wid, f"{status} from worker")
+            self._breaker_failure(wid, f"{status} from worker", ctx.sent_at)
             ctx.status = "error"
         else:
-            self._breaker_success(wid)
+            self._breaker_success(wid, ctx.sent_at)
             if status >= 400:
                 ctx.status = "error"
         self._first_token(ctx, ticket)
@@ -924,7 +937,7 @@ class Router:
         finally:
             resp.release()
         self._first_token(ctx, ticket)
-        self._breaker_success(wid)
+        self._breaker_success(wid, ctx.sent_at)
         ctx.http_status = resp.status
         if resp.status >= 400:
             ctx.status = "error"
@@ -1000,11 +1013,13 @@ class Router:
                     await _write(out, sse.DONE)
                     break
                 if info.usage is not None:
+                    if reframe:  # a continuation: usage as if one worker did it all
+                        info.usage = continued_usage(info.usage, ctx.carried_tokens)
+                        if info.data is not None and "usage" in info.data:
+                            info.data = {**info.data, "usage": info.usage}
                     ctx.cached_reported = sse.cached_tokens_of(info.usage)
                     if isinstance(info.usage.get("completion_tokens"), int):
-                        ctx.completion_tokens = info.usage["completion_tokens"] + (
-                            ctx.completion_tokens if reframe else 0
-                        )
+                        ctx.completion_tokens = info.usage["completion_tokens"]
                 if info.usage_only and not ctx.client_wants_usage:
                     continue
                 if info.text and ctx.ttft is None:
@@ -1041,14 +1056,14 @@ class Router:
             if not out.prepared:
                 raise WorkerFailed(wid, "stream ended before output")
             raise StreamBroken(wid, "stream ended without [DONE]")
-        self._breaker_success(wid)
+        self._breaker_success(wid, ctx.sent_at)
         await out.write_eof()
 
     async def _migrate(self, request: web.Request, ctx: Ctx, exc: StreamBroken) -> None:
         """Continue the client's stream on another worker from prompt + generated text."""
         broken = exc
         while True:
-            self._breaker_failure(broken.worker_id, broken.reason)
+            self._breaker_failure(broken.worker_id, broken.reason, ctx.sent_at)
             ctx.excluded.add(broken.worker_id)
             out = ctx.out
             assert out is not None
@@ -1070,7 +1085,7 @@ class Router:
                 return
             ctx.migrated += 1
             gen_tokens = len(self.parser.tokenizer.encode(ctx.generated)) if ctx.generated else 0
-            ctx.completion_tokens = gen_tokens
+            ctx.completion_tokens = ctx.carried_tokens = gen_tokens
             remaining = ctx.parsed.max_tokens - gen_tokens
             log.info(
                 "migrating stream",
@@ -1121,6 +1136,7 @@ class Router:
             self._mark_load_dirty()
             try:
                 body = upstream_body(ctx, migrate=True, max_tokens=remaining)
+                ctx.sent_at = time.monotonic()
                 try:
                     resp = await self._post(ctx, wid, "/v1/completions", body, b"")
                 except (WorkerFailed, _Upstream5xx) as e:

@@ -49,6 +49,16 @@ MIGRATIONS = Counter(
 BREAKER = Gauge(
     "kvgate_router_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["worker"]
 )
+OUTLIER_EJECTED = Gauge(
+    "kvgate_router_outlier_ejected",
+    "1 while the worker is ejected as a latency outlier",
+    ["worker"],
+)
+OUTLIER_EJECTIONS = Counter(
+    "kvgate_router_outlier_ejections_total",
+    "Times the worker was ejected as a latency outlier",
+    ["worker"],
+)
 OUTCOMES_DROPPED = Counter(
     "kvgate_router_outcomes_dropped_total", "Outcome messages not published", ["reason"]
 )

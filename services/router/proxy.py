@@ -71,6 +71,8 @@ class Ctx:
     client_wants_usage: bool = False
     out: web.StreamResponse | None = None
     overlaps: dict[str, int] = field(default_factory=dict)  # of the last decision
+    sent_at: float = 0.0  # monotonic time the current worker was sent the request (breaker)
+    carried_tokens: int = 0  # tokens generated before the last migration (usage)
 
 
 def upstream_body(ctx: Ctx, migrate: bool, max_tokens: int | None = None) -> bytes:

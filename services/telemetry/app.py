@@ -655,6 +655,7 @@ class Agent:
             tokens_per_block=load.tokens_per_block,
             prefix_caching=load.prefix_caching,
             prefix_cache_queries=load.prefix_cache_queries,
+            prefix_cache_hits=load.prefix_cache_hits,
             kv_events=self.kv_events.get(w.target.worker_id, 0),
             typical_prompt_tokens=typ[0],
             typical_new_tokens=typ[1],
