@@ -490,7 +490,8 @@ class Router:
                 "workers": self.state.routable_count(),
                 "nats": self.bus.is_connected,
                 "index_ready": bool(getattr(self.index_source, "ready", False)),
-                "policy": self.policies.control.name,
+                "policy": self.policies.control_label,  # name@version
+                "policy_algorithm": self.policies.control.name,
                 "policy_revision": self.policies.revision,
                 "queue_length": self.queue_len,
             }
@@ -832,7 +833,7 @@ class Router:
     def _headers(self, ctx: Ctx, wid: str) -> dict[str, str]:
         return {
             "x-kvgate-worker": wid,
-            "x-kvgate-policy": ctx.arm.policy.name,
+            "x-kvgate-policy": ctx.arm.label,  # name@version, as operators named it
             "x-kvgate-arm": ctx.arm.name,
             "x-request-id": ctx.request_id,
         }
