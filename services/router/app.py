@@ -613,6 +613,7 @@ class Router:
                 self.hit_reported.add(ctx.cached_reported, prompt)
         elif ctx.status == "timeout":
             M.TIMEOUTS.inc()
+            M.TIMEOUTS_ALIAS.inc()
         self.outcomes.submit(
             RouterOutcome(
                 request_id=ctx.request_id,

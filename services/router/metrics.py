@@ -1,7 +1,8 @@
 """The router's Prometheus metrics (process-wide default registry, served on GET /metrics).
 
-``kv_cache_hit_rate`` and ``request_timeout_total`` carry the names operators asked for
-(seed 002); the rest are ``kvgate_router_*``.
+Every metric is ``kvgate_router_*``. ``kv_cache_hit_rate`` and ``request_timeout_total``
+are kept as aliases of ``kvgate_router_kv_cache_hit_ratio`` and
+``kvgate_router_timeouts_total`` (the names of the first release; same values).
 """
 
 from __future__ import annotations
@@ -28,14 +29,21 @@ DECISION = Histogram(
     "Routing decision time (tokenize, keys, index match, policy)",
     buckets=(25e-6, 50e-6, 100e-6, 150e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05),
 )
-HIT_RATE = Gauge(
-    "kv_cache_hit_rate",
-    "Prompt tokens served from KV cache / prompt tokens, over the last 1000 requests",
+HIT_RATIO = Gauge(
+    "kvgate_router_kv_cache_hit_ratio",
+    "Prompt tokens served from KV cache / prompt tokens, over the last 1000 requests, 0-1 "
+    "(kind: predicted by the router, reported by the workers)",
     ["kind"],
+)
+HIT_RATE = Gauge(  # alias (first release's name)
+    "kv_cache_hit_rate", "Alias of kvgate_router_kv_cache_hit_ratio", ["kind"]
 )
 PROMPT_TOKENS = Counter("kvgate_router_prompt_tokens_total", "Prompt tokens routed")
 CACHED_TOKENS = Counter("kvgate_router_cached_tokens_total", "Cached prompt tokens", ["kind"])
-TIMEOUTS = Counter("request_timeout_total", "Requests that timed out at the router")
+TIMEOUTS = Counter("kvgate_router_timeouts_total", "Requests that timed out at the router")
+TIMEOUTS_ALIAS = Counter(  # alias (first release's name)
+    "request_timeout_total", "Alias of kvgate_router_timeouts_total"
+)
 QUEUE_LEN = Gauge("kvgate_router_queue_length", "Requests waiting for capacity in the router")
 QUEUE_REJECTED = Counter(
     "kvgate_router_queue_rejected_total", "429s: queue full or wait expired", ["reason"]
@@ -101,7 +109,8 @@ class HitRate:
         self.cached = 0
         self.prompt = 0
         self._cached_c = CACHED_TOKENS.labels(kind)
-        self._rate_g = HIT_RATE.labels(kind)
+        self._rate_g = HIT_RATIO.labels(kind)
+        self._rate_alias = HIT_RATE.labels(kind)
 
     def add(self, cached: int, prompt: int) -> None:
         if len(self.window) == self.window.maxlen:
@@ -112,4 +121,6 @@ class HitRate:
         self.cached += cached
         self.prompt += prompt
         self._cached_c.inc(cached)
-        self._rate_g.set(self.cached / self.prompt if self.prompt else 0.0)
+        ratio = self.cached / self.prompt if self.prompt else 0.0
+        self._rate_g.set(ratio)
+        self._rate_alias.set(ratio)

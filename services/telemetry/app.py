@@ -100,6 +100,7 @@ class _Worker:
     requests: dict[str, bytes] = field(default_factory=dict)  # URL -> request bytes
     window: deque[Observation] = field(default_factory=deque)
     last: WorkerLoad | None = None
+    engine_gpus: tuple[GpuSample, ...] = ()  # GPUs the engine reports itself (simulated)
     hit_base: tuple[float, float, float] | None = None  # (ts, queries, hits)
     hit_rate: float | None = None
     prompt_obs: deque[int] = field(default_factory=lambda: deque(maxlen=256))
@@ -605,6 +606,7 @@ class Agent:
         hit = r.cache_hit_rate
         if hit is None and r.prefix_cache_queries is not None and r.prefix_cache_hits is not None:
             hit = self._hit_rate(w, ts, r.prefix_cache_queries, r.prefix_cache_hits)
+        w.engine_gpus = tuple(r.gpus)
         gpus = r.gpus + self._gpus_for(w.target.worker_id)
         return WorkerLoad(
             worker_id=w.target.worker_id,
@@ -760,8 +762,14 @@ class Agent:
         return {wid: w.last for wid, w in self.workers.items() if w.last is not None}
 
     def _gpu_rows(self) -> Iterable[tuple[GpuSample, list[str]]]:
+        """NVML's GPUs (mapped to their workers), then the GPUs engines report themselves
+        (the simulated workers'), each labelled with its one worker."""
         for g in self.gpu_samples:
             yield g, self.assignment.workers_of(g.index)
+        for wid, w in self.workers.items():
+            if w.last is not None and not w.last.stale:
+                for g in w.engine_gpus:
+                    yield g, [wid]
 
     def _log_once(self, key: Any, event: str, **kw: Any) -> None:
         if self._err_log.allow(key):
