@@ -352,18 +352,23 @@ class Stack:
         if self.stopping:
             return 0
         state_file = self.write_state(nats_url, db_url, token_file)
+        host = "127.0.0.1"
+        page = f"http://{host}:{self.st.api_port}/ui/"
         if token_created:
             token_line = f"  admin token     : {token}  (shown once; kept in {token_file})\n"
+            page_line = f"  operator page   : {page}#token={token}\n"
         elif token_file:
             token_line = f"  admin token     : in {token_file}\n"
+            page_line = f"  operator page   : {page}  (paste the admin token)\n"
         else:
             token_line = "  admin token     : from KVGATE_API_ADMIN_TOKEN\n"
-        host = "127.0.0.1"
+            page_line = f"  operator page   : {page}  (paste the admin token)\n"
         print(
             "\nkvgate is up\n"
             f"  OpenAI base URL : http://{host}:{self.st.router_port}/v1\n"
             f"  admin API       : http://{host}:{self.st.api_port}/api/v1\n"
             + token_line
+            + page_line
             + f"  NATS            : {nats_url}\n"
             f"  database        : {db_url}\n"
             f"  workers         : {self.st.workers} simulated\n"
