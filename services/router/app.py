@@ -601,8 +601,13 @@ class Router:
         e2e = time.perf_counter() - ctx.t0
         pol = ctx.arm.policy.name
         M.child(M.REQUESTS, pol, ctx.worker_id or "none", ctx.status).inc()
+        M.child(M.ARM_REQUESTS, ctx.arm.name, ctx.status).inc()
         if ctx.status == "ok":
             self.outliers.record(ctx, e2e)
+            M.child(M.ARM_TTFT, ctx.arm.name).observe(ctx.ttft if ctx.ttft is not None else e2e)
+            if ctx.ttft is not None and ctx.completion_tokens > 1:
+                itl = (e2e - ctx.ttft) / (ctx.completion_tokens - 1)
+                M.child(M.ITL, pol).observe(itl)
             M.child(M.E2E, pol).observe(e2e)
             if ctx.ttft is not None:
                 M.child(M.TTFT, pol).observe(ctx.ttft)

@@ -24,6 +24,23 @@ TTFT = Histogram(
 E2E = Histogram(
     "kvgate_router_e2e_seconds", "End-to-end request time", ["policy"], buckets=LAT_BUCKETS
 )
+ITL = Histogram(
+    "kvgate_router_itl_seconds",
+    "Mean inter-token latency of a streamed answer: (end - first token) / (tokens - 1)",
+    ["policy"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1),
+)
+ARM_REQUESTS = Counter(
+    "kvgate_router_arm_requests_total",
+    "Requests by canary arm (control | candidate) and status: the arms side by side",
+    ["arm", "status"],
+)
+ARM_TTFT = Histogram(
+    "kvgate_router_arm_ttft_seconds",
+    "Time to first token by canary arm (a non-streamed answer counts its whole time)",
+    ["arm"],
+    buckets=LAT_BUCKETS,
+)
 DECISION = Histogram(
     "kvgate_router_decision_seconds",
     "Routing decision time (tokenize, keys, index match, policy)",
