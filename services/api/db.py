@@ -106,7 +106,11 @@ class Database:
                 "retrying in the background"
             )
         task = asyncio.ensure_future(make())
-        done, _ = await asyncio.wait({task}, timeout=self.acquire_timeout_s)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.acquire_timeout_s)
+        except asyncio.CancelledError:  # the request went away: whatever comes is given back
+            self._abandon(task)
+            raise
         if not done:
             self._abandon(task)
             self._mark_down(f"{what}: no answer in {self.acquire_timeout_s} s")
