@@ -34,17 +34,30 @@ FLAGS = [
 ]
 
 
-def _complete(router_port: int, prompt: str) -> str:
+def _complete(router_port: int, prompt: str, session: str = "") -> str:
     body = json.dumps({"model": "sim-llama-8b", "prompt": prompt, "max_tokens": 4}).encode()
+    headers = {"Content-Type": "application/json"}
+    if session:
+        headers["x-session-id"] = session
     req = urllib.request.Request(
-        f"http://127.0.0.1:{router_port}/v1/completions",
-        data=body,
-        headers={"Content-Type": "application/json"},
+        f"http://127.0.0.1:{router_port}/v1/completions", data=body, headers=headers
     )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=30) as resp:
         assert resp.status == 200
         return resp.headers["x-kvgate-worker"]
+
+
+def _admin(api: str, token: str, method: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(
+        api + path,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=30) as resp:
+        return json.loads(resp.read())
 
 
 async def _raise(nats_url: str, prefix: str) -> None:
@@ -82,6 +95,26 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
         asyncio.run(_raise(stack["nats_url"], stack["subject_prefix"]))
         api = f"http://127.0.0.1:{up.ports['api']}"
         stack_worker = _complete(up.ports["router"], "warm up")  # the one simulated worker
+        # a canary that stays running (its criteria ask for more samples than the test sends)
+        _admin(
+            api, token, "POST", "/api/v1/policies", {"name": "ctl", "spec": {"name": "round_robin"}}
+        )
+        _admin(api, token, "POST", "/api/v1/policies/ctl/activate")
+        _admin(
+            api,
+            token,
+            "POST",
+            "/api/v1/policies",
+            {"name": "cand", "spec": {"name": "least_request"}},
+        )
+        canary = _admin(
+            api,
+            token,
+            "POST",
+            "/api/v1/canaries",
+            {"policy": "cand", "steps": [0.5, 1.0], "step_duration_s": 3600,
+             "criteria": {"min_samples": 100000}},
+        )  # fmt: skip
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
             try:
@@ -103,6 +136,19 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
                 expect(
                     page.locator(f'#workers tr[data-worker="{worker}"] td.routed')
                 ).not_to_have_text("0")
+                # the canary: both arms' curves and the header's policy line
+                for i in range(12):  # sessions spread over both arms
+                    _complete(up.ports["router"], f"canary traffic {i}", session=f"s{i}")
+                box = page.locator(f'[data-canary="{canary["id"]}"]')
+                expect(box).to_contain_text("ctl@1", timeout=15_000)
+                expect(box).to_contain_text("cand@1")
+                expect(box.locator("svg")).to_have_count(3)
+                # each arm's points (TTFT p95, hit rate, error rate of the current window)
+                expect(box.locator('svg circle[fill="#d62728"]').first).to_be_visible(
+                    timeout=20_000
+                )  # candidate
+                expect(box.locator('svg circle[fill="#2563eb"]').first).to_be_visible()
+                expect(page.locator("#policy")).to_contain_text("policy ctl@1, canary cand@1")
                 # the open alert is listed and can be acknowledged from the page
                 alert = page.locator("#alerts tbody tr", has_text="page-test")
                 expect(alert).to_have_count(1, timeout=15_000)

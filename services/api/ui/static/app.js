@@ -51,7 +51,7 @@ function ratioBar(x, width = 90) {
 }
 
 // a line chart of several series [{name, color, points: [[x, y], ...]}]
-function lineChart(title, series, { width = 360, height = 150, fmt = (v) => v.toFixed(2), yMin = 0 } = {}) {
+function lineChart(title, series, { width = 360, height = 150, fmt = (v) => v.toFixed(2), yMin = 0, minSpan = 1 } = {}) {
   const pad = { l: 48, r: 10, t: 20, b: 22 };
   const all = series.flatMap((s) => s.points);
   const box = svg("svg", { width, height, role: "img", "aria-label": title });
@@ -66,7 +66,7 @@ function lineChart(title, series, { width = 360, height = 150, fmt = (v) => v.to
   }
   const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
   const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-  const y0 = Math.min(yMin, ...ys), y1 = Math.max(...ys, y0 + 1e-9) * 1.1;
+  const y0 = Math.min(yMin, ...ys), y1 = Math.max(Math.max(...ys) * 1.1, y0 + minSpan);
   const sx = (x) => pad.l + ((x - x0) / (x1 - x0)) * (width - pad.l - pad.r);
   const sy = (y) => height - pad.b - ((y - y0) / (y1 - y0)) * (height - pad.t - pad.b);
   for (const f of [0, 0.5, 1]) {
@@ -129,7 +129,7 @@ function renderDecisions() {
   body.replaceChildren(...recent.map((d) => el("tr", { "data-seq": d.seq },
     el("td", {}, new Date(d.ts * 1000).toLocaleTimeString()),
     el("td", {}, d.request_id.slice(0, 12)),
-    el("td", {}, `${d.policy}@${d.policy_version || "default"}`),
+    el("td", {}, d.policy_version ? `${d.policy} v${d.policy_version}` : `${d.policy} (default)`),
     el("td", {}, d.arm),
     el("td", {}, d.worker_id || "–"),
     el("td", { class: d.status === "ok" ? "ok" : "bad" }, d.status),
@@ -172,8 +172,8 @@ function canaryCurves(c) {
   ];
   return el("div", { class: "charts" },
     lineChart("TTFT p95 (ms)", series("ttft_p95_s", 1000), { fmt: (v) => v.toFixed(0) }),
-    lineChart("cache hit rate", series("cache_hit_rate", 1), { fmt: (v) => pct(v) }),
-    lineChart("error rate", series("error_rate", 1), { fmt: (v) => pct(v) }));
+    lineChart("cache hit rate", series("cache_hit_rate", 1), { fmt: (v) => pct(v), minSpan: 0.1 }),
+    lineChart("error rate", series("error_rate", 1), { fmt: (v) => pct(v), minSpan: 0.05 }));
 }
 
 async function renderCanaries() {
