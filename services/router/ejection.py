@@ -11,11 +11,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from services.common.bus import Bus
 from services.common.logging import get_logger
 from services.common.schemas import Alert
 from services.common.streams import raise_alert
+from services.core.cluster import ClusterState
 from services.router import metrics as M
 from services.router.outlier import Ejection, OutlierConfig, OutlierDetector
+from services.router.signals import CapacitySignal, Spawner
 
 log = get_logger("router.outlier")
 
@@ -34,8 +37,20 @@ def outlier_config(st: Any) -> OutlierConfig | None:
 
 
 class RouterOutliers:
-    def __init__(self, router: Any, config: OutlierConfig | None) -> None:
-        self.router = router
+    def __init__(
+        self,
+        router_id: str,
+        bus: Bus,
+        state: ClusterState,
+        capacity: CapacitySignal,
+        spawner: Spawner,
+        config: OutlierConfig | None,
+    ) -> None:
+        self.router_id = router_id
+        self.bus = bus
+        self.state = state
+        self.capacity = capacity
+        self.spawner = spawner
         self.detector = OutlierDetector(config) if config is not None else None
 
     def record(self, ctx: Any, e2e_s: float) -> None:
@@ -50,9 +65,8 @@ class RouterOutliers:
             self._apply(change, now)
 
     def _apply(self, ch: Ejection, now: float) -> None:
-        r = self.router
         wid = ch.worker_id
-        r.state.set_ejected(wid, ch.ejected)
+        self.state.set_ejected(wid, ch.ejected)
         M.OUTLIER_EJECTED.labels(wid).set(1 if ch.ejected else 0)
         if ch.ejected:
             M.OUTLIER_EJECTIONS.labels(wid).inc()
@@ -73,7 +87,7 @@ class RouterOutliers:
             log.info("latency outlier returns", worker=wid)
             summary = f"latency_outlier resolved: worker {wid} is back in rotation"
             state = "resolved"
-            r._notify_capacity()
+            self.capacity.notify()
         alert = Alert(
             fingerprint=f"latency_outlier:{wid}",
             kind="latency_outlier",
@@ -86,7 +100,7 @@ class RouterOutliers:
             "(clocks, thermal throttling, XID errors), its batch size and its neighbours; a "
             "fleet-wide slowdown does not eject anyone.",
             details={
-                "router_id": r.router_id,
+                "router_id": self.router_id,
                 "s_per_token": ch.latency,
                 "fleet_s_per_token": ch.fleet,
             },
@@ -94,8 +108,8 @@ class RouterOutliers:
 
         async def send() -> None:
             try:
-                await raise_alert(r.bus, alert)
+                await raise_alert(self.bus, alert)
             except Exception as exc:
                 log.warning("alert not sent", worker=wid, error=repr(exc))
 
-        r._spawn(send())
+        self.spawner.spawn(send())
