@@ -4,6 +4,7 @@ Postgres) are stopped by the next start."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,6 +20,31 @@ from services.common import stackfile
 from services.common.embedded import env_without_proxy, free_port
 
 pytestmark = pytest.mark.slow
+
+
+async def _raise_alert(nats_url: str, prefix: str) -> None:
+    from services.common.bus import Bus
+    from services.common.schemas import Alert
+    from services.common.streams import ensure_alert_streams, raise_alert
+    from services.common.subjects import Subjects
+
+    bus = Bus(nats_url, "test-up-state", Subjects(prefix))
+    await bus.connect(max_wait_s=10)
+    try:
+        await ensure_alert_streams(bus)
+        await raise_alert(
+            bus,
+            Alert(
+                fingerprint="kv_starved:up-state-test",
+                kind="kv_starved",
+                severity="warning",
+                source="telemetry",
+                worker_id="up-state-test",
+                summary="up-state-test alert",
+            ),
+        )
+    finally:
+        await bus.close()
 
 
 def _processes_mentioning(needle: str) -> list[str]:
@@ -139,6 +165,12 @@ def test_state_file_token_status_second_up_and_sighup(tmp_path: Path) -> None:
         created = _cli("api", "token", "create", "--role", "viewer", "--name", "t", state=state)
         assert created.returncode == 0, created.stderr
         assert created.stdout.strip().startswith("kvg_")
+
+        # `kvgate alerts tail` finds the embedded NATS (a random port) by itself
+        asyncio.run(_raise_alert(data["nats_url"], data["subject_prefix"]))
+        tail = _cli("alerts", "tail", "--since", "10m", "--count", "1", state=state)
+        assert tail.returncode == 0, tail.stderr
+        assert "FIRING" in tail.stdout and "up-state-test" in tail.stdout
 
         # a second `kvgate up` on the same state dir refuses
         second = subprocess.run(
