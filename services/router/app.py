@@ -50,6 +50,7 @@ from services.router.cluster_feed import ClusterFeed
 from services.router.debug import DebugViews
 from services.router.decide import Decider
 from services.router.dispatch import Dispatcher
+from services.router.ejection import RouterOutliers, outlier_config
 from services.router.handlers import Handlers
 from services.router.holds import FirstTokenWaits
 from services.router.index_feed import make_index_source
@@ -122,6 +123,11 @@ class Router:
         self.sweeper = Sweeper(bus, self.state, self.circuits, self.capacity)
         self.outcomes = OutcomePublisher(bus, maxsize=st.outcome_buffer)
         self.recorder = OutcomeRecorder(self.router_id, self.outcomes)
+        # latency outlier ejection: fed by finished requests, evaluated by the sweeper
+        self.outliers = RouterOutliers(
+            self.router_id, bus, self.state, self.capacity, self.spawner, outlier_config(st)
+        )
+        self.recorder.outliers = self.sweeper.outliers = self.outliers
         # the request path
         self.decider = Decider(self.lifecycle, self.index_source, self.parser)
         self.admission = Admission(self.decider, self.state, self.capacity, st)

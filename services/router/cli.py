@@ -7,6 +7,7 @@ import os
 
 from services.common import settings as S
 from services.common.service import run_service
+from services.router.outlier import OPTIONS as OUTLIER_OPTIONS
 
 OPTIONS = S.COMMON + (
     S.HASH_SEED,
@@ -119,6 +120,9 @@ OPTIONS = S.COMMON + (
         env="KVGATE_ROUTER_LOAD_INTERVAL",
     ),
 )
+
+
+OPTIONS += OUTLIER_OPTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

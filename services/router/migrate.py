@@ -11,6 +11,7 @@ continuation holds its own ticket, released in ``finally``; the client's stream 
 from __future__ import annotations
 
 import contextlib
+import time
 
 from aiohttp import web
 
@@ -54,7 +55,7 @@ class Migrator:
         """Continue the client's stream on another worker from prompt + generated text."""
         broken = exc
         while True:
-            self.circuits.failure(broken.worker_id, broken.reason)
+            self.circuits.failure(broken.worker_id, broken.reason, ctx.sent_at)
             ctx.excluded.add(broken.worker_id)
             out = ctx.out
             assert out is not None
@@ -65,7 +66,7 @@ class Migrator:
                 return
             ctx.migrated += 1
             gen_tokens = len(self.tokenizer.encode(ctx.generated)) if ctx.generated else 0
-            ctx.completion_tokens = gen_tokens
+            ctx.completion_tokens = ctx.carried_tokens = gen_tokens
             remaining = ctx.parsed.max_tokens - gen_tokens
             log.info(
                 "migrating stream",
@@ -104,6 +105,7 @@ class Migrator:
             ticket = self.dispatcher.reserve(wid, len(cont.token_ids), remaining, d.cached_tokens)
             try:
                 body = upstream_body(ctx, migrate=True, max_tokens=remaining)
+                ctx.sent_at = time.monotonic()
                 try:
                     resp = await self.sender.post(ctx, wid, "/v1/completions", body, b"")
                 except (WorkerFailed, Upstream5xx) as e:

@@ -73,6 +73,8 @@ class Ctx:
     client_wants_usage: bool = False
     out: web.StreamResponse | None = None
     overlaps: dict[str, int] = field(default_factory=dict)  # of the last decision
+    sent_at: float = 0.0  # monotonic time the current worker was sent the request (breaker)
+    carried_tokens: int = 0  # tokens generated before the last migration (usage)
 
 
 def upstream_body(ctx: Ctx, migrate: bool, max_tokens: int | None = None) -> bytes:
@@ -166,7 +168,7 @@ def worker_headers(ctx: Ctx, wid: str) -> dict[str, str]:
     """Response headers naming where and how the request was routed."""
     return {
         "x-kvgate-worker": wid,
-        "x-kvgate-policy": ctx.arm.policy.name,
+        "x-kvgate-policy": ctx.arm.label,  # name@version, as operators named it
         "x-kvgate-arm": ctx.arm.name,
         "x-request-id": ctx.request_id,
     }

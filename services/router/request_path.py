@@ -84,10 +84,11 @@ class RequestPath:
             ticket = self.dispatcher.dispatch(ctx, d)
             try:
                 await self.dispatcher.hold(d)
+                ctx.sent_at = time.monotonic()  # the breaker weighs only evidence sent after
                 return await self.sender.send(request, ctx, ticket)
             except WorkerFailed as exc:
                 ctx.last_failure = exc
-                self.circuits.failure(exc.worker_id, exc.reason)
+                self.circuits.failure(exc.worker_id, exc.reason, ctx.sent_at)
                 ctx.excluded.add(exc.worker_id)
                 if ctx.retries >= self.max_retries:
                     return reject(
