@@ -23,7 +23,7 @@ Scheduling (one call of :meth:`Engine.step` = one forward pass of the batch):
 
 Invariants:
 - the same config, seed and sequence of calls give the same outputs (no randomness besides a
-  hash of (seed, prompt, position) that picks generated tokens);
+  hash of (seed, prompt, request's sample_seed, position) that picks generated tokens);
 - a request's first generated token is emitted in the step that completes its prefill;
 - a finished request has produced exactly ``max_tokens`` tokens (there is no EOS).
 """
@@ -123,6 +123,9 @@ class SimRequest:
     # hashes every prompt once for the router); the engine computes them when None or when they
     # do not match the prompt's length and first block
     prompt_block_keys: Sequence[int] | None = None
+    # mixed into the generated tokens' seed: a request's sampling seed / options and its choice
+    # index (0: the tokens depend on the prompt alone)
+    sample_seed: int = 0
 
 
 @dataclass
@@ -268,6 +271,10 @@ class Engine:
             ),
             seed=c.seed & 0xFFFFFFFFFFFFFFFF,
         )
+        if req.sample_seed:
+            gen_seed = xxhash.xxh3_64_intdigest(
+                gen_seed.to_bytes(8, "little"), seed=req.sample_seed & 0xFFFFFFFFFFFFFFFF
+            )
         if not req.arrival_time:
             req.arrival_time = now
         seq = _Seq(
