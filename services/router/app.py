@@ -54,7 +54,7 @@ from services.core.policy import (
 )
 from services.core.policy.types import ClusterSnapshot, replica_id
 from services.router import metrics as M
-from services.router import sse
+from services.router import openai_extras, sse
 from services.router.breaker import STATE_VALUE, Breaker
 from services.router.canary import PolicySet, spec_of
 from services.router.holds import FirstTokenWaits
@@ -88,10 +88,14 @@ def parse_policy_option(text: str) -> dict[str, Any]:
 
 
 def _error(
-    status: int, message: str, etype: str, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    etype: str,
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
 ) -> web.Response:
     return web.json_response(
-        {"error": {"message": message, "type": etype, "code": status}},
+        {"error": {"message": message, "type": etype, "param": param, "code": status}},
         status=status,
         headers=headers,
     )
@@ -184,6 +188,7 @@ class Router:
         app.router.add_get("/metrics", metrics_handler)
         app.router.add_route("*", "/debug/route", self.h_debug_route)
         app.router.add_get("/debug/state", self.h_debug_state)
+        openai_extras.add_routes(app, self)
         return app
 
     # ================================================================== bus inputs
@@ -567,11 +572,11 @@ class Router:
         t0 = time.perf_counter()
         try:
             body = _json_decode(await request.read())
-            parsed = await self.parser.parse(body, chat)
+            parsed = await self.parser.parse(body, chat, request.path)
         except msgspec.DecodeError as exc:
             return _error(400, f"request body is not valid JSON: {exc}", "invalid_request_error")
         except BadRequest as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            return _error(400, str(exc), "invalid_request_error", param=exc.param)
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         session_id = self._session_of(request, parsed)
         arm = self.policies.arm(rid, session_id)
@@ -1052,7 +1057,7 @@ class Router:
             ctx.excluded.add(broken.worker_id)
             out = ctx.out
             assert out is not None
-            if ctx.migrated >= self.st.max_migrations:
+            if ctx.migrated >= self.st.max_migrations or not ctx.parsed.migratable:
                 M.MIGRATIONS.labels("gave_up").inc()
                 ctx.status, ctx.http_status = "error", 502
                 with contextlib.suppress(Exception):
