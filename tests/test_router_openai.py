@@ -127,7 +127,7 @@ async def test_template_inputs_change_the_prompt_and_tools_share_keys(tmp_path) 
 
 async def test_token_id_prompts_are_keyed_without_the_tokenizer() -> None:
     class NoEncode(ByteTokenizer):
-        def encode(self, text: str) -> list[int]:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
             raise AssertionError("token-id prompts must not be tokenized")
 
     parser = RequestParser(NoEncode())

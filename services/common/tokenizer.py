@@ -124,20 +124,28 @@ def chat_options(body: dict[str, Any]) -> ChatOptions:
     tool_choice = body.get("tool_choice")
     if tools and tool_choice is None:
         tool_choice = "auto"
+    extra = dict(kwargs)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise ValueError("'reasoning_effort' must be a string")
+        # vLLM passes it to the template, and turns thinking on for templates that ask
+        extra.setdefault("reasoning_effort", effort)
+        extra.setdefault("enable_thinking", effort != "none")
     return ChatOptions(
         tools=tools,
         tool_choice=tool_choice,
         documents=documents,
         add_generation_prompt=agp,
         continue_final_message=cfm,
-        extra=dict(kwargs),
+        extra=extra,
     )
 
 
 class Tokenizer(Protocol):
     name: str
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -178,7 +186,7 @@ def default_chat_template(messages: Messages, options: ChatOptions | None = None
 class ByteTokenizer:
     name = "bytes"
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -228,8 +236,11 @@ class HFTokenizer:
                 if isinstance(val, str):
                     self._special[key] = val
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``add_special_tokens``: what the tokenizer's post-processor adds (a BOS token for
+        most models); vLLM adds them to completions prompts, not to rendered chat templates
+        (the template writes its own)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
@@ -295,6 +306,36 @@ def completion_prompts(body: dict[str, Any]) -> list[PromptInput]:
                 "(integers >= 0)"
             )
     return out
+
+
+def adds_special_tokens(body: dict[str, Any], chat: bool) -> bool:
+    """vLLM's ``add_special_tokens``: default True for completions, False for chat."""
+    v = body.get("add_special_tokens")
+    if v is None:
+        return not chat
+    if not isinstance(v, bool):
+        raise ValueError("'add_special_tokens' must be a boolean")
+    return v
+
+
+def truncate_prompt(ids: list[int], body: dict[str, Any], max_model_len: int = 0) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens`` (-1: the model's context) and ``truncation_side``
+    (default left: keep the end of the prompt). ValueError on a bad value."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return ids
+    if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+        raise ValueError("'truncate_prompt_tokens' must be an integer >= -1")
+    if k == -1:
+        if not max_model_len:
+            return ids
+        k = max_model_len
+    side = body.get("truncation_side") or "left"
+    if side not in ("left", "right"):
+        raise ValueError("'truncation_side' must be 'left' or 'right'")
+    if len(ids) <= k:
+        return ids
+    return ids[len(ids) - k :] if side == "left" else ids[:k]
 
 
 def _is_token_id(t: Any) -> bool:

@@ -126,6 +126,10 @@ class SimRequest:
     # mixed into the generated tokens' seed: a request's sampling seed / options and its choice
     # index (0: the tokens depend on the prompt alone)
     sample_seed: int = 0
+    cache_salt: str | None = None  # vLLM's cache_salt: its blocks live in their own key space
+    # the tokens this request may generate (allowed_token_ids, logit_bias, bad_words); None:
+    # the engine's output vocabulary
+    output_vocab: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -262,7 +266,7 @@ class Engine:
             raise AdmissionError(f"duplicate request id {req.request_id!r}")
         self.check(len(req.prompt_token_ids), req.max_tokens)
         c = self.config
-        seed = block_seed(c.hash_seed, req.lora)
+        seed = block_seed(c.hash_seed, req.lora, req.cache_salt)
         keys = self._prompt_keys(req, seed)
         gen_seed = xxhash.xxh3_64_intdigest(
             (keys[-1] if keys else 0).to_bytes(8, "little")
@@ -490,9 +494,13 @@ class Engine:
             s.num_computed = computed
             if computed >= s.prefill_target:  # prefill done (now or before): sample
                 g = s.generated
-                tok = vocab[
-                    xxh3(g.to_bytes(8, "little"), s.gen_seed) % nvocab
-                ]  # positional seed: cheaper
+                own = s.req.output_vocab
+                if own is None:
+                    tok = vocab[
+                        xxh3(g.to_bytes(8, "little"), s.gen_seed) % nvocab
+                    ]  # positional seed: cheaper
+                else:
+                    tok = own[xxh3(g.to_bytes(8, "little"), s.gen_seed) % len(own)]
                 s.tokens.append(tok)
                 s.generated = g = g + 1
                 tokens[s.req.request_id] = [tok]

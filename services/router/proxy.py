@@ -84,6 +84,8 @@ def upstream_body(ctx: Ctx, migrate: bool, max_tokens: int | None = None) -> byt
             if k not in ("messages", "prompt", "max_tokens", "max_completion_tokens", "n", "tools")
         }
         body["prompt"] = p.prompt + ctx.generated
+        if p.chat:  # the rendered template already holds its special tokens
+            body["add_special_tokens"] = False
         body["max_tokens"] = max_tokens
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

@@ -23,7 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.tokenizer import Tokenizer, completion_prompts, render_chat
+from services.common.tokenizer import (
+    Tokenizer,
+    completion_prompts,
+    render_chat,
+    truncate_prompt,
+)
 from services.core.keys import block_keys, block_seed
 
 
@@ -98,10 +103,10 @@ class RequestParser:
         self.offload_chars = offload_chars
         self.is_lora = is_lora
 
-    async def _encode(self, text: str) -> list[int]:
+    async def _encode(self, text: str, special: bool = False) -> list[int]:
         if len(text) > self.offload_chars:
-            return await asyncio.to_thread(self.tokenizer.encode, text)
-        return self.tokenizer.encode(text)
+            return await asyncio.to_thread(self.tokenizer.encode, text, special)
+        return self.tokenizer.encode(text, special)
 
     async def render_chat(self, body: dict[str, Any]) -> str:
         """The chat template rendered as the engine renders it (in a thread when long)."""
@@ -211,6 +216,13 @@ class RequestParser:
             num_prompts=num_prompts,
             n=n,
         )
+
+    @staticmethod
+    def _truncate(ids: list[int], body: dict[str, Any]) -> list[int]:
+        try:
+            return truncate_prompt(ids, body)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "truncate_prompt_tokens") from None
 
     @staticmethod
     def keys(parsed: Parsed, block_size: int) -> list[int]:

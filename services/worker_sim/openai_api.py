@@ -20,9 +20,11 @@ import xxhash
 
 from services.common.tokenizer import (
     Tokenizer,
+    adds_special_tokens,
     completion_prompts,
     normalize_messages,
     render_chat,
+    truncate_prompt,
 )
 
 Kind = Literal["completion", "chat"]
@@ -59,6 +61,14 @@ UNSUPPORTED: dict[str, str] = {
     "prompt_embeds": "prompt embeddings are not simulated",
     "suffix": "suffix is not currently supported",
     "logprob_token_ids": "logprob_token_ids is not simulated",
+    "watermarking": "watermarking is not simulated",
+    "repetition_detection": "repetition detection is not simulated",
+    "return_weight_versions": "weight versions are not simulated",
+    "return_token_offsets": "token offsets are not simulated",
+    "return_prompt_text": "return_prompt_text is not simulated",
+    "return_mm_kwargs": "multimodal inputs are not simulated",
+    "mm_payload": "multimodal inputs are not simulated",
+    "routed_experts_prompt_start": "expert routing is not simulated",
 }
 
 
@@ -118,6 +128,12 @@ class ParsedRequest:
     sampling_salt: int = 0  # hash of the token-choice options
     cache_salt: str | None = None
     return_token_ids: bool = False
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    stream_interval: int = 1  # tokens per streamed chunk
+    request_id: str | None = None  # the client's id (the response id is built from it)
+    # the tokens this request may generate (allowed_token_ids, logit_bias +-100, single-token
+    # bad_words); None: the engine's whole output vocabulary
+    vocab: tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -350,6 +366,8 @@ def parse_request(
     served_model: str,
     loras: tuple[str, ...] = (),
     strict_model: bool = False,
+    max_model_len: int = 0,
+    output_vocab: tuple[int, ...] = (),
 ) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -412,12 +430,36 @@ def parse_request(
     greedy, salt = _check_sampling(body)
     stops, stop_ids = _stops(body)
     top, prompt_lp = _logprobs(kind, body)
+    vocab = _request_vocab(body, tokenizer, output_vocab)
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise _bad("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    interval = _integer(body, "stream_interval")
+    if interval is not None and interval < 1:
+        raise _bad(f"stream_interval must be at least 1, got {interval}.", "stream_interval")
+    request_id = body.get("request_id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise _bad("'request_id' must be a string", "request_id")
+    try:
+        special = adds_special_tokens(body, kind == "chat")
+    except ValueError as exc:
+        raise _bad(str(exc), "add_special_tokens") from None
+
+    def encode(text: str) -> list[int]:
+        try:
+            return truncate_prompt(tokenizer.encode(text, special), body, max_model_len)
+        except ValueError as exc:
+            raise _bad(str(exc), "truncate_prompt_tokens") from None
+
     prompts: list[Prompt]
     echo_text = ""
     if kind == "chat":
+        if body.get("chat_template") is not None:
+            raise _bad(
+                "Chat template is passed with request, but --trust-request-chat-template is "
+                "not set. Refused request with untrusted chat template.",
+                "chat_template",
+            )
         _tool_choice(body)
         try:
             text = render_chat(tokenizer, body)
@@ -425,7 +467,8 @@ def parse_request(
         except ValueError as exc:
             param = "tools" if "tools" in str(exc) else "messages"
             raise ApiError(400, str(exc), param) from None
-        prompts = [Prompt(tokenizer.encode(text), text)]
+        ids = encode(text)
+        prompts = [Prompt(ids, tokenizer.decode(ids) if "truncate_prompt_tokens" in body else text)]
         last = messages[-1]
         if echo and last.get("role") == "assistant":
             echo_text = last["content"]
@@ -434,10 +477,13 @@ def parse_request(
             raw = completion_prompts(body)
         except ValueError as exc:
             raise ApiError(400, str(exc), "prompt") from None
-        prompts = [
-            Prompt(tokenizer.encode(p), p) if isinstance(p, str) else Prompt(p, tokenizer.decode(p))
-            for p in raw
-        ]
+        prompts = []
+        for p in raw:
+            ids = encode(p) if isinstance(p, str) else encode_ids(p, body, max_model_len)
+            text = (
+                p if isinstance(p, str) and len(ids) == len(tokenizer.encode(p, special)) else None
+            )
+            prompts.append(Prompt(ids, text if text is not None else tokenizer.decode(ids)))
     return ParsedRequest(
         kind=kind,
         model=model,
@@ -461,7 +507,43 @@ def parse_request(
         sampling_salt=salt,
         cache_salt=cache_salt,
         return_token_ids=_flag(body, "return_token_ids"),
+        tokens_as_ids=_flag(body, "return_tokens_as_token_ids"),
+        stream_interval=interval or 1,
+        request_id=request_id,
+        vocab=vocab,
     )
+
+
+def _request_vocab(
+    body: dict[str, Any], tokenizer: Tokenizer, base: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """What the sampling restrictions leave of the output vocabulary: ``allowed_token_ids``
+    replaces it, a ``logit_bias`` of +100 forces its tokens and -100 bans them (vLLM clamps
+    biases to [-100, 100]: these are the values that decide), single-token ``bad_words``
+    (with and without a leading space, as vLLM tokenizes them) are banned."""
+    allowed = body.get("allowed_token_ids")
+    bias = body.get("logit_bias") or {}
+    forced = tuple(int(k) for k, v in bias.items() if v >= 100)
+    banned = {int(k) for k, v in bias.items() if v <= -100}
+    for word in body.get("bad_words") or []:
+        for variant in (word, " " + word):
+            ids = tokenizer.encode(variant)
+            if len(ids) == 1:
+                banned.add(ids[0])
+    if not (allowed or forced or banned):
+        return None
+    pool = forced or tuple(allowed or ()) or base
+    vocab = tuple(t for t in dict.fromkeys(pool) if t not in banned)
+    if not vocab:
+        raise _bad("the sampling restrictions leave no token to generate", "logit_bias")
+    return vocab
+
+
+def encode_ids(ids: list[int], body: dict[str, Any], max_model_len: int) -> list[int]:
+    try:
+        return truncate_prompt(ids, body, max_model_len)
+    except ValueError as exc:
+        raise _bad(str(exc), "truncate_prompt_tokens") from None
 
 
 # ---------------------------------------------------------------------- synthetic logprobs

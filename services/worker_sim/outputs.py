@@ -75,7 +75,7 @@ class Output:
             piece = self._next_piece(tok)
             self.token_ids.append(tok)
             if p.logprobs is not None:
-                self.logprob_items.append(self._item(tok, self.tokenizer.decode([tok]), pos))
+                self.logprob_items.append(self._item(tok, self._token_str(tok), pos))
             if tok in p.stop_token_ids and self.num_tokens > p.min_tokens:
                 self._stop(len(self.decoded), "", tok)
                 return True
@@ -138,6 +138,11 @@ class Output:
                 self._finish_length()
 
     # ------------------------------------------------------------------ logprobs
+    def _token_str(self, tok: int) -> str:
+        """A token as logprobs name it: its text, or ``token_id:N`` when the request asked
+        for ids (return_tokens_as_token_ids)."""
+        return f"token_id:{tok}" if self.p.tokens_as_ids else self.tokenizer.decode([tok])
+
     def _item(self, tok: int, piece: str, pos: int) -> TokenLogprob:
         k = self.p.logprobs or 0
         top = top_alternatives(tok, pos, self.seed, max(k, 1), self.vocab)
@@ -145,7 +150,7 @@ class Output:
             token=tok,
             text=piece,
             logprob=top[0][1],
-            top=[(self.tokenizer.decode([t]), v) for t, v in top[:k]],
+            top=[(self._token_str(t), v) for t, v in top[:k]],
         )
 
     def prompt_items(self) -> list[TokenLogprob]:
@@ -153,15 +158,13 @@ class Output:
         k = self.p.logprobs or 0
         items: list[TokenLogprob] = []
         for i, tok in enumerate(self.prompt.token_ids):
-            piece = self.tokenizer.decode([tok])
+            piece = self._token_str(tok)
             if i == 0:
                 items.append(TokenLogprob(tok, piece, None, None))
                 continue
             top = top_alternatives(tok, -i, self.seed, max(k, 1), self.vocab)
             items.append(
-                TokenLogprob(
-                    tok, piece, top[0][1], [(self.tokenizer.decode([t]), v) for t, v in top[:k]]
-                )
+                TokenLogprob(tok, piece, top[0][1], [(self._token_str(t), v) for t, v in top[:k]])
             )
         return items
 

@@ -623,7 +623,6 @@ class SimWorker:
         s = self.settings
         c = self.engine_config
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        rid = prefix + uuid.uuid4().hex
         try:
             body = await _json_body(r)
             p = parse_request(
@@ -633,7 +632,13 @@ class SimWorker:
                 s.model,
                 s.loras,
                 s.strict_model,
+                c.max_model_len,
+                c.output_vocab,
             )
+            # vLLM builds the response id from the client's request_id (or X-Request-Id)
+            rid = prefix + (p.request_id or r.headers.get("x-request-id") or uuid.uuid4().hex)
+            if f"{rid}-0-0" in self._streams:
+                rid = prefix + uuid.uuid4().hex  # a reused id must not mix two requests' outputs
             if self.faults.reject and self._rng.random() < self.faults.reject:
                 raise ApiError(503, "the worker is overloaded (injected fault)")
             outs: list[Output] = []
@@ -673,6 +678,8 @@ class SimWorker:
                     p.lora,
                     now,
                     sample_seed=o.seed,
+                    cache_salt=p.cache_salt,
+                    output_vocab=p.vocab,
                 ),
                 now,
             )
@@ -800,6 +807,8 @@ class SimWorker:
                 if first:
                     self._observe_ttft(t0)
                     first = False
+                if not o.done and o.num_tokens % p.stream_interval:
+                    continue  # stream_interval: one chunk every N tokens
                 text, lp = o.take_delta(final=False)
                 if o.done:  # stopped or at max_tokens: this chunk is its last
                     await send(
