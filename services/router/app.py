@@ -1094,7 +1094,9 @@ class Router:
                 chat=ctx.parsed.chat,
                 model=ctx.parsed.model,
                 prompt=ctx.parsed.prompt + ctx.generated,
-                token_ids=self.parser.tokenizer.encode(ctx.parsed.prompt + ctx.generated),
+                token_ids=self.parser.continuation_ids(
+                    ctx.parsed, ctx.parsed.prompt + ctx.generated
+                ),
                 max_tokens=remaining,
                 stream=True,
                 seed=ctx.parsed.seed,

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from services.common.tokenizer import render_chat
+from services.common.tokenizer import adds_special_tokens, render_chat
 from services.router.state import ClusterState
 from services.router.tokenize import RequestParser
 
@@ -100,11 +100,15 @@ def add_routes(app: web.Application, router: RouterLike) -> None:
             tok = router.parser.tokenizer
             if "messages" in body:
                 try:
-                    ids = tok.encode(render_chat(tok, body))
+                    ids = tok.encode(render_chat(tok, body), adds_special_tokens(body, chat=True))
                 except ValueError as exc:
                     raise _Bad(str(exc), "messages") from None
             elif isinstance(body.get("prompt"), str):
-                ids = tok.encode(body["prompt"])
+                try:
+                    special = adds_special_tokens(body, chat=False)
+                except ValueError as exc:
+                    raise _Bad(str(exc), "add_special_tokens") from None
+                ids = tok.encode(body["prompt"], special)
             else:
                 raise _Bad("'prompt' (a string) or 'messages' is required", "prompt")
         except _Bad as exc:

@@ -25,6 +25,7 @@ from typing import Any
 
 from services.common.tokenizer import (
     Tokenizer,
+    adds_special_tokens,
     completion_prompts,
     render_chat,
     truncate_prompt,
@@ -172,9 +173,13 @@ class RequestParser:
         n = 1 if n is None else n
         if n < 1:
             raise BadRequest(f"n must be at least 1, got {n}.", "n")
+        try:
+            special = adds_special_tokens(body, chat)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "add_special_tokens") from None
         if chat:
             prompt = await self.render_chat(body)
-            ids = await self._encode(prompt)
+            ids = self._truncate(await self._encode(prompt, special), body)
             num_prompts = 1
             text_prompt = True
         else:
@@ -186,7 +191,8 @@ class RequestParser:
                 ) from None
             ids = []
             for p in prompts:
-                ids.extend(await self._encode(p) if isinstance(p, str) else p)
+                one = await self._encode(p, special) if isinstance(p, str) else p
+                ids.extend(self._truncate(one, body))
             num_prompts = len(prompts)
             text_prompt = num_prompts == 1 and isinstance(prompts[0], str)
             prompt = prompts[0] if text_prompt else ""  # type: ignore[assignment]
@@ -216,6 +222,13 @@ class RequestParser:
             num_prompts=num_prompts,
             n=n,
         )
+
+    def continuation_ids(self, parsed: Parsed, text: str) -> list[int]:
+        """Token ids of a migrated stream's continuation (prompt + generated text, sent as a
+        completions prompt): special tokens as the worker will add them (none after a chat
+        template, which wrote its own)."""
+        special = False if parsed.chat else adds_special_tokens(parsed.body, False)
+        return self.tokenizer.encode(text, special)
 
     @staticmethod
     def _truncate(ids: list[int], body: dict[str, Any]) -> list[int]:

@@ -40,7 +40,7 @@ from services.common.schemas import (
     WorkerCapacity,
     WorkerHeartbeat,
 )
-from services.common.tokenizer import Tokenizer, completion_prompts
+from services.common.tokenizer import Tokenizer, adds_special_tokens, completion_prompts
 from services.core.engine import (
     AdmissionError,
     Engine,
@@ -524,7 +524,11 @@ class SimWorker:
                 p = parse_request("chat", body, self.tokenizer, self.settings.model)
                 ids = p.prompts[0].token_ids
             elif isinstance(body.get("prompt"), str):
-                ids = self.tokenizer.encode(body["prompt"])
+                try:
+                    special = adds_special_tokens(body, chat=False)
+                except ValueError as exc:
+                    raise ApiError(400, str(exc), "add_special_tokens") from None
+                ids = self.tokenizer.encode(body["prompt"], special)
             else:
                 raise ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt")
         except ApiError as exc:
