@@ -23,16 +23,14 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from services.common.tokenizer import adds_special_tokens, render_chat
-from services.router.state import ClusterState
+from services.core.cluster import ClusterState
 from services.router.tokenize import RequestParser
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 
 
-class RouterLike(Protocol):
-    parser: RequestParser
-    state: ClusterState
-    st: Any
+class RequestHandler(Protocol):
+    """The router's request path (decide, send, retry, migrate, record)."""
 
     async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse: ...
 
@@ -93,11 +91,19 @@ def _max_model_len(state: ClusterState, model: str) -> int:
     return min(lens) if lens else 0
 
 
-def add_routes(app: web.Application, router: RouterLike) -> None:
+def add_routes(
+    app: web.Application,
+    parser: RequestParser,
+    state: ClusterState,
+    path: RequestHandler,
+    st: Any,
+) -> None:
+    """Register the endpoints; ``st.passthrough_paths`` lists the extra routed POST paths."""
+
     async def tokenize(request: web.Request) -> web.Response:
         try:
             body = await _json(request)
-            tok = router.parser.tokenizer
+            tok = parser.tokenizer
             if "messages" in body:
                 try:
                     ids = tok.encode(render_chat(tok, body), adds_special_tokens(body, chat=True))
@@ -116,7 +122,7 @@ def add_routes(app: web.Application, router: RouterLike) -> None:
         model = body.get("model") if isinstance(body.get("model"), str) else ""
         out: dict[str, Any] = {
             "count": len(ids),
-            "max_model_len": _max_model_len(router.state, model or ""),
+            "max_model_len": _max_model_len(state, model or ""),
             "tokens": ids,
             "token_strs": None,
         }
@@ -134,7 +140,7 @@ def add_routes(app: web.Application, router: RouterLike) -> None:
                 raise _Bad("'tokens' must be a list of token ids (integers >= 0)", "tokens")
         except _Bad as exc:
             return error(400, exc.message, "invalid_request_error", exc.param)
-        return web.json_response({"prompt": router.parser.tokenizer.decode(ids)})
+        return web.json_response({"prompt": parser.tokenizer.decode(ids)})
 
     async def version(_r: web.Request) -> web.Response:
         return web.json_response({"version": kvgate_version()})
@@ -144,7 +150,7 @@ def add_routes(app: web.Application, router: RouterLike) -> None:
 
     async def model(request: web.Request) -> web.Response:
         want = request.match_info["model_id"]
-        models = router.state.models()
+        models = state.models()
         if want not in models:
             return error(
                 404, f"The model `{want}` does not exist.", "not_found_error", param="model"
@@ -155,13 +161,13 @@ def add_routes(app: web.Application, router: RouterLike) -> None:
                 "object": "model",
                 "created": int(time.time()),
                 "owned_by": "kvgate",
-                "max_model_len": _max_model_len(router.state, want) or None,
+                "max_model_len": _max_model_len(state, want) or None,
                 "workers": models[want],
             }
         )
 
     async def routed(request: web.Request) -> web.StreamResponse:
-        return await router.handle(request, chat=False)
+        return await path.handle(request, chat=False)
 
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
@@ -169,8 +175,8 @@ def add_routes(app: web.Application, router: RouterLike) -> None:
     app.router.add_get("/ping", ping)
     app.router.add_post("/ping", ping)
     app.router.add_get("/v1/models/{model_id}", model)
-    paths = [EMBEDDINGS_PATH, *passthrough_paths(getattr(router.st, "passthrough_paths", ""))]
-    for path in dict.fromkeys(paths):
-        if path in ("/v1/completions", "/v1/chat/completions"):
+    paths = [EMBEDDINGS_PATH, *passthrough_paths(getattr(st, "passthrough_paths", ""))]
+    for route in dict.fromkeys(paths):
+        if route in ("/v1/completions", "/v1/chat/completions"):
             continue
-        app.router.add_post(path, routed)
+        app.router.add_post(route, routed)
