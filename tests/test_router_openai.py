@@ -299,3 +299,19 @@ async def test_router_endpoints_and_routed_requests(nats_url, subjects, bus: Bus
     finally:
         await c.close()
         await shutdown(("router", router.stop()), ("sims", sims.stop()), each_s=10)
+
+
+async def test_max_tokens_defaults_follow_vllm() -> None:
+    """Omitted max_tokens is counted as the engine will run it: 16 for completions, the rest
+    of the workers' context for chat (the simulated worker does the same)."""
+    parser = RequestParser(ByteTokenizer(), default_max_tokens=0, context_len=lambda m: 1000)
+    chat_body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    p = await parser.parse(chat_body, chat=True)
+    assert p.max_tokens == 1000 - len(p.token_ids)
+    assert (await parser.parse({"model": "m", "prompt": "hi"}, chat=False)).max_tokens == 16
+    p = await parser.parse({**chat_body, "n": 2}, chat=True)
+    assert p.max_tokens == 2 * (1000 - len(p.token_ids))
+    capped = RequestParser(ByteTokenizer(), default_max_tokens=64, context_len=lambda m: 1000)
+    assert (await capped.parse(chat_body, chat=True)).max_tokens == 64
+    unknown = RequestParser(ByteTokenizer(), default_max_tokens=0)
+    assert (await unknown.parse(chat_body, chat=True)).max_tokens == 16

@@ -98,6 +98,7 @@ class Router:
             st.hash_seed,
             st.default_max_tokens,
             is_lora=self.state.is_lora,
+            context_len=lambda model: openai_extras.max_model_len(self.state, model),
         )
         self.lifecycle: RequestLifecycle[asyncio.Event] = RequestLifecycle(
             self.state, FirstTokenWaits()

@@ -95,8 +95,9 @@ OPTIONS = S.COMMON + (
     ),
     S.option(
         "default_max_tokens",
-        256,
-        "max_tokens assumed for admission when a request does not set it",
+        0,
+        "max_tokens assumed for admission when a request does not set it; 0 = vLLM's "
+        "defaults: 16 for completions, the rest of the workers' context for chat",
         env="KVGATE_ROUTER_DEFAULT_MAX_TOKENS",
     ),
     S.option(

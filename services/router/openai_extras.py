@@ -80,7 +80,7 @@ class _Bad(Exception):
         self.param = param
 
 
-def _max_model_len(state: ClusterState, model: str) -> int:
+def max_model_len(state: ClusterState, model: str) -> int:
     """The smallest context among the healthy workers that serve ``model`` (any model when
     it names none): what a request can count on wherever it is routed. 0 with no worker."""
     lens = [
@@ -122,7 +122,7 @@ def add_routes(
         model = body.get("model") if isinstance(body.get("model"), str) else ""
         out: dict[str, Any] = {
             "count": len(ids),
-            "max_model_len": _max_model_len(state, model or ""),
+            "max_model_len": max_model_len(state, model or ""),
             "tokens": ids,
             "token_strs": None,
         }
@@ -161,7 +161,7 @@ def add_routes(
                 "object": "model",
                 "created": int(time.time()),
                 "owned_by": "kvgate",
-                "max_model_len": _max_model_len(state, want) or None,
+                "max_model_len": max_model_len(state, want) or None,
                 "workers": models[want],
             }
         )

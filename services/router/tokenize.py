@@ -69,16 +69,31 @@ def _int_or_none(body: dict[str, Any], name: str) -> int | None:
     return v
 
 
-def _max_tokens(body: dict[str, Any], default: int) -> int:
+# vLLM's completions default (CompletionRequest.max_tokens)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def _max_tokens(
+    body: dict[str, Any], default: int, chat: bool, prompt_len: int, context: int
+) -> int:
     """Tokens one output may generate. ``max_completion_tokens`` wins only when it is set:
     a ``null`` does not override ``max_tokens``. ``max_tokens: 0`` is the echo
-    log-likelihood pattern (the engine still runs one step)."""
+    log-likelihood pattern (the engine still runs one step). Omitted: ``default`` when > 0,
+    else vLLM's defaults: 16 for completions, the rest of the context (``context``: the
+    smallest among the workers serving the model; 0 = unknown) for chat."""
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
     v = _int_or_none(body, name)
     if v is None:
-        return default
+        room = context - prompt_len if context > prompt_len else 0
+        if default > 0:
+            return min(default, room) if room else default
+        if not chat:
+            return (
+                min(COMPLETION_DEFAULT_MAX_TOKENS, room) if room else COMPLETION_DEFAULT_MAX_TOKENS
+            )
+        return room or COMPLETION_DEFAULT_MAX_TOKENS
     if v == 0 and body.get("echo") is True and "prompt" in body:
         return 1
     if v < 1:
@@ -94,15 +109,20 @@ class RequestParser:
         default_max_tokens: int = 256,
         offload_chars: int = 32_768,
         is_lora: Callable[[str], bool] | None = None,
+        context_len: Callable[[str], int] | None = None,
     ) -> None:
         """``is_lora(model)``: whether a request's ``model`` selects a LoRA adapter (the
         router's cluster state answers from heartbeats); such prompts are keyed with the
-        adapter's seed, like the engine keys the blocks it stores for them."""
+        adapter's seed, like the engine keys the blocks it stores for them.
+        ``context_len(model)``: the context the workers serving ``model`` have (0: unknown),
+        for vLLM's chat default of ``max_tokens`` (the rest of the context);
+        ``default_max_tokens`` <= 0 means vLLM's defaults."""
         self.tokenizer = tokenizer
         self.hash_seed = hash_seed
         self.default_max_tokens = default_max_tokens
         self.offload_chars = offload_chars
         self.is_lora = is_lora
+        self.context_len = context_len
 
     async def _encode(self, text: str, special: bool = False) -> list[int]:
         if len(text) > self.offload_chars:
@@ -199,7 +219,12 @@ class RequestParser:
         salt = body.get("cache_salt")
         lora = model if model and self.is_lora is not None and self.is_lora(model) else None
         seed = block_seed(self.hash_seed, lora, salt if isinstance(salt, str) else None)
-        per_output = 1 if passthrough else _max_tokens(body, self.default_max_tokens)
+        if passthrough:
+            per_output = 1
+        else:
+            context = self.context_len(model) if self.context_len is not None else 0
+            longest = len(ids) if num_prompts == 1 else len(ids) // num_prompts
+            per_output = _max_tokens(body, self.default_max_tokens, chat, longest, context)
         stream = bool(body.get("stream", False))
         plain = (
             not passthrough
