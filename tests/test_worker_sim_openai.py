@@ -85,6 +85,21 @@ async def test_logprobs_have_openai_shapes_and_match_the_text():
         for tok, top, v in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs, strict=True):
             assert top[tok] == v == max(top.values())
         assert lp.text_offset == sorted(lp.text_offset)
+        # streamed (with echo): the same tokens, offsets running on across chunks
+        full = await c.completions.create(
+            model="m", prompt=PROMPT, max_tokens=12, logprobs=1, echo=True
+        )
+        stream = await c.completions.create(
+            model="m", prompt=PROMPT, max_tokens=12, logprobs=1, echo=True, stream=True
+        )
+        tokens, offsets = [], []
+        async for ch in stream:
+            for choice in ch.choices:
+                if choice.logprobs:
+                    tokens += choice.logprobs.tokens
+                    offsets += choice.logprobs.text_offset
+        assert tokens == full.choices[0].logprobs.tokens
+        assert offsets == full.choices[0].logprobs.text_offset
         chat = await c.chat.completions.create(
             model="m",
             messages=[{"role": "user", "content": "hi"}],

@@ -46,6 +46,7 @@ class Output:
     emitted: int = 0  # characters of the output already streamed
     logprob_items: list[TokenLogprob] = field(default_factory=list)
     emitted_logprobs: int = 0
+    text_offset: int = 0  # completions logprobs: where the next streamed token's text starts
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cached_tokens: int | None = None
@@ -188,6 +189,17 @@ class Output:
         return completion_logprobs(items, offset)
 
     # ------------------------------------------------------------------ text out
+    def stream_echo(self) -> tuple[str, dict[str, Any] | None]:
+        """The echoed prompt as a stream's first chunk (text, and its logprobs for
+        completions); text offsets of the output continue after it."""
+        text = self.echo_prefix()
+        lp = None
+        if self.p.logprobs is not None and self.p.kind == "completion":
+            items = self.prompt_items()
+            lp = self.logprobs_json(items)
+            self.text_offset = sum(len(it.text) for it in items)
+        return text, lp
+
     def echo_prefix(self) -> str:
         if not self.p.echo:
             return ""
@@ -217,5 +229,6 @@ class Output:
         if self.p.logprobs is not None:
             items = self.logprob_items[self.emitted_logprobs :]
             self.emitted_logprobs = len(self.logprob_items)
-            lp = self.logprobs_json(items)
+            lp = self.logprobs_json(items, self.text_offset)
+            self.text_offset += sum(len(it.text) for it in items)
         return delta, lp

@@ -794,10 +794,7 @@ class SimWorker:
             if p.kind == "chat":
                 await send(chunk(p, rid, created, "", role=True, index=o.index))
             if p.echo:
-                lp = None
-                if p.logprobs is not None and p.kind == "completion":
-                    lp = o.logprobs_json(o.prompt_items())
-                text = o.echo_prefix()
+                text, lp = o.stream_echo()
                 if text or lp:
                     await send(chunk(p, rid, created, text, index=o.index, logprobs=lp))
         first = True
