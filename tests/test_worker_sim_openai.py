@@ -310,7 +310,7 @@ async def test_vllm_validation_errors(path, body, param):
 
 
 async def test_embeddings_models_detokenize_ping():
-    async with sim_worker(worker_id="em", loras=("ad-1",)) as w:
+    async with sim_worker(worker_id="em", loras=("ad-1", "org/adapter-2")) as w:
         c = client(w.url)
         e = await c.embeddings.create(model="m", input=["alpha", "beta", "alpha"])
         vecs = [d.embedding for d in e.data]
@@ -321,6 +321,7 @@ async def test_embeddings_models_detokenize_ping():
         assert len(small.data) == 1 and len(small.data[0].embedding) == 8
         card = await c.models.retrieve("ad-1")
         assert card.id == "ad-1" and card.model_extra["parent"] == "sim-llama-8b"
+        assert (await c.models.retrieve("org/adapter-2")).id == "org/adapter-2"  # a "/" in ids
         with pytest.raises(openai.NotFoundError) as err:
             await c.models.retrieve("nope")
         assert err.value.body["param"] == "model"

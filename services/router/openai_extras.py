@@ -174,7 +174,7 @@ def add_routes(
     app.router.add_get("/version", version)
     app.router.add_get("/ping", ping)
     app.router.add_post("/ping", ping)
-    app.router.add_get("/v1/models/{model_id}", model)
+    app.router.add_get("/v1/models/{model_id:.+}", model)
     paths = [EMBEDDINGS_PATH, *passthrough_paths(getattr(st, "passthrough_paths", ""))]
     for route in dict.fromkeys(paths):
         if route in ("/v1/completions", "/v1/chat/completions"):

@@ -402,7 +402,7 @@ class SimWorker:
         app.on_response_prepare.append(add_header)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/models/{model_id}", self._model)
+        app.router.add_get("/v1/models/{model_id:.+}", self._model)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/embeddings", self._embeddings)
