@@ -42,6 +42,7 @@ from services.common.tokenizer import load_tokenizer
 from services.core.cluster import ClusterState
 from services.core.lifecycle import AdmissionQueue, RequestLifecycle
 from services.core.policy import build_policy
+from services.router import openai_extras
 from services.router.admission import Admission
 from services.router.breaker import Breaker
 from services.router.canary import PolicySet
@@ -98,6 +99,7 @@ class Router:
             st.hash_seed,
             st.default_max_tokens,
             is_lora=self.state.is_lora,
+            context_len=lambda model: openai_extras.max_model_len(self.state, model),
         )
         self.lifecycle: RequestLifecycle[asyncio.Event] = RequestLifecycle(
             self.state, FirstTokenWaits()
@@ -244,6 +246,7 @@ class Router:
         app.router.add_get("/metrics", metrics_handler)
         app.router.add_route("*", "/debug/route", dbg.h_route)
         app.router.add_get("/debug/state", dbg.h_state)
+        openai_extras.add_routes(app, self.parser, self.state, self.path, self.st)
         return app
 
 

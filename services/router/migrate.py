@@ -59,7 +59,7 @@ class Migrator:
             ctx.excluded.add(broken.worker_id)
             out = ctx.out
             assert out is not None
-            if ctx.migrated >= self.max_migrations:
+            if ctx.migrated >= self.max_migrations or not ctx.parsed.migratable:
                 M.MIGRATIONS.labels("gave_up").inc()
                 ctx.status, ctx.http_status = "error", 502
                 await _end_with_error(out, f"worker failed mid-stream: {broken.reason}")
@@ -85,7 +85,9 @@ class Migrator:
                 chat=ctx.parsed.chat,
                 model=ctx.parsed.model,
                 prompt=ctx.parsed.prompt + ctx.generated,
-                token_ids=self.tokenizer.encode(ctx.parsed.prompt + ctx.generated),
+                token_ids=self.decider.parser.continuation_ids(
+                    ctx.parsed, ctx.parsed.prompt + ctx.generated
+                ),
                 max_tokens=remaining,
                 stream=True,
                 seed=ctx.parsed.seed,

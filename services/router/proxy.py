@@ -88,6 +88,8 @@ def upstream_body(ctx: Ctx, migrate: bool, max_tokens: int | None = None) -> byt
             if k not in ("messages", "prompt", "max_tokens", "max_completion_tokens", "n", "tools")
         }
         body["prompt"] = p.prompt + ctx.generated
+        if p.chat:  # the rendered template already holds its special tokens
+            body["add_special_tokens"] = False
         body["max_tokens"] = max_tokens
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -141,11 +143,15 @@ async def write(out: web.StreamResponse, data: bytes) -> None:
 
 
 def error_response(
-    status: int, message: str, etype: str, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    etype: str,
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
 ) -> web.Response:
-    """An error in OpenAI's shape."""
+    """An error in OpenAI's shape (with vLLM's numeric code); ``param`` names the bad field."""
     return web.json_response(
-        {"error": {"message": message, "type": etype, "code": status}},
+        {"error": {"message": message, "type": etype, "param": param, "code": status}},
         status=status,
         headers=headers,
     )

@@ -57,13 +57,13 @@ class RequestPath:
     async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            parsed = await self.parser.parse(_json_decode(await request.read()), chat)
+            parsed = await self.parser.parse(_json_decode(await request.read()), chat, request.path)
         except msgspec.DecodeError as exc:
             return error_response(
                 400, f"request body is not valid JSON: {exc}", "invalid_request_error"
             )
         except BadRequest as exc:
-            return error_response(400, str(exc), "invalid_request_error")
+            return error_response(400, str(exc), "invalid_request_error", param=exc.param)
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         session_id = session_of(request)
         ctx = Ctx(rid, parsed, self.policies.arm(rid, session_id), session_id, t0, request.path)
