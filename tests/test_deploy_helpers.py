@@ -30,6 +30,7 @@ TEST_SECRETS = {
         f"NATS_PASSWORD_{role}": f"nats-{role.lower()}-0123456789"
         for role in ("API", "ROUTER", "INDEXER", "TELEMETRY", "OPERATOR", "SIM")
     },
+    "GRAFANA_ADMIN_PASSWORD": "grafana-" + "b" * 16,
 }
 # Site-specific values the env examples leave empty (deploy/gpu-node.env.example).
 TEST_SITE = {

@@ -65,7 +65,7 @@ async def test_api_keys(stack: RouterProc) -> None:
             async with s.post(url, json=body, headers=headers) as r:
                 assert r.status == 401, headers
                 err = _assert_openai_error(await r.json(), 401)
-                assert err["code"] == "invalid_api_key"
+                assert err["code"] == 401
         for key in (KEY, "sk-hashed-key"):
             async with s.post(url, json=body, headers=_auth(key)) as r:
                 assert r.status == 200, await r.text()

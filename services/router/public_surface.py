@@ -81,12 +81,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # ---------------------------------------------------------------------------- error shape
 _TYPES = {429: "rate_limit_error"}  # other 4xx: invalid_request_error, 5xx: server_error
-_CODES = {
-    401: "invalid_api_key",
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "request_too_large",
-}
 
 
 def openai_error(
@@ -94,11 +88,12 @@ def openai_error(
     message: str,
     *,
     etype: str = "",
-    code: str | None = None,
+    code: int | str | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
-    """An error response as OpenAI's API returns them."""
+    """An error in OpenAI's shape, with the numeric code the router's other errors carry
+    (services.router.proxy.error_response: vLLM's dialect)."""
     etype = (
         etype
         or _TYPES.get(status)
@@ -109,7 +104,7 @@ def openai_error(
             "message": message,
             "type": etype,
             "param": param,
-            "code": code if code is not None else _CODES.get(status),
+            "code": code if code is not None else status,
         }
     }
     return web.json_response(body, status=status, headers=headers)
