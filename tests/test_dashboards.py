@@ -188,7 +188,11 @@ def test_prometheus_scrapes_every_kvgate_service() -> None:
         for sd in job.get("dns_sd_configs", []):
             for name in sd["names"]:
                 targets.add((name, int(sd["port"])))
+    compose_env = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
     for service, (_, _, port, _) in SERVICES.items():
+        # a router serves /metrics on its operator port (the OpenAI port serves clients only)
+        env = compose_env[service].get("environment", {})
+        port = int(env.get("KVGATE_ROUTER_OPERATOR_PORT", port))
         assert (service, port) in targets, f"Prometheus does not scrape {service}:{port}"
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     prom = compose["services"]["prometheus"]

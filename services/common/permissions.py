@@ -154,7 +154,14 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 *_js_consume(s.alert_signals_stream),
                 *_js_manage(s.alerts_stream),
             ),
-            subscribe=(s.heartbeat_all, s.telemetry_all, s.policy_revision, inbox),
+            # router.outcomes: the operator page's live decision feed (services/api/ui)
+            subscribe=(
+                s.heartbeat_all,
+                s.telemetry_all,
+                s.router_outcomes,
+                s.policy_revision,
+                inbox,
+            ),
             allow_responses=True,
         )
     if role == "operator":
