@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.bus import Bus
+from services.common.bus import Bus, NatsAuth
 from services.common.schemas import Alert
 from services.common.streams import ensure_alert_streams, raise_alert
 from services.common.subjects import Subjects
@@ -60,8 +60,11 @@ def _admin(api: str, token: str, method: str, path: str, body: dict | None = Non
         return json.loads(resp.read())
 
 
-async def _raise(nats_url: str, prefix: str) -> None:
-    bus = Bus(nats_url, "test-operator-page", Subjects(prefix))
+async def _raise(nats_url: str, prefix: str, state: Path) -> None:
+    # as the telemetry agent would: with the telemetry user `kvgate up` generated
+    passwords = json.loads((state / "nats" / "passwords.json").read_text())
+    auth = NatsAuth(user="telemetry", password=passwords["telemetry"])
+    bus = Bus(nats_url, "test-operator-page", Subjects(prefix), auth=auth, role="telemetry")
     await bus.connect(max_wait_s=10)
     try:
         await ensure_alert_streams(bus)
@@ -92,7 +95,7 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
         token = next(ln for ln in out.splitlines() if "admin token" in ln).split(":", 1)[1]
         token = token.split()[0]
         stack = json.loads((tmp_path / "state" / "stack.json").read_text())
-        asyncio.run(_raise(stack["nats_url"], stack["subject_prefix"]))
+        asyncio.run(_raise(stack["nats_url"], stack["subject_prefix"], tmp_path / "state"))
         api = f"http://127.0.0.1:{up.ports['api']}"
         stack_worker = _complete(up.ports["router"], "warm up")  # the one simulated worker
         # a canary that stays running (its criteria ask for more samples than the test sends)

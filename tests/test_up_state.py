@@ -22,13 +22,16 @@ from services.common.embedded import env_without_proxy, free_port
 pytestmark = pytest.mark.slow
 
 
-async def _raise_alert(nats_url: str, prefix: str) -> None:
-    from services.common.bus import Bus
+async def _raise_alert(nats_url: str, prefix: str, state: Path) -> None:
+    from services.common.bus import Bus, NatsAuth
     from services.common.schemas import Alert
     from services.common.streams import ensure_alert_streams, raise_alert
     from services.common.subjects import Subjects
 
-    bus = Bus(nats_url, "test-up-state", Subjects(prefix))
+    # as the telemetry agent would: with the telemetry user `kvgate up` generated
+    passwords = json.loads((state / "nats" / "passwords.json").read_text())
+    auth = NatsAuth(user="telemetry", password=passwords["telemetry"])
+    bus = Bus(nats_url, "test-up-state", Subjects(prefix), auth=auth, role="telemetry")
     await bus.connect(max_wait_s=10)
     try:
         await ensure_alert_streams(bus)
@@ -167,7 +170,7 @@ def test_state_file_token_status_second_up_and_sighup(tmp_path: Path) -> None:
         assert created.stdout.strip().startswith("kvg_")
 
         # `kvgate alerts tail` finds the embedded NATS (a random port) by itself
-        asyncio.run(_raise_alert(data["nats_url"], data["subject_prefix"]))
+        asyncio.run(_raise_alert(data["nats_url"], data["subject_prefix"], state))
         tail = _cli("alerts", "tail", "--since", "10m", "--count", "1", state=state)
         assert tail.returncode == 0, tail.stderr
         assert "FIRING" in tail.stdout and "up-state-test" in tail.stdout
