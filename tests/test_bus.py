@@ -4,7 +4,6 @@ durability across a consumer restart, idempotent stream setup, reconnect after a
 from __future__ import annotations
 
 import asyncio
-
 import time
 
 import pytest
