@@ -71,6 +71,9 @@ async def indexer(nats_url: str, subjects: Subjects, **kw) -> AsyncIterator[Inde
         # tests send one heartbeat and then none: on a loaded machine a test can outlive the
         # 3 s default and see its worker expire; the expiry tests set their own timeout
         kw.setdefault("heartbeat_timeout_s", 60.0)
+        # the background verifier asks for dumps on its own: tests that count dumps and
+        # resyncs turn it on themselves
+        kw.setdefault("verify_cpu_share", 0.0)
         svc = IndexerService(b, **kw)
         await svc.start()
         await asyncio.wait_for(svc.consuming.wait(), 10)

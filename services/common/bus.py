@@ -216,7 +216,12 @@ class Bus:
     async def request(
         self, subject: str, msg: Struct, reply_type: type[T], timeout: float = 2.0
     ) -> T:
-        """Request/reply; raises TimeoutError (no responder / slow) or SchemaError (bad reply)."""
+        """Request/reply; raises TimeoutError (no responder / slow), RemoteError (the responder
+        answered with an error) or SchemaError (bad reply)."""
+        return decode(reply_type, await self.request_bytes(subject, msg, timeout))
+
+    async def request_bytes(self, subject: str, msg: Struct, timeout: float = 2.0) -> bytes:
+        """Request/reply returning the reply's raw bytes (errors as :meth:`request`)."""
         try:
             reply = await self.client.request(subject, encode(msg), timeout=timeout)
         except nats.errors.NoRespondersError as exc:
@@ -226,7 +231,7 @@ class Bus:
         error = (reply.headers or {}).get(ERROR_HEADER)
         if error is not None:
             raise RemoteError(f"{subject}: {error}")
-        return decode(reply_type, reply.data)
+        return reply.data
 
     async def serve(
         self,

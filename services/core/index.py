@@ -34,6 +34,7 @@ API (stable; the implementation may change for speed and memory):
     match_prompt(token_ids, block_size, seed) -> {worker: matched_blocks}  (lazy hashing)
     find_matches_by_tier(keys) -> {worker: (matched, gpu, cpu, disk)}
     tier_of(worker, key) / tiers_of(worker, key) / workers() / blocks_of(worker) / holds()
+    pairs_of(worker) -> {key: tier bits}
     export_state() / PrefixIndex.from_state(state)  (snapshots)
 """
 
@@ -196,6 +197,20 @@ class PrefixIndex:
             return ()
         cur = self._tiers.get(key, 0) >> (3 * s) & 7 or 1
         return tuple(t for t in TIERS if cur & TIER_BIT[t])
+
+    def pairs_of(self, worker: str) -> dict[int, int]:
+        """Every key ``worker`` holds -> its tier bits (gpu=1, cpu=2, disk=4), in store order.
+        One pass over the whole key table (O(keys of every worker)): for resync diffs and the
+        convergence check, not for the request path."""
+        s = self._slot_of.get(worker)
+        if s is None:
+            return {}
+        bit = 1 << s
+        tiers = self._tiers
+        if not tiers:
+            return {k: 1 for k, m in self._masks.items() if m & bit}
+        sh = 3 * s
+        return {k: (tiers.get(k, 0) >> sh & 7 or 1) for k, m in self._masks.items() if m & bit}
 
     def tier_of(self, worker: str, key: int) -> str | None:
         """The fastest tier ``worker`` holds ``key`` on (gpu > cpu > disk), or None."""
