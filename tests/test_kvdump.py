@@ -19,8 +19,11 @@ from services.common.schemas import (
     encode,
 )
 from services.common.streams import ensure_kv_events_stream
+from services.common.subjects import Subjects
+from services.kv_indexer.bridges.runtime import BridgeRuntime
 from services.kv_indexer.divergence import apply_events
 from services.worker_sim.cachefill import fill_cache
+from tests.test_kv_support import indexer, wait_until
 from tests.test_worker_sim_support import sim_worker
 
 
@@ -126,3 +129,33 @@ async def test_a_dump_that_does_not_add_up_is_refused(bus: Bus) -> None:
             await fetch_kvdump(bus, "bad0")
     finally:
         await server.stop()
+
+
+@pytest.mark.slow
+async def test_bridge_with_1m_blocks_resyncs_into_the_indexer(
+    bus: Bus, nats_url: str, subjects: Subjects
+) -> None:
+    """A bridge holding 1,000,000 blocks answers the indexer's resync with a chunked dump."""
+    rt = BridgeRuntime(bus, "br0", engine="vllm", model="m", heartbeat_s=0.2)
+    await rt.start()
+    try:
+        async with indexer(nats_url, subjects, tail_grace_s=0.2) as svc:
+            await wait_until(lambda: svc.core.workers.get("br0") is not None, what="heartbeat")
+            await wait_until(lambda: svc.core.workers["br0"].last_seq == 0, what="seq 0")
+            before = svc.core.counts["resyncs"]
+            for c in range(1000):  # 1,000 chains of 1,000 blocks through the real re-keying
+                tokens = list(range(c * 16_000, (c + 1) * 16_000))
+                hashes = [(c << 20) | i for i in range(1000)]
+                assert rt.rekeyer.stored(hashes, None, tokens, 16) is not None
+            # the batch carrying them was lost on the way: its seq is consumed, as a failed
+            # publish does; the heartbeat shows the tail gap and the indexer asks for a dump
+            rt.out_seq += 1
+            await wait_until(
+                lambda: svc.core.counts["resyncs"] > before, timeout=60, what="1M-block resync"
+            )
+            want = apply_events({}, rt.rekeyer.dump())
+            assert len(want) == 1_000_000
+            assert svc.core.index.pairs_of("br0") == want
+            assert rt._sub is not None and rt._sub.chunks_sent > 1
+    finally:
+        await rt.stop()
