@@ -15,7 +15,14 @@ from services.common.schemas import (
 )
 from services.core.index import TIER_BIT, PrefixIndex
 from services.kv_indexer.core import IndexerCore
-from services.kv_indexer.divergence import apply_events, diff_pairs, repair_steps
+from services.kv_indexer.divergence import (
+    apply_events,
+    diff_gpu_keys,
+    diff_pairs,
+    gpu_dump_keys,
+    gpu_replay,
+    repair_steps,
+)
 from services.kv_indexer.replica import apply_ops
 from tests.test_kv_support import batch, chain, hb, stored
 
@@ -127,3 +134,39 @@ def test_verify_waits_for_the_dump_seq_and_replays_later_batches() -> None:
     assert r is not None and r.status == "inconclusive"
     core.verify_end("w")
     assert core.request_repair("w") == ["w"] and core.counts["verify_repairs"] == 1
+
+
+def test_gpu_fast_path_agrees_with_the_general_path() -> None:
+    rng = random.Random(11)
+    keys = [rng.getrandbits(64) for _ in range(60)]  # full uint64 range
+    for _ in range(200):
+        dump = [AllBlocksCleared()] + [
+            BlockStored(keys=rng.sample(keys, rng.randint(1, 8)), block_size=16)
+            for _ in range(rng.randint(0, 6))
+        ]
+        later: list = []
+        for _ in range(rng.randint(0, 6)):
+            r = rng.random()
+            ks = rng.sample(keys, rng.randint(1, 5))
+            if r < 0.5:
+                later.append(BlockStored(keys=ks, block_size=16))
+            elif r < 0.95:
+                later.append(BlockRemoved(keys=ks))
+            else:
+                later.append(AllBlocksCleared())
+        expected = apply_events(apply_events({}, dump), later)
+        fast = gpu_replay(gpu_dump_keys(dump), later)
+        assert sorted(fast.tolist()) == sorted(expected) == fast.tolist()
+        idx = PrefixIndex()
+        idx.apply_stored("x", rng.sample(keys, 20))
+        idx.apply_stored("w", rng.sample(keys, 20))
+        actual = idx.pairs_of("w")
+        arr = idx.gpu_keys_of("w")
+        assert arr.tolist() == sorted(actual)
+        slow, quick = diff_pairs(expected, actual), diff_gpu_keys(fast, arr)
+        assert (slow.missing, slow.extra) == (quick.missing, quick.extra)
+    # anything but GPU stores, removals and clears takes the general path
+    assert gpu_dump_keys([BlockStored(keys=[1], block_size=16, tier="cpu")]) is None
+    idx = PrefixIndex()
+    idx.apply_stored("w", [1, 2], "cpu")
+    assert idx.gpu_keys_of("w") is None and idx.gpu_keys_of("nobody").tolist() == []

@@ -136,7 +136,14 @@ class Bus:
         self.connected.clear()
 
     async def _on_error(self, exc: Exception) -> None:
-        log.warning("bus error", error=str(exc) or type(exc).__name__)
+        # while the server is down nats-py reports every reconnect attempt (2 a second)
+        key = ("error", type(exc).__name__)
+        if self._drop_log.allow(key):
+            log.warning(
+                "bus error",
+                error=str(exc) or type(exc).__name__,
+                suppressed=self._drop_log.take_suppressed(key),
+            )
 
     async def _on_disconnected(self) -> None:
         self.connected.clear()

@@ -161,7 +161,9 @@ class KvDumpServer:
             self._open[fd.dump_id] = fd
             self._expire(now)
             self.dumps_started += 1
-            log.info(
+            # the background verifier dumps every worker now and then: not worth a line each
+            emit = log.debug if req.reason == "verify" else log.info
+            emit(
                 "kv dump started",
                 worker=self.worker_id,
                 reason=req.reason,

@@ -56,7 +56,14 @@ from services.common.schemas import (
 )
 from services.core.index import PrefixIndex
 from services.core.keys import block_keys, block_seed
-from services.kv_indexer.divergence import apply_events, diff_pairs, repair_steps
+from services.kv_indexer.divergence import (
+    apply_events,
+    diff_gpu_keys,
+    diff_pairs,
+    gpu_dump_keys,
+    gpu_replay,
+    repair_steps,
+)
 
 BAD_REASONS = (
     "malformed_msgpack",
@@ -371,9 +378,14 @@ class IndexerCore:
     def _replace(self, ws: WorkerState, dump: KvEventBatch) -> int:
         """Make the worker's pairs those of ``dump`` by their difference; returns the pairs
         that changed."""
-        expected = apply_events({}, dump.events, self._accepts(ws))
-        diff = diff_pairs(expected, self.index.pairs_of(ws.worker_id))
         w = ws.worker_id
+        accept = self._accepts(ws)
+        fast = gpu_dump_keys(dump.events, accept)
+        actual = self.index.gpu_keys_of(w) if fast is not None else None
+        if fast is not None and actual is not None:
+            diff = diff_gpu_keys(fast, actual)
+        else:
+            diff = diff_pairs(apply_events({}, dump.events, accept), self.index.pairs_of(w))
         for kind, tier, keys in repair_steps(diff):
             if kind == "removed":
                 self.index.apply_removed(w, keys, tier)
@@ -440,25 +452,35 @@ class IndexerCore:
         if ws.last_seq < dump.seq:
             return None
         accept = self._accepts(ws, count=False)
-        expected = apply_events({}, dump.events, accept)
+        later: list[Any] = []
         want = dump.seq + 1
         for b in ws.verify_log:
             if b.seq <= dump.seq:
                 continue
             if b.seq != want:
                 return inconclusive(f"batch {want} was not applied in order")
-            apply_events(expected, b.events, accept)
+            later.extend(b.events)
             want += 1
         if want != ws.last_seq + 1:
             return inconclusive("batches applied after the dump were not all recorded")
-        actual = self.index.pairs_of(worker_id)
-        diff = diff_pairs(expected, actual)
+        fast = gpu_dump_keys(dump.events, accept)
+        if fast is not None:
+            fast = gpu_replay(fast, later, accept)
+        actual_keys = self.index.gpu_keys_of(worker_id) if fast is not None else None
+        if fast is not None and actual_keys is not None:
+            diff = diff_gpu_keys(fast, actual_keys)
+            worker_blocks, index_blocks = len(fast), len(actual_keys)
+        else:
+            expected = apply_events(apply_events({}, dump.events, accept), later, accept)
+            actual = self.index.pairs_of(worker_id)
+            diff = diff_pairs(expected, actual)
+            worker_blocks, index_blocks = len(expected), len(actual)
         return WorkerDivergence(
             worker_id=worker_id,
             status="divergent" if diff.blocks else "equal",
             kv_seq=dump.seq,
-            worker_blocks=len(expected),
-            index_blocks=len(actual),
+            worker_blocks=worker_blocks,
+            index_blocks=index_blocks,
             missing=len(diff.missing),
             extra=len(diff.extra),
             missing_sample=list(diff.missing)[:max_sample],

@@ -363,13 +363,7 @@ class SimWorker:
 
     async def _on_kvdump(self, req: KvDumpRequest) -> KvEventBatch:
         events: list[KvEvent] = [AllBlocksCleared()]
-        events.extend(self.engine.dump_cache())
-        log.info(
-            "kv dump",
-            worker=self.worker_id,
-            reason=req.reason,
-            blocks=self.engine.num_cached_blocks,
-        )
+        events.extend(self.engine.dump_cache())  # KvDumpServer logs the dump
         return KvEventBatch(
             worker_id=self.worker_id,
             instance_id=self.instance_id,
