@@ -121,7 +121,6 @@ async def _drop_dup_convergence(
         for w in workers:
             await w.apply_faults(NO_FAULTS)
         stopped = time.monotonic()
-        print("FAULTS STOPPED", time.time())
         # the faults happened: batches lost (seen as gaps, resynced) and duplicated (skipped)
         assert sum(w.kv_dropped.get("fault", 0) for w in workers) > 0
         await converged_within(bus, workers, 10.0 - (time.monotonic() - stopped))
