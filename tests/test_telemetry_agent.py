@@ -410,7 +410,7 @@ async def test_stop_completes_even_if_a_library_swallows_the_cancellation(
 ) -> None:
     """Python 3.11's asyncio.wait_for (used by nats-py's request) can lose a cancellation when
     the reply lands at the same moment; the agent must still stop."""
-    from services.telemetry import app as app_mod
+    from services.telemetry import publish as publish_mod
 
     entered = asyncio.Event()
 
@@ -421,7 +421,7 @@ async def test_stop_completes_even_if_a_library_swallows_the_cancellation(
         except asyncio.CancelledError:
             return  # the reply "won the race": the cancellation is lost
 
-    monkeypatch.setattr(app_mod, "raise_alert", swallowing_raise_alert)
+    monkeypatch.setattr(publish_mod, "raise_alert", swallowing_raise_alert)
     agent = await start_agent(
         bus,
         use_nvml=False,
@@ -476,16 +476,16 @@ async def test_identical_answers_are_parsed_once_and_a_change_is_seen(
 ) -> None:
     """An idle engine answers the same bytes every tick: the reading is reused (at most one
     parse per path), and the first different answer is parsed and published."""
-    import services.telemetry.app as app_mod
+    import services.telemetry.scrape as scrape_mod
 
     calls = {"n": 0}
-    real_parse = app_mod.parse_metrics
+    real_parse = scrape_mod.parse_metrics
 
     def counting(text: str, engine: str | None = None):
         calls["n"] += 1
         return real_parse(text, engine)
 
-    monkeypatch.setattr(app_mod, "parse_metrics", counting)
+    monkeypatch.setattr(scrape_mod, "parse_metrics", counting)
     q = await collect(bus, bus.subjects.telemetry("w-idle"), WorkerLoad)
     async with endpoint(vllm_text(3, 1, 0.25)) as ep:
         agent = await start_agent(
@@ -495,7 +495,7 @@ async def test_identical_answers_are_parsed_once_and_a_change_is_seen(
             for _ in range(6):
                 load = await next_matching(q, lambda m: not m.stale)
                 assert (load.running, load.waiting) == (3, 1)
-            assert calls["n"] <= 2  # first scrape (task path) + first callback answer
+            assert 1 <= calls["n"] <= 2  # first scrape (task path) + first callback answer
             ep.text = vllm_text(9, 4, 0.5)
             load = await next_matching(q, lambda m: not m.stale and m.running == 9)
             assert load.waiting == 4 and load.kv_usage == pytest.approx(0.5)
