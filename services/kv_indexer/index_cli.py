@@ -20,8 +20,12 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from services.common import settings as S
+
+if TYPE_CHECKING:
+    from services.common.schemas import IndexVerifyReply
 
 OPTIONS = (S.NATS_URL, S.SUBJECT_PREFIX)
 
@@ -57,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verify.add_argument("--json", action="store_true", help="print the reply as JSON")
 
 
-def format_reply(reply) -> str:  # type: ignore[no-untyped-def]
+def format_reply(reply: IndexVerifyReply) -> str:
     lines = [
         f"{'worker':<24} {'status':<13} {'kv_seq':>8} {'worker':>9} {'index':>9} "
         f"{'missing':>8} {'extra':>8}"
@@ -80,7 +84,7 @@ def format_reply(reply) -> str:  # type: ignore[no-untyped-def]
     return "\n".join(lines)
 
 
-def exit_code(reply) -> int:  # type: ignore[no-untyped-def]
+def exit_code(reply: IndexVerifyReply) -> int:
     statuses = {r.status for r in reply.workers}
     if "divergent" in statuses:
         return 1
