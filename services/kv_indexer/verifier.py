@@ -140,9 +140,13 @@ class Verifier:
     # ------------------------------------------------------------------ many workers
     async def verify(self, req: IndexVerifyRequest) -> IndexVerifyReply:
         workers = list(req.workers) or sorted(self.core.workers)
-        results = await asyncio.gather(
-            *(self.check(w, repair=req.repair, max_sample=req.max_sample) for w in workers)
-        )
+        limit = asyncio.Semaphore(4)  # a few dumps in memory at once, whatever the fleet size
+
+        async def one(w: str) -> WorkerDivergence:
+            async with limit:
+                return await self.check(w, repair=req.repair, max_sample=req.max_sample)
+
+        results = await asyncio.gather(*(one(w) for w in workers))
         return IndexVerifyReply(
             workers=list(results),
             divergent_blocks=sum(r.missing + r.extra for r in results),
