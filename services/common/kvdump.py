@@ -24,8 +24,8 @@ to encoding.
 Invariants:
 - every chunk, encoded, is at most ``min(requester's max_chunk_bytes, responder's
   max_payload) - HEADROOM`` bytes, so it always fits in one NATS message;
-- a frozen dump is kept until its last chunk is sent or ``ttl_s`` after its last request,
-  and at most ``max_open`` at once (the oldest goes first): memory is bounded;
+- a frozen dump is dropped when its last chunk is sent, or when a request finds it idle
+  for ``ttl_s``; at most ``max_open`` are kept (the oldest goes first): memory is bounded;
 - a request for an unknown or expired ``dump_id`` raises in the responder, which
   :meth:`Bus.serve` turns into an error reply (the requester sees RemoteError).
 """
