@@ -27,7 +27,7 @@ from services.common import settings as S
 if TYPE_CHECKING:
     from services.common.schemas import IndexVerifyReply
 
-OPTIONS = (S.NATS_URL, S.SUBJECT_PREFIX)
+OPTIONS = (S.NATS_URL, S.SUBJECT_PREFIX, S.STATE_DIR)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,13 +123,31 @@ async def verify(args: argparse.Namespace, nats_url: str, prefix: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    from services.common import stackfile
+    from services.common.embedded import nats_url_reachable
     from services.common.logging import configure_logging
 
     st = S.resolve(args, OPTIONS)
     configure_logging("index", "warning", "console")  # logs to stderr; stdout is the result
     if args.action == "verify":
+        nats_url, prefix, source = st.nats_url, st.subject_prefix, "the default"
+        if not stackfile.given(args, "nats_url", S.NATS_URL.env_var):
+            stack = stackfile.running_stack(st.state_dir)
+            if stack is not None:  # the embedded stack of `kvgate up`, found by itself
+                nats_url, source = stack.nats_url, str(stackfile.stack_path(st.state_dir))
+                if not stackfile.given(args, "subject_prefix", S.SUBJECT_PREFIX.env_var):
+                    prefix = stack.subject_prefix
+        else:
+            source = "--nats-url / KVGATE_NATS_URL"
+        if not nats_url_reachable(nats_url):
+            print(
+                f"kvgate index verify: no NATS server at {nats_url} (from {source}); start the "
+                "stack ('kvgate up') or give --nats-url / KVGATE_NATS_URL",
+                file=sys.stderr,
+            )
+            return 3
         try:
-            return asyncio.run(verify(args, st.nats_url, st.subject_prefix))
+            return asyncio.run(verify(args, nats_url, prefix))
         except (ConnectionError, ValueError) as exc:
             print(f"kvgate index verify: {exc}", file=sys.stderr)
             return 3
