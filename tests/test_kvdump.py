@@ -136,8 +136,9 @@ async def test_bridge_with_1m_blocks_resyncs_into_the_indexer(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:
     """A bridge holding 1,000,000 blocks answers the indexer's resync with a chunked dump."""
-    rt = BridgeRuntime(bus, "br0", engine="vllm", model="m", heartbeat_s=0.2)
+    rt = BridgeRuntime(bus, "br0", engine="vllm", model="m", block_size=16, heartbeat_s=0.2)
     await rt.start()
+    rt.mark_ready()  # no engine history to replay here
     try:
         async with indexer(nats_url, subjects, tail_grace_s=0.2) as svc:
             await wait_until(lambda: svc.core.workers.get("br0") is not None, what="heartbeat")
