@@ -1,0 +1,81 @@
+"""``llmd_default`` and ``llmd_kv_util``: llm-d's inference scheduler scorers, as baselines.
+
+Follows llm-d's documented default scheduling profile (llm-d "Request Scheduler" docs,
+https://llm-d.ai/docs/architecture/core/router/epp/scheduling; the default profile as Red Hat
+OpenShift AI documents it: queue scorer weight 2, prefix-cache scorer weight 3, highest score
+wins): per worker, every scorer gives 0..1 (higher is better) and
+
+    score = 3 x prefix_cache + 2 x queue            (llmd_default)
+    score = 3 x prefix_cache + 2 x queue + 2 x kv_utilisation    (llmd_kv_util)
+
+- ``prefix_cache``: fraction of the prompt's blocks the worker holds;
+- ``queue``: min-max normalised waiting-queue length, ``(max - q) / (max - min)`` over the
+  candidates, 1 for all when every queue is equal;
+- ``kv_utilisation``: ``1 - KV cache usage``;
+- max-score picker: the highest total; ties at random (the policy's seeded RNG).
+
+Simplifications: the prefix scorer reads our exact prefix index (like llm-d's "precise" prefix
+cache scorer fed by KV events, not its approximate routed-prefix LRU); the queue is the
+engines' ``waiting`` as telemetry last reported it (llm-d scrapes the same vLLM gauge), 0 when
+unknown; KV usage is the snapshot's free-block estimate, else telemetry. No filters beyond ours
+(llm-d's default profile has none that apply to one model on identical pods).
+"""
+
+from __future__ import annotations
+
+from services.core.policy.base import PolicyImpl, PolicyState, register
+from services.core.policy.scorers import kv_usage
+from services.core.policy.types import RequestInfo, WorkerState
+
+
+def _weight(desc: str, default: float) -> dict:
+    return {"type": "number", "minimum": 0, "default": default, "description": desc}
+
+
+class _LlmdScorers(PolicyImpl):
+    """Weighted sum of llm-d's scorers; costs are the negated scores (lower is better)."""
+
+    def costs(
+        self,
+        req: RequestInfo,
+        cands: list[WorkerState],
+        overlaps: dict[str, int],
+        state: PolicyState,
+    ) -> dict[str, float]:
+        p = self.p
+        wp, wq, wk = p["prefix_weight"], p["queue_weight"], p.get("kv_util_weight", 0.0)
+        queues = [w.waiting or 0 for w in cands]
+        qmax, qmin = max(queues), min(queues)
+        span = qmax - qmin
+        out: dict[str, float] = {}
+        for w, q in zip(cands, queues, strict=True):
+            bs = w.capacity.block_size
+            total = -(-req.prompt_tokens // bs)  # the prompt's blocks, the last one partial
+            prefix = min(overlaps.get(w.worker_id, 0), total) / total if total else 0.0
+            queue = (qmax - q) / span if span else 1.0
+            score = wp * prefix + wq * queue
+            if wk:
+                score += wk * (1.0 - kv_usage(req, w, 0, 0))
+            out[w.worker_id] = -score
+        return out
+
+
+@register
+class LlmdDefault(_LlmdScorers):
+    name = "llmd_default"
+    description = "baseline: llm-d default profile (prefix-cache scorer x3 + queue scorer x2)"
+    PARAMS = {
+        "prefix_weight": _weight("weight of the prefix-cache scorer", 3.0),
+        "queue_weight": _weight("weight of the queue scorer", 2.0),
+    }
+
+
+@register
+class LlmdKvUtil(_LlmdScorers):
+    name = "llmd_kv_util"
+    description = "baseline: llm-d prefix x3 + queue x2 + KV-cache-utilisation x2 scorers"
+    PARAMS = {
+        "prefix_weight": _weight("weight of the prefix-cache scorer", 3.0),
+        "queue_weight": _weight("weight of the queue scorer", 2.0),
+        "kv_util_weight": _weight("weight of the KV-cache-utilisation scorer", 2.0),
+    }
