@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 N_COEF = 5  # overhead, prefill_token, prefill_attn, decode_seq, decode_kv_token
+PREFILL_TOKEN = 1  # index of prefill_token_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,7 @@ class Prediction:
     imposed_s: float  # extra time each request already decoding there waits, in total
     itl_spike_s: float  # the longest step those requests see while this prompt is computed
     decoding: int  # how many requests are decoding there (who pays ``imposed_s``)
+    prefill_s: float  # this prompt's own compute time there (its uncached tokens)
 
 
 def predict(
@@ -122,7 +124,7 @@ def predict(
     imposed = prefill_s + output * (ds + dk * own_kv)
     chunk = min(uncached, per_step)
     spike = ov + decode_step + pt * chunk + pa * chunk * context
-    return Prediction(ttft, tpot, imposed, spike, d)
+    return Prediction(ttft, tpot, imposed, spike, d, prefill_s)
 
 
 def ttft_features(load: WorkerLoad, uncached: float, prompt: float) -> list[float]:
@@ -188,10 +190,15 @@ class LatencyModel:
     def predict(self, load: WorkerLoad, uncached: float, prompt: float, output: float):
         return predict(self.theta, load, uncached, prompt, output)
 
-    def observe(self, x: list[float], y: float) -> None:
-        """One observation: ``y`` seconds measured where the model says ``theta . x``."""
+    def observe(self, x: list[float], y: float, only: tuple[int, ...] | None = None) -> None:
+        """One observation: ``y`` seconds measured where the model says ``theta . x``.
+        ``only``: fit just these coefficients (the others' part of ``y`` is taken as
+        predicted), for observations that cannot tell the others apart."""
         if not (y >= 0.0 and math.isfinite(y)):
             return
+        if only is not None:
+            y -= sum(self.theta[j] * x[j] for j in range(N_COEF) if j not in only)
+            x = [x[j] if j in only else 0.0 for j in range(N_COEF)]
         p, lam = self.p, self.forget
         px = [sum(p[i][j] * x[j] for j in range(N_COEF)) for i in range(N_COEF)]
         denom = lam + sum(x[i] * px[i] for i in range(N_COEF))
@@ -208,6 +215,12 @@ class LatencyModel:
     ) -> None:
         """A request sent with ``load`` there had its first token after ``ttft_s``."""
         self.observe(ttft_features(load, uncached, prompt), ttft_s)
+
+    def observe_prefill(self, tokens: float, seconds: float, load: WorkerLoad) -> None:
+        """A batch of ``tokens`` prompt tokens took ``seconds`` to compute beside ``load``'s
+        decoders (e.g. from a router's prefill clock): fits the per-token prefill cost only;
+        a duration alone cannot tell the step terms apart, so they keep their values."""
+        self.observe(ttft_features(load, tokens, tokens), seconds, only=(PREFILL_TOKEN,))
 
     def observe_step(
         self,

@@ -16,5 +16,6 @@ from services.core.policy.builtin import (  # noqa: F401
     random_pick,
     round_robin,
     sglang_cache_aware,
+    slo_aware,
     weighted,
 )
