@@ -54,7 +54,7 @@ from services.core.policy import (
 )
 from services.core.policy.types import ClusterSnapshot, replica_id
 from services.router import metrics as M
-from services.router import sse
+from services.router import slo, sse
 from services.router.breaker import STATE_VALUE, Breaker
 from services.router.canary import PolicySet, spec_of
 from services.router.holds import FirstTokenWaits
@@ -428,6 +428,7 @@ class Router:
         session_id: str | None,
         policy: Policy,
         excluded: set[str],
+        slo_targets: slo.SloTargets = slo.NO_TARGETS,
     ) -> tuple[Decision, dict[str, int]]:
         states = self.state.states
         if excluded:
@@ -447,6 +448,8 @@ class Router:
             max_tokens=parsed.max_tokens,
             block_keys=keys,
             session_id=session_id,
+            slo_ttft_s=slo_targets.ttft_s,
+            slo_tpot_s=slo_targets.tpot_s,
         )
         now = time.monotonic()  # the policy's clock (prefill progress), as in first_token
         if excluded:
@@ -572,10 +575,14 @@ class Router:
             return _error(400, f"request body is not valid JSON: {exc}", "invalid_request_error")
         except BadRequest as exc:
             return _error(400, str(exc), "invalid_request_error")
+        try:
+            targets = slo.parse(request.headers)
+        except slo.BadSloHeader as exc:
+            return _error(400, str(exc), "invalid_request_error")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         session_id = self._session_of(request, parsed)
         arm = self.policies.arm(rid, session_id)
-        ctx = Ctx(rid, parsed, arm, session_id, t0, request.path)
+        ctx = Ctx(rid, parsed, arm, session_id, t0, request.path, slo=targets)
         so = parsed.body.get("stream_options")
         ctx.client_wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
         M.INFLIGHT.inc()
@@ -589,6 +596,18 @@ class Router:
         e2e = time.perf_counter() - ctx.t0
         pol = ctx.arm.policy.name
         M.child(M.REQUESTS, pol, ctx.worker_id or "none", ctx.status).inc()
+        slo.record(
+            pol,
+            slo.result(
+                ctx.slo,
+                ctx.arm.policy.params,
+                ctx.status,
+                ctx.ttft,
+                e2e,
+                ctx.completion_tokens,
+                ctx.shed,
+            ),
+        )
         if ctx.status == "ok":
             M.child(M.E2E, pol).observe(e2e)
             if ctx.ttft is not None:
@@ -639,11 +658,26 @@ class Router:
             while True:
                 td = time.perf_counter()
                 d, ctx.overlaps = self.decide_for(
-                    ctx.parsed, ctx.request_id, ctx.session_id, ctx.arm.policy, ctx.excluded
+                    ctx.parsed,
+                    ctx.request_id,
+                    ctx.session_id,
+                    ctx.arm.policy,
+                    ctx.excluded,
+                    ctx.slo,
                 )
                 M.DECISION.observe(time.perf_counter() - td)
                 if d.worker_id is not None:
                     return d
+                if d.shed:  # the policy predicts no worker meets the request's SLO
+                    ctx.shed = True
+                    return self._reject(
+                        ctx,
+                        429,
+                        d.reason,
+                        "rate_limit_error",
+                        "rejected",
+                        {"Retry-After": str(self.st.retry_after)},
+                    )
                 if d.never_fits:
                     return self._reject(ctx, 400, d.never_fits, "invalid_request_error", "rejected")
                 if not d.wait and ctx.last_failure is not None:
