@@ -109,22 +109,40 @@ def predict(
     output: float,
 ) -> Prediction:
     """This request's TTFT and TPOT on a worker with ``load``, and what it imposes there."""
-    ov, pt, pa, ds, dk = c.as_list() if isinstance(c, StepCoefficients) else c
+    th = c.as_list() if isinstance(c, StepCoefficients) else c
+    ttft, tpot, imposed, prefill_s = predict_fast(
+        th, load.queued_tokens, load.decoding, load.kv_tokens, load.budget, uncached, prompt, output
+    )
+    ov, pt, pa, ds, dk = th
     d = load.decoding
-    per_step = max(1, load.budget - d)
-    tokens = load.queued_tokens + uncached
-    steps = max(1, math.ceil(tokens / per_step))
-    context = prompt - uncached / 2.0  # mean context a computed prompt token attends to
-    attn = uncached * context
-    decode_step = ds * d + dk * load.kv_tokens
-    prefill_s = pt * uncached + pa * attn
-    ttft = steps * (ov + decode_step) + pt * load.queued_tokens + prefill_s
-    own_kv = prompt + output / 2.0
-    tpot = ov + decode_step + ds + dk * own_kv
-    imposed = prefill_s + output * (ds + dk * own_kv)
+    per_step = load.budget - d if load.budget - d > 1 else 1
     chunk = min(uncached, per_step)
-    spike = ov + decode_step + pt * chunk + pa * chunk * context
+    context = prompt - uncached / 2.0
+    spike = ov + ds * d + dk * load.kv_tokens + pt * chunk + pa * chunk * context
     return Prediction(ttft, tpot, imposed, spike, d, prefill_s)
+
+
+def predict_fast(
+    th: list[float],
+    queued: float,
+    decoding: int,
+    kv_tokens: float,
+    budget: int,
+    uncached: float,
+    prompt: float,
+    output: float,
+) -> tuple[float, float, float, float]:
+    """:func:`predict` on the decision path: (ttft_s, tpot_s, imposed_s, prefill_s), no
+    objects built (a policy calls it once per candidate worker)."""
+    ov, pt, pa, ds, dk = th
+    per_step = budget - decoding if budget - decoding > 1 else 1
+    tokens = queued + uncached
+    steps = -(-tokens // per_step) if tokens > per_step else 1
+    decode_step = ds * decoding + dk * kv_tokens
+    prefill_s = pt * uncached + pa * uncached * (prompt - uncached / 2.0)
+    ttft = steps * (ov + decode_step) + pt * queued + prefill_s
+    own = ds + dk * (prompt + output / 2.0)
+    return ttft, ov + decode_step + own, prefill_s + output * own, prefill_s
 
 
 def ttft_features(load: WorkerLoad, uncached: float, prompt: float) -> list[float]:

@@ -34,7 +34,7 @@ Invariant: like ``kv_aware``, state lives in :class:`PolicyState` (``extra["slo_
 
 from __future__ import annotations
 
-from services.core.latency import LatencyModel, StepCoefficients, WorkerLoad
+from services.core.latency import LatencyModel, StepCoefficients, WorkerLoad, predict_fast
 from services.core.policy.base import PolicyState, register
 from services.core.policy.builtin.kv_aware import KvAware
 from services.core.policy.types import RequestInfo, WorkerState
@@ -120,12 +120,6 @@ class SloAware(KvAware):
             m = models[wid] = LatencyModel(prior=self.prior)
         return m
 
-    def _clock(self, state: PolicyState):
-        c = super()._clock(state)
-        if c.samples is None:
-            c.samples = []
-        return c
-
     def _decoding(self, w: WorkerState, state: PolicyState) -> int:
         fifo = self._clock(state).fifo.get(w.worker_id)
         return max(0, w.inflight - (len(fifo) if fifo else 0))
@@ -143,6 +137,8 @@ class SloAware(KvAware):
         prev = state.extra.get("slo_ctx")
         state.extra["slo_ctx"] = ctx if prev is None else prev + CTX_DECAY * (ctx - prev)
         clock = self._clock(state)
+        if clock.samples is None:
+            clock.samples = []  # the clock hands this policy its samples
         if clock.samples:  # first tokens seen since the last decision calibrate the models
             by_id = {w.worker_id: w for w in cands}
             for wid, tokens, dur in clock.samples:
@@ -152,17 +148,26 @@ class SloAware(KvAware):
                 load = WorkerLoad(0.0, d, kv, self.p["step_budget"])
                 self.model(state, wid).observe_prefill(tokens, dur, load)
             clock.samples.clear()
-        preds: dict[str, tuple[float, float, float]] = {}
-        state.extra["slo_preds"] = preds
-        out = super().costs(req, cands, overlaps, state)
         p = self.p
         ttft_slo = req.slo_ttft_s if req.slo_ttft_s is not None else p["slo_ttft_ms"] / 1000.0
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else p["slo_tpot_ms"] / 1000.0
-        headroom = {
-            wid: min(1.0 - t / ttft_slo, 1.0 - tp / tpot_slo) for wid, (t, tp, _) in preds.items()
-        }
-        feasible = [wid for wid, h in headroom.items() if h >= 0.0]
-        if not feasible:
+        # per worker, the SLO headroom min(1 - ttft/slo_ttft, 1 - tpot/slo_tpot) (>= 0: meets
+        # both), filled by _worker_cost
+        headroom: dict[str, float] = {}
+        state.extra["slo_x"] = (
+            clock.fifo,
+            state.extra.setdefault("slo_models", {}),
+            state.extra["slo_ctx"],
+            req.max_tokens,
+            p["imposed_weight"],
+            p["compute_weight"],
+            1.0 / ttft_slo,
+            1.0 / tpot_slo,
+            headroom,
+        )
+        out = super().costs(req, cands, overlaps, state)
+        missed = [wid for wid, h in headroom.items() if h < 0.0]
+        if len(missed) == len(out):  # nobody meets the SLO: the best overall, or shed
             if p["shed"]:
                 state.shed = (
                     f"no worker predicted to meet the SLO (TTFT {ttft_slo * 1000:.0f} ms, "
@@ -172,9 +177,10 @@ class SloAware(KvAware):
                     state.extra.pop(k, None)
             return out
         if p["feasible_pick"] == "headroom":
-            return {wid: -headroom[wid] + (0.0 if wid in feasible else INFEASIBLE) for wid in out}
-        ok = set(feasible)
-        return {wid: c if wid in ok else c + INFEASIBLE for wid, c in out.items()}
+            out = {wid: -h for wid, h in headroom.items()}
+        for wid in missed:
+            out[wid] += INFEASIBLE
+        return out
 
     def _worker_cost(
         self,
@@ -185,19 +191,24 @@ class SloAware(KvAware):
         usage: float,
         state: PolicyState,
     ) -> float:
-        d = self._decoding(w, state)
-        kv = d * state.extra["slo_ctx"]
-        load = WorkerLoad(queued, d, kv, self.p["step_budget"])
-        out = req.max_tokens
-        pr = self.model(state, w.worker_id).predict(load, uncached, req.prompt_tokens, out)
-        state.extra["slo_preds"][w.worker_id] = (pr.ttft_s, pr.tpot_s, pr.imposed_s)
-        p = self.p
-        return (
-            pr.ttft_s
-            + out * pr.tpot_s
-            + p["imposed_weight"] * d * pr.imposed_s
-            + p["compute_weight"] * pr.prefill_s
+        wid = w.worker_id
+        # per decision: prefill FIFOs, models, mean context, output, weights, 1 / SLOs,
+        # headroom (filled here)
+        fifos, models, ctx, out, iw, cw, inv_ttft, inv_tpot, headroom = state.extra["slo_x"]
+        fifo = fifos.get(wid)
+        d = w.inflight - len(fifo) if fifo else w.inflight
+        if d < 0:
+            d = 0
+        m = models.get(wid)
+        if m is None:
+            m = self.model(state, wid)
+        ttft, tpot, imposed, prefill_s = predict_fast(
+            m.theta, queued, d, d * ctx, self.p["step_budget"], uncached, req.prompt_tokens, out
         )
+        h = 1.0 - ttft * inv_ttft
+        h2 = 1.0 - tpot * inv_tpot
+        headroom[wid] = h if h < h2 else h2
+        return ttft + out * tpot + iw * d * imposed + cw * prefill_s
 
 
 def _as_dict(c: StepCoefficients) -> dict[str, float]:
