@@ -59,9 +59,9 @@ def test_sglang_match_below_threshold_goes_to_smallest_tree() -> None:
     third = ({"a", "b", "c"} - {first, second}).pop()
     assert decide(pol, req(160, "r3"), snap, {first: 2}).worker_id == third
     # it held nothing, so the whole prompt went into its tree; a matched prefix does not
-    assert pol.state.extra["sglang_tree"][third] == 160
+    assert pol.state.extra["sglang_tree"].size[third] == 160
     assert decide(pol, req(160, "r4"), snap, {third: 10}).worker_id == third  # 100% > 30%
-    assert pol.state.extra["sglang_tree"][third] == 160
+    assert pol.state.extra["sglang_tree"].size[third] == 160
 
 
 def test_sglang_imbalance_needs_both_thresholds() -> None:
@@ -116,3 +116,44 @@ def test_llmd_kv_util_adds_free_kv_scorer() -> None:
     assert choose("llmd_kv_util", w, req(160), {"a": 4})[0] == "b"
     # llmd_default ignores KV usage: a = 1.2 + 2 = 3.2 > b = 2 -> a
     assert choose("llmd_default", w, req(160), {"a": 4})[0] == "a"
+
+
+def test_sglang_tree_is_built_from_routed_prompts_not_kv_events() -> None:
+    # like sglang-router: a routed prompt is in its worker's tree at once, so the next request
+    # sharing 4 of its 10 blocks (40% > 30%) follows it before any KV event (index empty)
+    pol = build_policy({"name": "sglang_cache_aware", "params": {}})
+    snap = ClusterSnapshot(ws(a={}, b={}, c={}))
+    keys = tuple(range(100, 110))
+    r1 = RequestInfo("r1", model="m", prompt_tokens=160, max_tokens=8, block_keys=keys)
+    first = decide(pol, r1, snap, {}).worker_id
+    r2 = RequestInfo(
+        "r2",
+        model="m",
+        prompt_tokens=160,
+        max_tokens=8,
+        block_keys=keys[:4] + (7, 8, 9, 10, 11, 12),
+    )
+    assert decide(pol, r2, snap, {}).worker_id == first
+    # 2 of 10 blocks (20%) is below the threshold: the smallest tree (an empty one) instead
+    r3 = RequestInfo(
+        "r3", model="m", prompt_tokens=160, max_tokens=8, block_keys=keys[:2] + tuple(range(8))
+    )
+    assert decide(pol, r3, snap, {}).worker_id != first
+
+
+def test_llmd_approximate_prefix_follows_routed_prompts() -> None:
+    keys = tuple(range(10))
+    snap = ClusterSnapshot(ws(a={}, b={}, c={}))
+
+    def r(rid: str) -> RequestInfo:
+        return RequestInfo(rid, model="m", prompt_tokens=160, max_tokens=8, block_keys=keys)
+
+    # approximate (default): the second request scores prefix 1.0 where the first went
+    pol = build_policy({"name": "llmd_default", "params": {}})
+    first = decide(pol, r("r1"), snap, {}).worker_id
+    d = decide(pol, r("r2"), snap, {})
+    assert d.worker_id == first and d.scores[first] == pytest.approx(-5.0)
+    # precise: only the KV-event index counts, which holds nothing yet: all tie at -2
+    pol = build_policy({"name": "llmd_default", "params": {"prefix_mode": "precise"}})
+    decide(pol, r("r1"), snap, {})
+    assert set(decide(pol, r("r2"), snap, {}).scores.values()) == {-2.0}

@@ -14,16 +14,23 @@ wins): per worker, every scorer gives 0..1 (higher is better) and
 - ``kv_utilisation``: ``1 - KV cache usage``;
 - max-score picker: the highest total; ties at random (the policy's seeded RNG).
 
-Simplifications: the prefix scorer reads our exact prefix index (like llm-d's "precise" prefix
-cache scorer fed by KV events, not its approximate routed-prefix LRU); the queue is the
-engines' ``waiting`` as telemetry last reported it (llm-d scrapes the same vLLM gauge), 0 when
-unknown; KV usage is the snapshot's free-block estimate, else telemetry. No filters beyond ours
-(llm-d's default profile has none that apply to one model on identical pods).
+The prefix-cache scorer's view (``prefix_mode``): ``approximate`` (default, like llm-d's default
+``prefix-cache-scorer``) remembers the prompts it routed, per pod, in block keys
+(:class:`~services.core.policy.routed_tree.RoutedTree`, inserted at routing time, newest
+``max_prefix_blocks`` kept); ``precise`` (like its KV-event-fed "precise prefix cache" scorer)
+reads our exact prefix index. Without block keys on the request both read the index.
+
+Simplifications: the queue is the engines' ``waiting`` as telemetry last reported it (llm-d
+scrapes the same vLLM gauge), 0 when unknown; KV usage is the snapshot's free-block estimate,
+else telemetry. No filters beyond ours (llm-d's default profile has none that apply to one
+model on identical pods).
 """
 
 from __future__ import annotations
 
 from services.core.policy.base import PolicyImpl, PolicyState, register
+from services.core.policy.pickers import pick_min
+from services.core.policy.routed_tree import RoutedTree
 from services.core.policy.scorers import kv_usage
 from services.core.policy.types import RequestInfo, WorkerState
 
@@ -44,6 +51,12 @@ class _LlmdScorers(PolicyImpl):
     ) -> dict[str, float]:
         p = self.p
         wp, wq, wk = p["prefix_weight"], p["queue_weight"], p.get("kv_util_weight", 0.0)
+        if req.block_keys and p["prefix_mode"] == "approximate":
+            tree = state.extra.get("llmd_tree")
+            if tree is None:
+                tree = state.extra["llmd_tree"] = RoutedTree(p["max_prefix_blocks"])
+            overlaps = tree.match(req.block_keys, {w.worker_id for w in cands})
+            state.extra["llmd_req"] = req
         queues = [w.waiting or 0 for w in cands]
         qmax, qmin = max(queues), min(queues)
         span = qmax - qmin
@@ -59,6 +72,30 @@ class _LlmdScorers(PolicyImpl):
             out[w.worker_id] = -score
         return out
 
+    def pick(self, costs: dict[str, float], state: PolicyState) -> str:
+        wid = pick_min(costs, state.rng)
+        req = state.extra.pop("llmd_req", None)
+        if req is not None:
+            state.extra["llmd_tree"].insert(wid, req.block_keys, 0)
+        return wid
+
+
+PREFIX_PARAMS = {
+    "prefix_mode": {
+        "type": "string",
+        "enum": ["approximate", "precise"],
+        "default": "approximate",
+        "description": "prefix-cache scorer's view: prompts routed per pod (approximate) or "
+        "the KV-event index (precise)",
+    },
+    "max_prefix_blocks": {
+        "type": "integer",
+        "minimum": 1,
+        "default": 4_000_000,
+        "description": "block keys the approximate prefix view keeps (oldest go first)",
+    },
+}
+
 
 @register
 class LlmdDefault(_LlmdScorers):
@@ -67,6 +104,7 @@ class LlmdDefault(_LlmdScorers):
     PARAMS = {
         "prefix_weight": _weight("weight of the prefix-cache scorer", 3.0),
         "queue_weight": _weight("weight of the queue scorer", 2.0),
+        **PREFIX_PARAMS,
     }
 
 
@@ -78,4 +116,5 @@ class LlmdKvUtil(_LlmdScorers):
         "prefix_weight": _weight("weight of the prefix-cache scorer", 3.0),
         "queue_weight": _weight("weight of the queue scorer", 2.0),
         "kv_util_weight": _weight("weight of the KV-cache-utilisation scorer", 2.0),
+        **PREFIX_PARAMS,
     }

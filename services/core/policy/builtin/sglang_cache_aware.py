@@ -11,21 +11,26 @@ Balancing", https://github.com/lightseekorg/smg docs/concepts/routing/cache-awar
    ``cache_threshold`` of the prompt, the worker with that match gets it;
 3. **smallest tree**: otherwise the worker whose prefix tree is smallest (most room) gets it.
 
-Simplifications (say so when comparing): matches come from our *exact* prefix index (KV events)
-instead of sglang's approximate per-worker character tree, in blocks instead of characters;
-"tree size" is this policy's own count of the prompt tokens each worker added to its tree (a
-routed prompt adds its unmatched part, as an insert into sglang's tree does), never evicted
-(sglang evicts at 2^26 characters, far beyond these runs); loads are the snapshot's global
-in-flight counts. Ties are broken by the policy's seeded RNG.
+Like sglang-router, the tree is *approximate*: built from the prompts this policy routed (each
+routed prompt is inserted into the chosen worker's tree at once, before the engine has computed
+it), not from KV events. Ours is keyed by the request's block keys (``RequestInfo.block_keys``:
+a prefix tree at block granularity instead of characters); when a request carries no keys (the
+live router passes them only to policies with ``routed_ttl``) the match comes from our exact
+prefix index instead. "Tree size" is the tokens each worker's tree gained (a routed prompt adds
+its unmatched part). sglang evicts its tree at 2^26 characters; ours keeps the newest
+``max_tree_blocks`` block keys. Loads are the snapshot's global in-flight counts. Ties are
+broken by the policy's seeded RNG.
 
-Invariant: state is only ``extra["sglang_tree"]`` (worker -> tokens inserted), updated in
-:meth:`pick` from the decision's own inputs.
+Invariant: state is only ``extra["sglang_tree"]`` (a
+:class:`~services.core.policy.routed_tree.RoutedTree`), updated in :meth:`pick` from the
+decision's own inputs.
 """
 
 from __future__ import annotations
 
 from services.core.policy.base import PolicyImpl, PolicyState, register
 from services.core.policy.pickers import pick_min
+from services.core.policy.routed_tree import RoutedTree
 from services.core.policy.types import RequestInfo, WorkerState
 
 
@@ -49,6 +54,12 @@ class SglangCacheAware(PolicyImpl):
             "default": 64,
             "description": "imbalanced when max - min in-flight exceeds this ...",
         },
+        "max_tree_blocks": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 4_000_000,
+            "description": "block keys kept in the approximate tree (oldest go first)",
+        },
         "balance_rel_threshold": {
             "type": "number",
             "minimum": 1,
@@ -56,6 +67,12 @@ class SglangCacheAware(PolicyImpl):
             "description": "... and max in-flight exceeds this x min in-flight",
         },
     }
+
+    def _tree(self, state: PolicyState) -> RoutedTree:
+        t = state.extra.get("sglang_tree")
+        if t is None:
+            t = state.extra["sglang_tree"] = RoutedTree(self.p["max_tree_blocks"])
+        return t
 
     def costs(
         self,
@@ -67,27 +84,28 @@ class SglangCacheAware(PolicyImpl):
         p = self.p
         loads = [w.inflight for w in cands]
         hi, lo = max(loads), min(loads)
-        tree: dict[str, int] = state.extra.setdefault("sglang_tree", {})
-        state.extra["sglang_req"] = (req.prompt_tokens, {w.worker_id: w for w in cands}, overlaps)
+        tree = self._tree(state)
+        if req.block_keys:
+            matched = tree.match(req.block_keys, {w.worker_id for w in cands})
+        else:
+            matched = overlaps
+        state.extra["sglang_req"] = (req, {w.worker_id: w for w in cands}, matched)
         if hi - lo > p["balance_abs_threshold"] and hi > p["balance_rel_threshold"] * lo:
             return {w.worker_id: float(w.inflight) for w in cands}
         prompt = max(1, req.prompt_tokens)
-        best = max(min(overlaps.get(w.worker_id, 0) * w.capacity.block_size, prompt) for w in cands)
-        if best / prompt > p["cache_threshold"]:
+        got = {
+            w.worker_id: min(matched.get(w.worker_id, 0) * w.capacity.block_size, prompt)
+            for w in cands
+        }
+        if max(got.values()) / prompt > p["cache_threshold"]:
             # the longest match wins outright (load is not looked at on this path)
-            return {
-                w.worker_id: -float(
-                    min(overlaps.get(w.worker_id, 0) * w.capacity.block_size, prompt)
-                )
-                for w in cands
-            }
-        return {w.worker_id: float(tree.get(w.worker_id, 0)) for w in cands}
+            return {wid: -float(n) for wid, n in got.items()}
+        return {w.worker_id: float(tree.size.get(w.worker_id, 0)) for w in cands}
 
     def pick(self, costs: dict[str, float], state: PolicyState) -> str:
         wid = pick_min(costs, state.rng)
-        prompt, by_id, overlaps = state.extra.pop("sglang_req")
+        req, by_id, matched = state.extra.pop("sglang_req")
         w = by_id[wid]
-        added = max(0, prompt - overlaps.get(wid, 0) * w.capacity.block_size)
-        tree: dict[str, int] = state.extra["sglang_tree"]
-        tree[wid] = tree.get(wid, 0) + added
+        added = max(0, req.prompt_tokens - matched.get(wid, 0) * w.capacity.block_size)
+        self._tree(state).insert(wid, req.block_keys, added)
         return wid
