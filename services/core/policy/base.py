@@ -75,6 +75,13 @@ class PolicyImpl:
         self.p = params
         self.max_inflight: int | None = params.get("max_inflight")
 
+    def wants_block_keys(self) -> bool:
+        """Does this policy need the prompt's whole block-key chain (``RequestInfo.block_keys``)?
+        Policies that remember where they sent a prefix do (``routed_ttl`` > 0, or their own
+        routed-prompt tree); hashing the whole chain costs the live router a pass over the
+        prompt, so the others get none."""
+        return bool(self.p.get("routed_ttl"))
+
     def cap(self, w: WorkerState) -> int:
         c = w.capacity.max_num_seqs
         return c if self.max_inflight is None else min(c, self.max_inflight)

@@ -72,6 +72,9 @@ class _LlmdScorers(PolicyImpl):
             out[w.worker_id] = -score
         return out
 
+    def wants_block_keys(self) -> bool:
+        return self.p["prefix_mode"] == "approximate"
+
     def pick(self, costs: dict[str, float], state: PolicyState) -> str:
         wid = pick_min(costs, state.rng)
         req = state.extra.pop("llmd_req", None)

@@ -13,10 +13,10 @@ Balancing", https://github.com/lightseekorg/smg docs/concepts/routing/cache-awar
 
 Like sglang-router, the tree is *approximate*: built from the prompts this policy routed (each
 routed prompt is inserted into the chosen worker's tree at once, before the engine has computed
-it), not from KV events. Ours is keyed by the request's block keys (``RequestInfo.block_keys``:
-a prefix tree at block granularity instead of characters); when a request carries no keys (the
-live router passes them only to policies with ``routed_ttl``) the match comes from our exact
-prefix index instead. "Tree size" is the tokens each worker's tree gained (a routed prompt adds
+it), not from KV events. Ours is keyed by the request's block keys (``RequestInfo.block_keys``,
+which the router and the simulator pass to this policy: a prefix tree at block granularity
+instead of characters); a request without keys (several block sizes in the cluster) is matched
+in our exact prefix index instead. "Tree size" is the tokens each worker's tree gained (a routed prompt adds
 its unmatched part). sglang evicts its tree at 2^26 characters; ours keeps the newest
 ``max_tree_blocks`` block keys. Loads are the snapshot's global in-flight counts. Ties are
 broken by the policy's seeded RNG.
@@ -67,6 +67,9 @@ class SglangCacheAware(PolicyImpl):
             "description": "... and max in-flight exceeds this x min in-flight",
         },
     }
+
+    def wants_block_keys(self) -> bool:
+        return True  # its tree is made of the routed prompts' block keys
 
     def _tree(self, state: PolicyState) -> RoutedTree:
         t = state.extra.get("sglang_tree")
