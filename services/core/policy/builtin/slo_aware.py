@@ -2,14 +2,17 @@
 
 For each candidate worker the per-worker latency model (:mod:`services.core.latency`) predicts,
 from the worker's queue (prompt tokens still to compute there, sequences decoding, the KV they
-read: decoding x the running mean context of recent requests) and this request's uncached tokens and expected output (``max_tokens``):
-``ttft``, ``tpot`` and ``imposed``, the extra time each request already decoding there waits
-because of this one. The cost, in seconds, is
+read: decoding x the running mean context of recent requests) and this request's uncached
+tokens and expected output (``max_tokens``): ``ttft``, ``tpot``, ``prefill`` (its own compute)
+and ``imposed``, the extra time each request already decoding there waits because of this one.
+The cost, in seconds, is
 
-    cost(w) = ttft(w) + output x tpot(w) + imposed_weight x decoding(w) x imposed(w)
+    cost(w) = ttft(w) + output x tpot(w)                 # this request's own e2e time
+            + imposed_weight x decoding(w) x imposed(w)   # added to everyone decoding there
+            + compute_weight x prefill(w)                 # its compute, for whoever queues behind
 
-i.e. this request's own predicted end-to-end time plus the delay it adds to everyone decoding
-there (``imposed_weight`` 1: total added latency). Among the workers predicted to meet the
+(``imposed_weight`` and ``compute_weight`` 1: the total latency added, to a first order).
+Among the workers predicted to meet the
 request's targets (``ttft <= slo_ttft`` and ``tpot <= slo_tpot``; per request from the
 ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` headers, else this policy's defaults) the lowest cost wins
 (``feasible_pick: "headroom"``: the one with the most headroom, ``min(1 - ttft/slo_ttft,
@@ -25,8 +28,10 @@ prefix still being computed are held (``hold_followers``), and hot prefixes are 
 
 Calibration: one :class:`~services.core.latency.LatencyModel` per worker, starting from the
 engine model's default step times (``prior``), fitted from the prefill clock's samples
-(computed tokens, seconds to first token, decoders riding along) on the decision path; the
-live router also feeds it inter-token times (see ``services/router/latency_feed.py``).
+(computed tokens, seconds to first token, decoders riding along) on the decision path, live
+and in the simulator alike. Only the per-token prefill cost is fitted from those (a duration
+cannot tell the step terms apart); a caller with inter-token times can feed
+``state.extra["slo_models"][worker].observe_step`` for the rest (the router does not yet).
 
 Invariant: like ``kv_aware``, state lives in :class:`PolicyState` (``extra["slo_*"]`` beside
 ``kv_aware``'s) and the same inputs give the same decisions.
