@@ -169,7 +169,7 @@ def bench_decision(iters: int, workers: int = 64, blocks: int = 1_000_000) -> di
         f"decision path (4096-token prompt, {workers} workers, {len(index):,} blocks): "
         f"p50 {out['total_p50_us']:.1f} us, p99 {out['total_p99_us']:.1f} us "
         f"[parse+tokenize {out['parse_tokenize_p50_us']:.1f}, hash + prefix match "
-        f"{out['prefix_match_p50_us']:.1f}, kv_aware decide {out['policy_decide_p50_us']:.1f}] "
+        f"{out['prefix_match_p50_us']:.1f}, {policy.name} decide {out['policy_decide_p50_us']:.1f}] "
         f"target p50 <= 150 us: {'PASS' if out['total_p50_us'] <= 150 else 'FAIL'}"
     )
     print(
