@@ -36,7 +36,11 @@ SLO_REQUESTS = Counter(
 
 
 class BadSloHeader(ValueError):
-    """A malformed SLO header; the message names it (for a 400)."""
+    """A malformed SLO header; the message names it (for a 400), ``header`` is its name."""
+
+    def __init__(self, header: str, message: str) -> None:
+        super().__init__(message)
+        self.header = header
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +59,11 @@ def _ms(headers: Mapping[str, str], name: str) -> float | None:
     try:
         v = float(raw)
     except ValueError:
-        raise BadSloHeader(f"header {name} must be a number of milliseconds, got {raw!r}") from None
+        raise BadSloHeader(
+            name, f"header {name} must be a number of milliseconds, got {raw!r}"
+        ) from None
     if not math.isfinite(v) or v <= 0 or v > MAX_MS:
-        raise BadSloHeader(f"header {name} must be > 0 and <= {MAX_MS:.0f} ms, got {raw!r}")
+        raise BadSloHeader(name, f"header {name} must be > 0 and <= {MAX_MS:.0f} ms, got {raw!r}")
     return v / 1000.0
 
 
