@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from services.common.bus import Bus
+from services.common.index_replica import IndexReplica
 from services.common.schemas import (
     BlockStored,
     KvEventBatch,
@@ -17,7 +18,6 @@ from services.common.schemas import (
 from services.common.subjects import Subjects
 from services.core.keys import block_keys
 from services.kv_indexer.app import IndexerService
-from services.kv_indexer.replica import IndexReplica
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:

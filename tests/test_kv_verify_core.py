@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from services.common.index_replica import apply_ops
 from services.common.schemas import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,7 +24,6 @@ from services.kv_indexer.divergence import (
     gpu_replay,
     repair_steps,
 )
-from services.kv_indexer.replica import apply_ops
 from tests.test_kv_support import batch, chain, hb, stored
 
 

@@ -54,8 +54,8 @@ from services.common.schemas import (
     to_builtins,
 )
 from services.common.streams import ensure_kv_events_stream
+from services.core.snapshot import state_to_chunks
 from services.kv_indexer.core import IndexerCore, decode_batch
-from services.kv_indexer.snapshot import state_to_chunks
 from services.kv_indexer.verifier import Verifier
 
 log = get_logger("kv_indexer")
