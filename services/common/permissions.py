@@ -112,7 +112,13 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 *_js_manage(s.kv_events_stream),
                 *_js_consume(s.kv_events_stream),
             ),
-            subscribe=(s.heartbeat_all, s.kv_index_snapshot, s.kv_query, inbox),
+            subscribe=(
+                s.heartbeat_all,
+                s.kv_index_snapshot,
+                s.kv_query,
+                s.kv_index_verify,
+                inbox,
+            ),
             allow_responses=True,
         )
     if role == "router":
@@ -167,6 +173,7 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
     if role == "operator":
         return Permissions(
             publish=(
+                s.kv_index_verify,  # kvgate index verify
                 js_info,
                 f"$JS.API.STREAM.INFO.{s.alerts_stream}",
                 *_js_consume(s.alerts_stream),
