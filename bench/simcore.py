@@ -155,9 +155,7 @@ def simulate(
     )
     states = {w: T.WorkerState(worker_id=w, model=opts.model, capacity=cap) for w in names}
     snapshot = T.ClusterSnapshot(workers=states, now=0.0)
-    # no lookup mirror: the simulator applies every engine's KV events (writes dominate: the
-    # mirror made the Mooncake run ~25% slower); answers are the same either way
-    index = PrefixIndex(fast=False)
+    index = PrefixIndex()
     busy: dict[str, bool] = dict.fromkeys(names, False)
     telemetry = opts.telemetry_interval_s > 0
     sampled_at = -1e18
