@@ -2,7 +2,7 @@
 
 1. **decision**: the router's own decision path (parse + tokenize a 4096-token prompt, lazy
    prefix match against a PrefixIndex of 1 M blocks over 64 workers, kv_aware over 64 worker
-   states) through the live router's code (``Router.decide_for``), N times: p50 / p99.
+   states) through the live router's code (``Decider.decide_for``), N times: p50 / p99.
    Target p50 <= 150 us.
 2. **proxy**: an instant-answer worker (separate process), then the same requests sent
    directly, through ``kvgate router`` and through ``sglang-router`` (cache_aware), in this run:
@@ -103,13 +103,13 @@ def bench_decision(iters: int, workers: int = 64, blocks: int = 1_000_000) -> di
             t0 = time.perf_counter()
             parsed = await router.parser.parse(body, chat=False)
             t1 = time.perf_counter()
-            d, _ = router.decide_for(parsed, f"r{i}", None, policy, set())
+            d, _ = router.decider.decide_for(parsed, f"r{i}", None, policy, set())
             t2 = time.perf_counter()
             # components, separately. "hash + prefix match" is the lazy match_prompt path
             # (hashing stops where no worker matches); decide_for hashes the whole chain once
             # when the policy keeps routed memory and matches those keys, so the components
             # need not add up to the total exactly.
-            overlaps = router._overlaps(parsed, router.state.states)
+            overlaps = router.decider.overlaps(parsed, router.state.states)
             t3 = time.perf_counter()
             req = RequestInfo(f"r{i}", "m", len(parsed.token_ids), 128)
             decide(policy, req, router.state.snapshot, overlaps)

@@ -1,28 +1,36 @@
 """The cluster simulator's core: N engine cores on one virtual clock, routed by the router's own
-policy code. Pure: no I/O, no wall clock; the same inputs give the same results.
+request-lifecycle code. Pure: no I/O, no wall clock; the same inputs give the same results.
 
 Pieces (all shared with the live system):
+- ``services.core.lifecycle.RequestLifecycle`` over ``services.core.cluster.ClusterState``:
+  the code the live router runs per request (decide, dispatch with its ticket, follower holds,
+  hot-prefix replicas, first token, end), here with the virtual clock passed in; and its
+  ``AdmissionQueue`` (FIFO, timed) for requests whose decision is ``wait``.
 - ``services.core.engine.Engine``: the simulated worker's engine model (paged KV cache
   with prefix caching, continuous batching, step-time model). The live sim-worker runs the
   same class on the wall clock.
-- ``services.core.policy.decide``: the function the live router calls per request, on a
-  :class:`ClusterSnapshot` built like the router builds it (in-flight counts it tracks itself,
-  engine load sampled every ``telemetry_interval_s`` like heartbeats/telemetry).
 - ``services.core.index.PrefixIndex``: fed the engines' KV events, like the indexer.
+
+What the simulator owns is what happens between the lifecycle's steps: the engine calls (a
+request is handed to its engine instead of POSTed), telemetry (every engine's load fed to
+``ClusterState.on_load`` every ``telemetry_interval_s``, like the telemetry agent), and when
+a queued request is retried (whenever a request finishes, head of the queue first; the live
+router retries every waiter whenever capacity may have changed).
 
 Event loop: a heap of (time, seq, kind, payload). An engine is either idle or inside one step;
 ``Engine.step(now)`` returns the step's outputs and its duration, and the outputs (tokens,
 finished requests, KV events) take effect at ``now + duration``, when the next step starts.
-A request whose decision is ``wait`` joins a FIFO router queue that is retried whenever a
-request finishes; it is rejected after ``queue_timeout_s`` (the router's 429).
+A request is rejected after ``queue_timeout_s`` in the queue (the router's 429).
 
-Invariants: every request ends with exactly one :class:`RequestResult`; virtual time never
-goes backwards; an engine runs at most one step at a time.
+Invariants: every request ends with exactly one :class:`RequestResult`; every ticket the
+lifecycle hands out is released once (at the request's end, or when its engine refuses it);
+virtual time never goes backwards; an engine runs at most one step at a time.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -31,8 +39,12 @@ from typing import Any
 from bench.metrics import ERROR, OK, REJECTED, TIMEOUT, CacheCounters, RequestResult
 from bench.workloads import BenchRequest
 from services.common import schemas
+from services.core import engine as eng_mod
+from services.core.cluster import ClusterState, Ticket
 from services.core.index import PrefixIndex
-from services.core.keys import block_keys, block_seed, blocks_needed
+from services.core.keys import block_keys, block_seed
+from services.core.lifecycle import AdmissionQueue, RequestLifecycle
+from services.core.policy import RequestInfo, build_policy
 
 _ARRIVE, _STEP, _EXPIRE, _RELEASE = 0, 1, 2, 3
 
@@ -68,48 +80,22 @@ class SimRun:
     held: int = 0  # requests the policy held until their prefix's first request had a token
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Live:
     req: BenchRequest
     result: RequestResult
     keys: tuple[int, ...]
+    rid: str  # the request id the router and the engine know it by (a replica's own)
     worker: str | None = None
+    ticket: Ticket | None = None  # its claim on ``worker`` (services.core.lifecycle)
     first: float | None = None
     last: float | None = None
-    enqueued: float = 0.0
-    prefill_tokens: int = 0
-    blocks: int = 0  # KV blocks reserved by the router for this request
-    dispatched: float = 0.0
     replica: bool = False  # a router-made one-token copy (hot-prefix replication), not a user's
-    ended: bool = False  # finished (or failed) on its worker
     sreq: Any = None  # the engine request while held (follower hold), else None
 
 
-def engine_api():
-    """The engine module, or a clear error naming what is missing."""
-    try:
-        from services.core import engine  # noqa: PLC0415
-    except ImportError as exc:  # pragma: no cover - only before the engine lands
-        raise RuntimeError(
-            f"the simulator needs services.core.engine (Engine, EngineConfig, SimRequest): {exc}"
-        ) from exc
-    return engine
-
-
-def policy_api():
-    """(build_policy, decide, types module) of the router's policy core."""
-    try:
-        import services.core.policy.builtin  # noqa: F401, PLC0415 - registers the built-ins
-        from services.core.policy import types  # noqa: PLC0415
-        from services.core.policy.base import build_policy, decide  # noqa: PLC0415
-    except ImportError as exc:  # pragma: no cover - only before the policies land
-        raise RuntimeError(f"the simulator needs services.core.policy: {exc}") from exc
-    return build_policy, decide, types
-
-
 def make_engine_config(overrides: dict[str, Any]):
-    eng = engine_api()
-    cfg = eng.EngineConfig()
+    cfg = eng_mod.EngineConfig()
     unknown = set(overrides) - set(cfg.__dataclass_fields__)
     if unknown:
         raise ValueError(
@@ -138,42 +124,33 @@ def simulate(
     ``keys`` (from :func:`request_keys`) may be passed to share the hashing between runs.
     ``progress`` is called with the number of newly completed requests (e.g. tqdm.update).
     """
-    eng_mod = engine_api()
-    build_policy, decide, T = policy_api()
     cfg = make_engine_config(opts.engine)
     bs = cfg.block_size
     if keys is None:
         keys = request_keys(requests, bs, getattr(cfg, "hash_seed", 0))
     policy = build_policy(policy_spec)
+    with_keys = RequestLifecycle.wants_block_keys(policy)  # like the live router
     names = [f"{opts.worker_prefix}-{i}" for i in range(opts.num_workers)]
     engines = {w: eng_mod.Engine(replace(cfg, seed=cfg.seed + i), w) for i, w in enumerate(names)}
-    cap = T.Capacity(
+    # the router's own state and lifecycle; workers never time out on the virtual clock (they
+    # heartbeat once) and telemetry is as fresh as its sampling interval
+    state = ClusterState(worker_timeout=math.inf, telemetry_stale_s=math.inf, remote_ttl_s=math.inf)
+    life: RequestLifecycle[_Live] = RequestLifecycle(state)
+    capacity = schemas.WorkerCapacity(
         block_size=bs,
         num_gpu_blocks=cfg.num_gpu_blocks,
         max_num_seqs=cfg.max_num_seqs,
         max_model_len=cfg.max_model_len,
     )
-    states = {w: T.WorkerState(worker_id=w, model=opts.model, capacity=cap) for w in names}
-    snapshot = T.ClusterSnapshot(workers=states, now=0.0)
+    for w in names:
+        hb = schemas.WorkerHeartbeat(
+            worker_id=w, instance_id=w, url=f"sim://{w}", model=opts.model, capacity=capacity
+        )
+        state.on_heartbeat(hb, 0.0)
     index = PrefixIndex()
     busy: dict[str, bool] = dict.fromkeys(names, False)
     telemetry = opts.telemetry_interval_s > 0
     sampled_at = -1e18
-    sample_free: dict[str, int] = dict.fromkeys(names, cfg.num_gpu_blocks)
-    # blocks of in-flight requests: all of them, and those dispatched since the last sample
-    reserved: dict[str, int] = dict.fromkeys(names, 0)
-    reserved_since: dict[str, int] = dict.fromkeys(names, 0)
-
-    def update_free(w: str) -> None:
-        """What the live router estimates (services/router/state.py): telemetry's free blocks
-        minus blocks reserved since that sample; without telemetry, capacity minus reserved."""
-        if telemetry:
-            states[w].kv_blocks_free = max(0, sample_free[w] - reserved_since[w])
-        else:
-            states[w].kv_blocks_free = max(0, cfg.num_gpu_blocks - reserved[w])
-
-    for w in names:
-        update_free(w)
     use_gpu = opts.gpu_gauges
     if use_gpu is None:
         use_gpu = policy_spec.get("name") == "gpu_aware"
@@ -192,10 +169,10 @@ def simulate(
         heapq.heappush(heap, (t, seq, kind, payload))
 
     lives = [
-        _Live(r, RequestResult(r.request_id, prompt_tokens=r.prompt_tokens), keys[i])
+        _Live(r, RequestResult(r.request_id, prompt_tokens=r.prompt_tokens), keys[i], r.request_id)
         for i, r in enumerate(requests)
     ]
-    by_id = {lv.req.request_id: lv for lv in lives}
+    by_id = {lv.rid: lv for lv in lives}
     # session chains: a turn becomes ready when its predecessor finished
     prev_turn: dict[str, _Live] = {}
     waiting_on: dict[str, _Live] = {}  # predecessor request id -> next turn
@@ -203,7 +180,7 @@ def simulate(
         sid = lv.req.session_id
         if sid is not None:
             if sid in prev_turn:
-                waiting_on[prev_turn[sid].req.request_id] = lv
+                waiting_on[prev_turn[sid].rid] = lv
             prev_turn[sid] = lv
     blocked = {id(lv) for lv in waiting_on.values()}
 
@@ -217,31 +194,41 @@ def simulate(
             push(lv.req.arrival_s, _ARRIVE, lv)
         order.clear()
 
-    queue: deque[_Live] = deque()
+    queue: AdmissionQueue[_Live] = AdmissionQueue(math.inf, opts.queue_timeout_s)
     counts = {"replicas": 0, "held": 0}
-    held: dict[str, list[_Live]] = {}  # leader request id -> requests held until its 1st token
     done = 0
     steps = decisions = 0
     now = 0.0
 
     def refresh(t: float) -> None:
+        """Telemetry: every engine's load as the router sees it, every sampling interval."""
         nonlocal sampled_at
         if not telemetry or t - sampled_at < opts.telemetry_interval_s:
             return
         sampled_at = t
         for w, e in engines.items():
-            st = states[w]
-            st.running = e.num_running
-            st.waiting = e.num_waiting
-            st.kv_usage = e.kv_usage
-            sample_free[w] = e.num_free_blocks
-            reserved_since[w] = 0
-            update_free(w)
+            samples = []
             if gpus:
                 g = gpus[w].sample(t, e)
-                st.gpu_sm_util = g.sm_util_percent / 100.0
-                st.gpu_bw_util = g.mem_bw_util_percent / 100.0
-                st.gpu_mem_used = g.mem_used_bytes / g.mem_total_bytes
+                samples.append(
+                    schemas.GpuSample(
+                        index=0,
+                        sm_util_pct=g.sm_util_percent,
+                        mem_bw_util_pct=g.mem_bw_util_percent,
+                        mem_used_bytes=g.mem_used_bytes,
+                        mem_total_bytes=g.mem_total_bytes,
+                    )
+                )
+            load = schemas.WorkerLoad(
+                worker_id=w,
+                ts=t,
+                running=e.num_running,
+                waiting=e.num_waiting,
+                kv_usage=e.kv_usage,
+                kv_blocks_free=e.num_free_blocks,
+                gpus=samples,
+            )
+            state.on_load(load, t)
 
     def finish(lv: _Live, status: str, t: float, error: str = "") -> None:
         nonlocal done
@@ -253,7 +240,7 @@ def simulate(
         done += 1
         if progress is not None:
             progress(1)
-        nxt = waiting_on.pop(lv.req.request_id, None)
+        nxt = waiting_on.pop(lv.rid, None)
         if nxt is not None:
             push(max(t, nxt.req.arrival_s) if not closed else t, _ARRIVE, nxt)
         elif closed and order:
@@ -272,140 +259,109 @@ def simulate(
             gpus[w].record_step(t, end, out)
         push(end, _STEP, (w, out))
 
+    def end(lv: _Live, t: float) -> None:
+        """``lv`` ended on its worker (finished or refused): the lifecycle releases its claim;
+        followers still held on it go now."""
+        assert lv.ticket is not None
+        followers = life.end(lv.rid, lv.ticket)
+        if followers:
+            push(t, _RELEASE, (None, followers))
+
+    def engine_request(lv: _Live, max_tokens: int, t: float):
+        return eng_mod.SimRequest(
+            request_id=lv.rid,
+            prompt_token_ids=lv.req.token_ids(),
+            max_tokens=max_tokens,
+            arrival_time=t,
+            prompt_block_keys=lv.keys,  # hashed once above; the engine checks they fit
+        )
+
+    def send(lv: _Live, sreq: Any, t: float) -> bool:
+        """Hand ``lv`` to its worker's engine; False (its claim released and, unless a replica,
+        the request finished as rejected) when the engine refuses it."""
+        w = lv.worker
+        assert w is not None
+        try:
+            engines[w].add_request(sreq, t)
+        except eng_mod.AdmissionError as exc:
+            end(lv, t)
+            if not lv.replica:
+                finish(lv, REJECTED, t, str(exc))
+            return False
+        if not busy[w]:
+            start_engine(w, t)
+        return True
+
     def try_route(lv: _Live, t: float) -> bool:
         """True when handled (dispatched or failed); False when it must wait."""
         nonlocal decisions
         refresh(t)
-        snapshot.now = t
         req = lv.req
-        info = T.RequestInfo(
-            request_id=req.request_id,
+        info = RequestInfo(
+            request_id=lv.rid,
             model=opts.model,
             prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens,
-            block_keys=lv.keys,
+            block_keys=lv.keys if with_keys else (),
             session_id=req.session_id,
         )
         overlaps = index.find_matches(lv.keys) if lv.keys else {}
         decisions += 1
-        d = decide(policy, info, snapshot, overlaps)
+        d = life.decide(policy, info, overlaps, t)
         if d.worker_id is None:
             if d.wait:
                 return False
             finish(lv, REJECTED, t, d.never_fits or d.reason)
             return True
         w = d.worker_id
-        lead = by_id.get(d.after) if d.after is not None else None
-        hold = lead is not None and lead.worker is not None and lead.first is None
-        hold = hold and not lead.ended
-        if not dispatch(lv, w, lv.req.max_tokens, lv.req.request_id, overlaps, t, not hold):
-            return True
+        hold = life.must_hold(d)
+        lv.ticket = life.dispatch(lv.rid, w, req.prompt_tokens, req.max_tokens, d.cached_tokens, t)
+        lv.worker = w
+        sreq = engine_request(lv, req.max_tokens, t)
         if hold:  # sent when the leader has its first token (or ended, or hold_s passed)
-            held.setdefault(d.after, []).append(lv)
+            assert d.after is not None
+            lv.sreq = sreq
+            life.holds.hold(d.after, lv)
             counts["held"] += 1
             push(t + d.hold_s, _RELEASE, (d.after, lv))
+        elif not send(lv, sreq, t):
+            return True
         lv.result.worker = w
-        for rw in d.replicate_to:  # hot-prefix replication: a one-token copy, like the router
-            rid = T.replica_id(req.request_id, rw)
-            rep = _Live(req, RequestResult(rid, prompt_tokens=req.prompt_tokens), lv.keys)
-            rep.replica = True
-            if dispatch(rep, rw, 1, rid, overlaps, t):
-                by_id[rid] = rep
+        for rep in life.replicas(lv.rid, d, req.prompt_tokens, overlaps, t):
+            # hot-prefix replication: a one-token copy, like the router
+            rl = _Live(
+                req,
+                RequestResult(rep.request_id, prompt_tokens=req.prompt_tokens),
+                lv.keys,
+                rep.request_id,
+                rep.worker_id,
+                rep.ticket,
+                replica=True,
+            )
+            if send(rl, engine_request(rl, 1, t), t):
+                by_id[rl.rid] = rl
                 counts["replicas"] += 1
         return True
 
-    def dispatch(
-        lv: _Live,
-        w: str,
-        max_tokens: int,
-        rid: str,
-        overlaps: dict[str, int],
-        t: float,
-        send: bool = True,
-    ) -> bool:
-        """Hand ``lv`` to engine ``w`` (unless ``send`` is False: held, sent by :func:`release`)
-        and count it there like the router does; False (and the request finished as rejected,
-        unless a replica) when the engine refuses it."""
-        req = lv.req
-        sreq = eng_mod.SimRequest(
-            request_id=rid,
-            prompt_token_ids=req.token_ids(),
-            max_tokens=max_tokens,
-            arrival_time=t,
-            prompt_block_keys=lv.keys,  # hashed once above; the engine checks they fit
-        )
-        if send:
-            try:
-                engines[w].add_request(sreq, t)
-            except eng_mod.AdmissionError as exc:
-                if not lv.replica:
-                    finish(lv, REJECTED, t, str(exc))
-                return False
-        else:
-            lv.sreq = sreq
-        st = states[w]
-        st.inflight += 1
-        uncached = max(0, req.prompt_tokens - overlaps.get(w, 0) * bs)
-        st.pending_prefill_tokens += uncached
-        need = max(0, blocks_needed(req.prompt_tokens, max_tokens, bs) - overlaps.get(w, 0))
-        lv.prefill_tokens = uncached
-        lv.blocks = need
-        lv.dispatched = t
-        reserved[w] += need
-        reserved_since[w] += need
-        update_free(w)
-        lv.worker = w
-        if send and not busy[w]:
-            start_engine(w, t)
-        return True
-
-    def uncount(lv: _Live, w: str) -> None:
-        """Undo what :func:`dispatch` counted on ``w`` (the request ended or was refused)."""
-        st = states[w]
-        st.inflight -= 1
-        reserved[w] -= lv.blocks
-        if lv.dispatched >= sampled_at:
-            reserved_since[w] -= lv.blocks
-        update_free(w)
-        if lv.first is None:  # no first token released its queued prefill
-            st.pending_prefill_tokens = max(0, st.pending_prefill_tokens - lv.prefill_tokens)
-
-    def release(lead_id: str, t: float, only: _Live | None = None) -> None:
-        """Send the requests held on ``lead_id`` (or just ``only``, at its hold deadline)."""
-        group = held.get(lead_id)
-        if not group:
-            return
-        go = group if only is None else [x for x in group if x is only]
-        if only is None:
-            del held[lead_id]
-        else:
-            group.remove(only)
-            if not group:
-                del held[lead_id]
-        for lv in go:
+    def release(group: list[_Live], t: float) -> None:
+        """Send held requests (their leader's first token came, or their hold_s passed)."""
+        for lv in group:
+            if lv.sreq is None:  # already sent
+                continue
             sreq, lv.sreq = lv.sreq, None
             sreq.arrival_time = t
-            w = lv.worker
-            try:
-                engines[w].add_request(sreq, t)
-            except eng_mod.AdmissionError as exc:
-                uncount(lv, w)
-                lv.ended = True
-                finish(lv, REJECTED, t, str(exc))
-                continue
-            if not busy[w]:
-                start_engine(w, t)
+            send(lv, sreq, t)
 
     def drain_queue(t: float) -> None:
         while queue:
-            lv = queue[0]
-            if t - lv.enqueued > opts.queue_timeout_s:
-                queue.popleft()
+            lv = queue.head()
+            if queue.expired(lv, t):
+                queue.leave(lv)
                 finish(lv, REJECTED, t, "router queue timeout (429)")
                 continue
             if not try_route(lv, t):
                 return
-            queue.popleft()
+            queue.leave(lv)
 
     total = len(lives)
     while heap and done < total:
@@ -418,15 +374,17 @@ def simulate(
             lv = payload
             lv.result.send_s = t
             if queue or not try_route(lv, t):
-                lv.enqueued = t
-                queue.append(lv)
+                queue.join(lv, t)
                 push(t + opts.queue_timeout_s + 1e-9, _EXPIRE, None)
         elif kind == _EXPIRE:
             drain_queue(t)
         elif kind == _RELEASE:
-            lead_id, lv = payload
-            if lv is None or lv.sreq is not None:
-                release(lead_id, t, lv)
+            lead_id, who = payload
+            if lead_id is None:  # the leader's first token or end released them all
+                release(who, t)
+            elif who.sreq is not None:  # this follower's hold_s passed
+                life.holds.drop(lead_id, who)
+                release([who], t)
         else:
             w, out = payload
             for ev in out.kv_events:
@@ -436,7 +394,6 @@ def simulate(
                     index.apply_removed(w, ev.keys, ev.tier)
                 elif isinstance(ev, schemas.AllBlocksCleared):
                     index.clear_worker(w)
-            st = states[w]
             for rid, toks in out.tokens.items():
                 if not toks:
                     continue
@@ -445,16 +402,14 @@ def simulate(
                     continue
                 if lv.first is None:
                     lv.first = t
-                    if rid in held:
-                        # after this engine's next step has started: the live router learns
-                        # of the token from the stream, and the engine does not wait for it
-                        push(t, _RELEASE, (rid, None))
+                    assert lv.ticket is not None
+                    # followers go after this engine's next step has started: the live router
+                    # learns of the token from the stream, and the engine does not wait for it
+                    followers = life.first_token(rid, lv.ticket, t)
+                    if followers:
+                        push(t, _RELEASE, (None, followers))
                     if not lv.replica:
                         lv.result.ttft_s = t - lv.result.send_s
-                    st.pending_prefill_tokens = max(
-                        0, st.pending_prefill_tokens - lv.prefill_tokens
-                    )
-                    st.first_token_at = t  # like the live router's state.first_token(now)
                 elif lv.last is not None:
                     lv.result.itl_s.append(t - lv.last)
                 lv.last = t
@@ -463,10 +418,7 @@ def simulate(
                 lv = by_id.get(fin.request_id)
                 if lv is None:
                     continue
-                uncount(lv, w)
-                lv.ended = True
-                if fin.request_id in held:
-                    push(t, _RELEASE, (fin.request_id, None))
+                end(lv, t)
                 if lv.replica:
                     del by_id[fin.request_id]
                     continue

@@ -402,7 +402,7 @@ def test_router_state_gives_the_policy_its_first_token_times() -> None:
     """The live router's half of the clock: ``first_token(ticket, now)`` records when the
     worker's prefill ended (once per request), and the pending prefill drops at that moment."""
     from services.common.schemas import WorkerCapacity, WorkerHeartbeat
-    from services.router.state import ClusterState
+    from services.core.cluster import ClusterState
 
     st = ClusterState()
     cap = WorkerCapacity(block_size=16, num_gpu_blocks=1000, max_num_seqs=8, max_model_len=4096)

@@ -21,7 +21,7 @@ async def test_every_waiter_wakes_at_the_first_token() -> None:
     w.sent("lead")
     waiters = [asyncio.create_task(w.wait("lead", 30.0)) for _ in range(3)]
     await asyncio.sleep(0)  # one loop turn: the waiters start and wait (no time passes)
-    assert w._pending["lead"] is not None and not any(t.done() for t in waiters)
+    assert len(w._pending["lead"]) == 3 and not any(t.done() for t in waiters)
     w.done("lead")
     assert await asyncio.gather(*waiters) == ["token"] * 3
     assert not w.pending("lead")

@@ -186,3 +186,28 @@ def test_held_followers_reach_the_infinite_cache_bound():
         assert (run.held > 0) is hold
     assert rates[True] == pytest.approx(bound, abs=1e-9)
     assert rates[False] < bound - 0.001  # seed 0 has same-step duplicates without the hold
+
+
+@pytest.mark.parametrize(("routed_ttl", "with_keys"), [(256, True), (0, False)])
+def test_the_policy_sees_block_keys_exactly_when_the_live_router_passes_them(
+    ssp, monkeypatch, routed_ttl, with_keys
+):
+    """The live router hashes the whole key chain into ``RequestInfo.block_keys`` only for a
+    policy with ``routed_ttl`` > 0 (services/router/decide.py); ``kv_aware`` tells prefixes
+    apart by those keys, so a simulator that always passed them would measure another policy
+    than the one that ships with ``routed_ttl`` 0."""
+    from services.core import lifecycle
+
+    seen: list[tuple[int, ...]] = []
+    real = lifecycle.decide
+
+    def spy(policy, request, snapshot, overlaps):
+        seen.append(request.block_keys)
+        return real(policy, request, snapshot, overlaps)
+
+    monkeypatch.setattr(lifecycle, "decide", spy)
+    spec = {"name": "kv_aware", "params": {"routed_ttl": routed_ttl}}
+    run = simulate(ssp.requests, spec, SimOptions(num_workers=4))
+    assert all(r.status == OK for r in run.results)
+    assert len(seen) == run.decisions > 0
+    assert all(bool(keys) == with_keys for keys in seen)

@@ -7,6 +7,11 @@
   the pure-Python index, selected by :data:`services.core.index.PrefixIndex` when built.
 - :mod:`services.core.policy`: routing policies as pure functions of (request, cluster
   snapshot) -> decision; filters, scorers and pickers registered by name.
+- :mod:`services.core.cluster`: the router's view of the cluster (``ClusterState``: worker
+  states from heartbeats / telemetry / control, and the tickets of dispatched requests).
+- :mod:`services.core.lifecycle`: one request's lifecycle on an injected clock (decide,
+  admission queue, dispatch with replicas and follower holds, first token, end), driven by
+  the live router on the wall clock and by the cluster simulator on its virtual clock.
 - :mod:`services.core.engine` and :mod:`services.core.kvcache`: the vLLM-like engine model
   (scheduler, paged prefix cache, step-time model) that the simulated worker and the cluster
   simulator both run.

@@ -1,14 +1,12 @@
-"""Which dispatched requests have not had their first token yet, and who waits for them.
+"""Follower holds on the live clock: :class:`FirstTokenWaits` is the lifecycle's
+:class:`~services.core.lifecycle.FirstTokenHolds` whose followers are asyncio events.
 
-``kv_aware`` may answer "send this request after request X's first token" (``Decision.after``):
-X is computing, or waiting to compute, the prefix this request needs on the same worker, and
-an engine that starts both in one step computes the prefix twice. The router marks every
-request it sends (user requests and one-token replicas) with :meth:`FirstTokenWaits.sent`,
-and :meth:`FirstTokenWaits.done` when its first token arrives or it ends, whichever is first.
+``kv_aware`` may answer "send this request after request X's first token" (``Decision.after``).
+Every request the router sends (user requests and one-token replicas) is marked ``sent`` at
+dispatch and ``done`` at its first token or its end, whichever is first (services.core.lifecycle).
 
-Invariants: a request id is in ``_pending`` from ``sent`` to ``done``; every waiter of it is
-woken by ``done`` (or gives up at its timeout); waiting on an id that is not pending returns
-at once. No I/O; one event loop.
+Invariants: every waiter of a request is woken by its ``done`` (or gives up at its timeout and
+is dropped); waiting on a request that is not pending returns at once. One event loop.
 """
 
 from __future__ import annotations
@@ -16,36 +14,24 @@ from __future__ import annotations
 import asyncio
 
 from services.common.aio import wait_event
+from services.core.lifecycle import FirstTokenHolds
 
 
-class FirstTokenWaits:
-    def __init__(self) -> None:
-        # request id -> the event its waiters wait on (None until somebody waits)
-        self._pending: dict[str, asyncio.Event | None] = {}
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def sent(self, request_id: str) -> None:
-        """``request_id`` was sent to a worker and has no first token yet."""
-        if request_id not in self._pending:
-            self._pending[request_id] = None
-
-    def done(self, request_id: str) -> None:
+class FirstTokenWaits(FirstTokenHolds[asyncio.Event]):
+    def done(self, request_id: str) -> list[asyncio.Event]:
         """``request_id`` has its first token, or ended: wake whoever waits for it."""
-        ev = self._pending.pop(request_id, None)
-        if ev is not None:
+        followers = super().done(request_id)
+        for ev in followers:
             ev.set()
-
-    def pending(self, request_id: str) -> bool:
-        return request_id in self._pending
+        return followers
 
     async def wait(self, request_id: str, timeout: float) -> str:
         """Wait until ``request_id`` is done: ``"none"`` when it was not pending (nothing to
         wait for), ``"token"`` when it became done, ``"timeout"`` after ``timeout`` seconds."""
-        if request_id not in self._pending:
+        ev = asyncio.Event()
+        if not self.hold(request_id, ev):
             return "none"
-        ev = self._pending[request_id]
-        if ev is None:
-            ev = self._pending[request_id] = asyncio.Event()
-        return "token" if await wait_event(ev, timeout) else "timeout"
+        if await wait_event(ev, timeout):
+            return "token"
+        self.drop(request_id, ev)
+        return "timeout"

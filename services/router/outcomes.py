@@ -1,6 +1,8 @@
-"""Outcome publishing off the request path: a bounded buffer and a background publisher.
+"""A request's outcome: its metrics and one ``RouterOutcome``, published off the request path
+through a bounded buffer and a background publisher.
 
-Invariants: :meth:`OutcomePublisher.submit` never blocks and never raises; when the buffer
+Invariants: :meth:`OutcomeRecorder.record` runs exactly once per request (the request path
+calls it in ``finally``); :meth:`OutcomePublisher.submit` never blocks and never raises; when the buffer
 is full (NATS down for long, or too slow) the outcome is dropped and counted
 (``kvgate_router_outcomes_dropped_total{reason="buffer_full"}``); while NATS is down the
 publisher waits for the reconnect and then drains what is buffered.
@@ -10,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from services.common.aio import cancel_and_wait, wait_event
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import RouterOutcome, encode
+from services.router import metrics as M
 from services.router.metrics import OUTCOMES_DROPPED
+from services.router.proxy import Ctx
 
 log = get_logger("router.outcomes")
 
@@ -76,3 +81,53 @@ class OutcomePublisher:
             await self._publish(batch)
             for _ in batch:
                 self.queue.task_done()
+
+
+class OutcomeRecorder:
+    """Metrics and the published outcome of each finished request."""
+
+    def __init__(self, router_id: str, publisher: OutcomePublisher) -> None:
+        self.router_id = router_id
+        self.publisher = publisher
+        self.hit_pred = M.HitRate("predicted")
+        self.hit_reported = M.HitRate("reported")
+
+    def record(self, ctx: Ctx) -> None:
+        e2e = time.perf_counter() - ctx.t0
+        pol = ctx.arm.policy.name
+        M.child(M.REQUESTS, pol, ctx.worker_id or "none", ctx.status).inc()
+        if ctx.status == "ok":
+            M.child(M.E2E, pol).observe(e2e)
+            if ctx.ttft is not None:
+                M.child(M.TTFT, pol).observe(ctx.ttft)
+            prompt = len(ctx.parsed.token_ids)
+            M.PROMPT_TOKENS.inc(prompt)
+            self.hit_pred.add(ctx.predicted_cached, prompt)
+            if ctx.cached_reported is not None:
+                self.hit_reported.add(ctx.cached_reported, prompt)
+        elif ctx.status == "timeout":
+            M.TIMEOUTS.inc()
+        self.publisher.submit(
+            RouterOutcome(
+                request_id=ctx.request_id,
+                router_id=self.router_id,
+                ts=time.time(),
+                policy=pol,
+                policy_version=ctx.arm.policy_version,
+                arm=ctx.arm.name,  # type: ignore[arg-type]
+                canary_id=ctx.arm.canary_id,
+                model=ctx.parsed.model,
+                worker_id=ctx.worker_id,
+                status=ctx.status,  # type: ignore[arg-type]
+                http_status=ctx.http_status,
+                prompt_tokens=len(ctx.parsed.token_ids),
+                completion_tokens=ctx.completion_tokens,
+                predicted_cached_tokens=ctx.predicted_cached,
+                cached_tokens=ctx.cached_reported,
+                ttft_s=ctx.ttft,
+                e2e_s=e2e,
+                retries=ctx.retries,
+                migrated=ctx.migrated,
+                stream=ctx.parsed.stream,
+            )
+        )

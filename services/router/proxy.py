@@ -1,6 +1,6 @@
 """Forwarding one request to a worker: retries before any output, migration mid-stream.
 
-The flow for a request (driven by :meth:`services.router.app.Router.handle`):
+The flow for a request (driven by :meth:`services.router.request_path.RequestPath.handle`):
 
 1. decide (policy core) -> worker, or queue / 400 / 404 / 503;
 2. send; on connect failure, 503 or a timeout before the response started: breaker failure,
@@ -24,6 +24,8 @@ from aiohttp import web
 from services.router import sse
 from services.router.canary import Arm
 from services.router.tokenize import Parsed
+
+SESSION_HEADERS = ("x-session-id", "x-kvgate-session")
 
 
 class WorkerFailed(Exception):
@@ -113,3 +115,67 @@ async def read_error(resp: aiohttp.ClientResponse) -> bytes:
         return await asyncio.wait_for(resp.read(), 5.0)
     except Exception:
         return b""
+
+
+class ClientGone(Exception):
+    """The client closed its connection while we were writing to it."""
+
+
+class Upstream5xx(Exception):
+    """A worker answered 5xx (other than 503): counted against its breaker, passed through."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+async def write(out: web.StreamResponse, data: bytes) -> None:
+    """Write to the client; a closed client connection raises :class:`ClientGone`."""
+    try:
+        await out.write(data)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError) as exc:
+        raise ClientGone() from exc
+
+
+def error_response(
+    status: int, message: str, etype: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    """An error in OpenAI's shape."""
+    return web.json_response(
+        {"error": {"message": message, "type": etype, "code": status}},
+        status=status,
+        headers=headers,
+    )
+
+
+def reject(
+    ctx: Ctx,
+    status: int,
+    message: str,
+    etype: str,
+    outcome: str,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    """End ``ctx`` with ``outcome`` / ``status`` and the client's error response."""
+    ctx.status, ctx.http_status = outcome, status
+    return error_response(status, message, etype, headers)
+
+
+def worker_headers(ctx: Ctx, wid: str) -> dict[str, str]:
+    """Response headers naming where and how the request was routed."""
+    return {
+        "x-kvgate-worker": wid,
+        "x-kvgate-policy": ctx.arm.policy.name,
+        "x-kvgate-arm": ctx.arm.name,
+        "x-request-id": ctx.request_id,
+    }
+
+
+def session_of(request: web.Request) -> str | None:
+    """The client's session id (a conversation), from the first session header present."""
+    for h in SESSION_HEADERS:
+        v = request.headers.get(h)
+        if v:
+            return v
+    return None

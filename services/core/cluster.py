@@ -1,9 +1,11 @@
 """The router's view of the cluster, kept as live :class:`WorkerState` objects that the policy
 core reads directly (no per-request copying: building a snapshot is O(1)).
 
-Fed by the shell (app.py) from heartbeats, telemetry, worker control, other routers' loads and
-this router's own dispatches. Time is passed in (``now`` = monotonic seconds, ``wall`` = epoch
-seconds), so the class is testable without clocks.
+Fed by the live router (services/router/cluster_feed.py) from heartbeats, telemetry, worker
+control, other routers' loads and its own dispatches (services.core.lifecycle), and by the
+cluster simulator (bench/simcore.py) the same way on its virtual clock. Time is passed in
+(``now`` = monotonic seconds, ``wall`` = epoch seconds; the simulator passes virtual seconds
+for both), so the class is pure and testable without clocks.
 
 Invariants:
 - a worker is in :attr:`states` from its first heartbeat until it has been silent for
@@ -11,7 +13,8 @@ Invariants:
   ``worker_timeout`` and its state is ``ready``;
 - ``states[w].inflight == local inflight + sum of fresh remote router reports``;
 - ``states[w].kv_blocks_free`` = telemetry free blocks minus blocks this router reserved for
-  requests dispatched after that sample (or, without telemetry, total minus all reservations);
+  requests dispatched at or after that sample's ``ts`` (or, without telemetry, total minus all
+  reservations);
 - cordon / drain from ``workers.control`` stick until ``uncordon`` (drain also from heartbeats).
 """
 
@@ -288,7 +291,9 @@ class ClusterState:
         load = e.load
         if load is not None and not s.telemetry_stale and load.kv_blocks_free is not None:
             since = load.ts
-            reserved = sum(t.blocks for t in tickets if t.wall > since)
+            # a sample taken at ts does not contain a request dispatched at ts (the simulator samples,
+            # then dispatches, at one virtual instant)
+            reserved = sum(t.blocks for t in tickets if t.wall >= since)
             s.kv_blocks_free = max(0, load.kv_blocks_free - reserved)
         else:
             loc = self._local.get(wid)

@@ -1,0 +1,220 @@
+"""One request's lifecycle in the router, on an injected clock: the code the live router and
+the cluster simulator share.
+
+    decide --(wait)--> AdmissionQueue --(capacity)--> decide again
+           --(worker)--> dispatch: ticket on the worker, follower hold?, hot-prefix replicas
+           --> first token (prefill done; followers released) --> end (ticket released)
+
+The callers own time and the engine calls: the live router (services/router/) passes the
+monotonic / wall clock and sends over HTTP with asyncio; the simulator (bench/simcore.py)
+passes its virtual clock and hands requests to the engine model (services.core.engine).
+What happens *between* the steps (an HTTP stream, an engine step) is theirs; the bookkeeping
+at each step is here, so the two cannot drift apart.
+
+Invariants:
+- every ticket from :meth:`RequestLifecycle.dispatch` / :meth:`RequestLifecycle.replicas` is
+  released exactly once by :meth:`RequestLifecycle.end` (``ClusterState.release`` is
+  idempotent);
+- a request is *pending* in :class:`FirstTokenHolds` from its dispatch until its first token
+  or its end, whichever is first; a follower is held only on a pending leader, and every
+  follower held on a leader is handed back exactly once: by the leader's first token / end,
+  or by :meth:`FirstTokenHolds.drop` (its hold timed out);
+- deciding reads the cluster state and changes nothing in it.
+No I/O, no clock: ``now`` / ``wall`` are arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from services.core.cluster import ClusterState, Ticket
+from services.core.policy import Decision, Policy, RequestInfo, decide
+from services.core.policy.types import ClusterSnapshot, replica_id
+
+F = TypeVar("F")
+Q = TypeVar("Q")
+
+
+class FirstTokenHolds(Generic[F]):
+    """Which dispatched requests have no first token yet, and which followers wait on them.
+
+    ``kv_aware`` may answer "send this request after request X's first token"
+    (``Decision.after``): X computes the prefix this request needs on the same worker, and an
+    engine that starts both in one step computes the prefix twice. A follower is whatever the
+    caller needs to wake it (an asyncio.Event live, the simulated request in the simulator).
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, list[F]] = {}  # request id -> followers held on it
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def sent(self, request_id: str) -> None:
+        """``request_id`` was dispatched and has no first token yet."""
+        self._pending.setdefault(request_id, [])
+
+    def pending(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    def hold(self, leader: str, follower: F) -> bool:
+        """Hold ``follower`` until ``leader``'s first token; False (not held) when ``leader``
+        is not pending (nothing to wait for)."""
+        followers = self._pending.get(leader)
+        if followers is None:
+            return False
+        followers.append(follower)
+        return True
+
+    def drop(self, leader: str, follower: F) -> None:
+        """``follower`` stops waiting (its hold timed out)."""
+        followers = self._pending.get(leader)
+        if followers is not None:
+            for i, f in enumerate(followers):
+                if f is follower:
+                    del followers[i]
+                    break
+
+    def done(self, request_id: str) -> list[F]:
+        """``request_id`` has its first token, or ended: its followers, to be released."""
+        return self._pending.pop(request_id, None) or []
+
+
+class AdmissionQueue(Generic[Q]):
+    """Requests waiting for capacity (every worker at capacity: ``Decision.wait``).
+
+    Bounded by ``size`` (a request that finds it full is refused: the router's 429); a
+    request may wait ``timeout_s`` (then it is refused too). Entries keep their arrival order.
+    """
+
+    def __init__(self, size: float, timeout_s: float) -> None:
+        self.size = size
+        self.timeout_s = timeout_s
+        self._since: dict[Q, float] = {}  # entry -> when it joined (insertion = FIFO order)
+
+    def __len__(self) -> int:
+        return len(self._since)
+
+    def __bool__(self) -> bool:
+        return bool(self._since)
+
+    def join(self, entry: Q, now: float) -> bool:
+        """Wait from ``now``; False (not queued) when the queue is full."""
+        if len(self._since) >= self.size:
+            return False
+        self._since[entry] = now
+        return True
+
+    def leave(self, entry: Q) -> None:
+        self._since.pop(entry, None)
+
+    def head(self) -> Q:
+        return next(iter(self._since))
+
+    def left_s(self, entry: Q, now: float) -> float:
+        """Seconds ``entry`` may still wait (<= 0: it waited ``timeout_s``)."""
+        return self._since[entry] + self.timeout_s - now
+
+    def expired(self, entry: Q, now: float) -> bool:
+        return now - self._since[entry] > self.timeout_s
+
+
+@dataclass(slots=True)
+class Replica:
+    """A one-token copy of a request sent to ``worker_id`` so it computes the hot prefix."""
+
+    request_id: str
+    worker_id: str
+    ticket: Ticket
+
+
+class RequestLifecycle(Generic[F]):
+    """The request lifecycle over one :class:`ClusterState`; see the module docstring."""
+
+    def __init__(self, state: ClusterState, holds: FirstTokenHolds[F] | None = None) -> None:
+        self.state = state
+        self.holds: FirstTokenHolds[F] = holds if holds is not None else FirstTokenHolds()
+
+    @staticmethod
+    def wants_block_keys(policy: Policy) -> bool:
+        """Does ``policy`` get the prompt's whole block-key chain in ``RequestInfo.block_keys``?
+        Only policies that remember where they sent a prefix (``routed_ttl`` > 0) use it, and
+        hashing the whole chain costs the live router a pass over the prompt; a policy that
+        gets keys also tells prefixes apart by them, so both callers must ask here."""
+        return bool(policy.params.get("routed_ttl"))
+
+    def decide(
+        self,
+        policy: Policy,
+        request: RequestInfo,
+        overlaps: dict[str, int],
+        now: float,
+        excluded: Iterable[str] = (),
+    ) -> Decision:
+        """The policy's decision over the current state (without the ``excluded`` workers);
+        ``now`` is the policy's clock (the one :meth:`first_token` stamps prefills with)."""
+        excluded = set(excluded)
+        if excluded:
+            states = {k: v for k, v in self.state.states.items() if k not in excluded}
+            snap = ClusterSnapshot(states, now)
+        else:
+            snap = self.state.snapshot
+            snap.now = now
+        return decide(policy, request, snap, overlaps)
+
+    def dispatch(
+        self,
+        request_id: str,
+        worker_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        cached_tokens: int,
+        wall: float,
+    ) -> Ticket:
+        """The request's claim on ``worker_id``; it is pending until its first token."""
+        ticket = self.state.reserve(worker_id, prompt_tokens, max_tokens, cached_tokens, wall)
+        self.holds.sent(request_id)
+        return ticket
+
+    def must_hold(self, d: Decision) -> bool:
+        """Should the request wait for ``d.after``'s first token before it is sent?"""
+        return d.after is not None and self.holds.pending(d.after)
+
+    def replicas(
+        self,
+        request_id: str,
+        d: Decision,
+        prompt_tokens: int,
+        overlaps: dict[str, int],
+        wall: float,
+    ) -> list[Replica]:
+        """Claims for the decision's hot-prefix replicas (one-token copies), on workers still
+        known; each is pending like a request and ends with :meth:`end`."""
+        out: list[Replica] = []
+        for wid in d.replicate_to:
+            s = self.state.states.get(wid)
+            if s is None:
+                continue
+            rid = replica_id(request_id, wid)
+            cached = min(overlaps.get(wid, 0) * s.capacity.block_size, prompt_tokens)
+            out.append(Replica(rid, wid, self.dispatch(rid, wid, prompt_tokens, 1, cached, wall)))
+        return out
+
+    def first_token(self, request_id: str, ticket: Ticket, now: float) -> list[F]:
+        """The request's first token (its prefill is done): the followers it releases."""
+        if not ticket.prefilling or ticket.released:
+            return []
+        self.state.first_token(ticket, now)
+        return self.holds.done(request_id)
+
+    def end(self, request_id: str, ticket: Ticket) -> list[F]:
+        """The request ended (answered, failed, refused): release its claim; the followers
+        still held on it."""
+        followers = self.holds.done(request_id)
+        self.state.release(ticket)
+        return followers
+
+
+__all__ = ["AdmissionQueue", "FirstTokenHolds", "Replica", "RequestLifecycle"]

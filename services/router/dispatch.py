@@ -1,0 +1,152 @@
+"""Dispatch on the live clock: a decided request's claim on its worker, from the decision to
+the release, through the lifecycle the simulator runs too (``services.core.lifecycle``).
+
+On dispatch the request takes a :class:`Ticket` on its worker (in-flight count, queued
+prefill, reserved KV blocks) and becomes pending until its first token (followers may hold
+on it); the decision's hot-prefix replicas take their tickets at once and are sent as
+one-token copies in the background. A follower (``Decision.after``) waits for its leader's
+first token, at most ``hold_s``.
+
+Invariants: every ticket is released exactly once (every path ends in :meth:`Dispatcher.release`
+or :meth:`Dispatcher.release_ticket` in a ``finally``); every release notifies the capacity
+signal and the load publisher. A replica's failure never affects the user's request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+
+from services.common.logging import get_logger
+from services.core.cluster import ClusterState, Ticket
+from services.core.lifecycle import Replica, RequestLifecycle
+from services.core.policy import Decision
+from services.router import metrics as M
+from services.router.holds import FirstTokenWaits
+from services.router.load_share import LoadSharing
+from services.router.proxy import Ctx, replica_body
+from services.router.signals import CapacitySignal, Spawner
+from services.router.upstream import FastClient, UpstreamError
+
+log = get_logger("router")
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        lifecycle: RequestLifecycle[asyncio.Event],
+        load: LoadSharing,
+        capacity: CapacitySignal,
+        spawner: Spawner,
+        fast: FastClient,
+        st: Any,
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.state: ClusterState = lifecycle.state
+        assert isinstance(lifecycle.holds, FirstTokenWaits)
+        self.waits: FirstTokenWaits = lifecycle.holds  # follower holds (Decision.after)
+        self.load = load
+        self.capacity = capacity
+        self.spawner = spawner
+        self.fast = fast
+        self.request_timeout_s = st.request_timeout
+        self.whole_timeout = aiohttp.ClientTimeout(
+            total=st.request_timeout, sock_connect=st.connect_timeout, sock_read=st.request_timeout
+        )
+        self.session: aiohttp.ClientSession | None = None  # set by the router at start
+
+    def dispatch(self, ctx: Ctx, d: Decision) -> Ticket:
+        """Claim ``d.worker_id`` for ``ctx`` and send the decision's replicas."""
+        wid = d.worker_id
+        assert wid is not None
+        ctx.worker_id = wid
+        ctx.predicted_cached = d.cached_tokens
+        prompt_tokens, wall = len(ctx.parsed.token_ids), time.time()
+        ticket = self.lifecycle.dispatch(
+            ctx.request_id, wid, prompt_tokens, ctx.parsed.max_tokens, d.cached_tokens, wall
+        )
+        replicas = self.lifecycle.replicas(ctx.request_id, d, prompt_tokens, ctx.overlaps, wall)
+        self.load.mark_dirty()
+        if len(replicas) < len(d.replicate_to):  # a replica's worker is gone
+            M.child(M.REPLICAS, "skipped").inc(len(d.replicate_to) - len(replicas))
+        for rep in replicas:
+            self.spawner.spawn(self.replicate(ctx, rep))
+        return ticket
+
+    async def hold(self, d: Decision) -> None:
+        """Follower hold: wait for ``d.after``'s first token (it computes the prefix this
+        request needs on the same worker) so the engine does not start both in one step."""
+        if d.after is None:
+            return
+        t0 = time.perf_counter()
+        outcome = await self.waits.wait(d.after, d.hold_s)
+        if outcome != "none":
+            M.child(M.HOLDS, outcome).inc()
+            M.HOLD_SECONDS.observe(time.perf_counter() - t0)
+
+    def first_token(self, ctx: Ctx, ticket: Ticket) -> None:
+        """The request's first token: its prefill is done, its followers may go."""
+        self.lifecycle.first_token(ctx.request_id, ticket, time.monotonic())
+
+    def release(self, ctx: Ctx, ticket: Ticket) -> None:
+        """The attempt ended (answered, failed or cancelled)."""
+        self.lifecycle.end(ctx.request_id, ticket)
+        self.load.mark_dirty()
+        self.capacity.notify()
+
+    def reserve(self, wid: str, prompt_tokens: int, max_tokens: int, cached: int) -> Ticket:
+        """A ticket for a migration's continuation (nobody holds on it)."""
+        ticket = self.state.reserve(wid, prompt_tokens, max_tokens, cached, time.time())
+        self.load.mark_dirty()
+        return ticket
+
+    def release_ticket(self, ticket: Ticket) -> None:
+        self.state.release(ticket)
+        self.load.mark_dirty()
+        self.capacity.notify()
+
+    async def replicate(self, ctx: Ctx, rep: Replica) -> None:
+        """Hot-prefix replication: a one-token copy of the request to ``rep.worker_id``
+        (claimed there by the lifecycle like any request), so that worker computes the prefix
+        before users need it there. Best effort: a failure is counted and logged, the user's
+        request is unaffected."""
+        rid, wid = rep.request_id, rep.worker_id
+        s = self.state.states.get(wid)
+        outcome = "ok"
+        try:
+            if s is None or self.session is None:
+                outcome = "skipped"
+                return
+            status = await self._post_replica(
+                s.url, ctx.path, replica_body(ctx), {"x-request-id": rid}
+            )
+            if status >= 400:
+                outcome = "error"
+                log.warning("replica failed", request_id=rid, worker=wid, status=status)
+            else:
+                self.lifecycle.first_token(rid, rep.ticket, time.monotonic())
+        except (UpstreamError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            outcome = "error"
+            log.warning("replica failed", request_id=rid, worker=wid, error=str(exc))
+        finally:
+            M.child(M.REPLICAS, outcome).inc()
+            self.lifecycle.end(rid, rep.ticket)
+            self.load.mark_dirty()
+            self.capacity.notify()
+
+    async def _post_replica(self, url: str, path: str, body: bytes, headers: Any) -> int:
+        if url.startswith("http://"):
+            resp = await self.fast.post(url, path, body, headers, self.request_timeout_s)
+            return resp.status
+        assert self.session is not None
+        async with self.session.post(
+            url + path,
+            data=body,
+            headers={"Content-Type": "application/json", **headers},
+            timeout=self.whole_timeout,
+        ) as r:
+            await r.read()
+            return r.status

@@ -1,0 +1,64 @@
+"""The router's OpenAI-compatible HTTP handlers and its health view: thin adapters that hand
+each request to the request path or read the cluster state. No routing logic here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from services.common.bus import Bus
+from services.core.cluster import ClusterState
+from services.router.canary import PolicySet
+from services.router.request_path import RequestPath
+from services.router.signals import CapacitySignal
+
+
+class Handlers:
+    def __init__(
+        self,
+        router_id: str,
+        path: RequestPath,
+        state: ClusterState,
+        bus: Bus,
+        index_source: Any,
+        policies: PolicySet,
+        capacity: CapacitySignal,
+    ) -> None:
+        self.router_id = router_id
+        self.path = path
+        self.state = state
+        self.bus = bus
+        self.index_source = index_source
+        self.policies = policies
+        self.capacity = capacity
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.path.handle(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.path.handle(request, chat=True)
+
+    async def models(self, _r: web.Request) -> web.Response:
+        now = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": now, "owned_by": "kvgate", "workers": n}
+            for m, n in sorted(self.state.models().items())
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, _r: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "status": "ok",
+                "router_id": self.router_id,
+                "workers": self.state.routable_count(),
+                "nats": self.bus.is_connected,
+                "index_ready": bool(getattr(self.index_source, "ready", False)),
+                "policy": self.policies.control.name,
+                "policy_revision": self.policies.revision,
+                "queue_length": self.capacity.waiting,
+            }
+        )

@@ -1,0 +1,108 @@
+"""``services.core.lifecycle``: the request lifecycle the live router and the simulator share,
+on a hand-driven clock (no I/O, no event loop)."""
+
+from __future__ import annotations
+
+from services.common.schemas import WorkerCapacity, WorkerHeartbeat, WorkerLoad
+from services.core.cluster import ClusterState
+from services.core.lifecycle import AdmissionQueue, FirstTokenHolds, RequestLifecycle
+from services.core.policy import Decision, RequestInfo, build_policy
+from services.core.policy.types import replica_id
+
+CAP = WorkerCapacity(block_size=16, num_gpu_blocks=100, max_num_seqs=8, max_model_len=4096)
+
+
+def _lifecycle(n: int = 2) -> RequestLifecycle[str]:
+    state = ClusterState()
+    for i in range(n):
+        hb = WorkerHeartbeat(
+            worker_id=f"w{i}", instance_id="i", url=f"http://w{i}", model="m", capacity=CAP
+        )
+        state.on_heartbeat(hb, now=0.0)
+    return RequestLifecycle(state)
+
+
+def test_a_claim_counts_until_its_end_and_its_prefill_until_its_first_token() -> None:
+    life = _lifecycle()
+    w0 = life.state.states["w0"]
+    t = life.dispatch("a", "w0", prompt_tokens=320, max_tokens=32, cached_tokens=160, wall=1.0)
+    # 352 tokens = 22 blocks, 10 of them cached; 160 uncached prompt tokens to compute
+    assert (w0.inflight, w0.pending_prefill_tokens, w0.kv_blocks_free) == (1, 160, 88)
+    assert life.holds.pending("a")
+    life.first_token("a", t, now=2.0)
+    assert (w0.inflight, w0.pending_prefill_tokens, w0.first_token_at) == (1, 0, 2.0)
+    assert not life.holds.pending("a")
+    life.end("a", t)
+    life.end("a", t)  # a second end changes nothing
+    assert (w0.inflight, w0.pending_prefill_tokens, w0.kv_blocks_free) == (0, 0, 100)
+
+
+def test_followers_are_handed_back_once_by_the_first_token_or_the_end() -> None:
+    life = _lifecycle()
+    lead = life.dispatch("lead", "w0", 64, 8, 0, wall=0.0)
+    d = Decision("w0", after="lead", hold_s=5.0)
+    assert life.must_hold(d)
+    assert life.holds.hold("lead", "f1") and life.holds.hold("lead", "f2")
+    life.holds.drop("lead", "f2")  # f2's hold timed out: it went on its own
+    assert life.first_token("lead", lead, now=1.0) == ["f1"]
+    assert not life.must_hold(d)  # the prefix is computed: nothing to wait for
+    assert life.end("lead", lead) == []
+    # a leader that ends before any token hands its followers back at its end
+    other = life.dispatch("other", "w1", 64, 8, 0, wall=0.0)
+    assert life.holds.hold("other", "f3")
+    assert life.end("other", other) == ["f3"]
+    assert len(life.holds) == 0
+
+
+def test_replicas_claim_one_token_copies_on_known_workers_only() -> None:
+    life = _lifecycle(3)
+    d = Decision("w0", replicate_to=("w1", "w2", "gone"))
+    reps = life.replicas("r", d, prompt_tokens=64, overlaps={"w1": 2}, wall=0.0)
+    assert [(x.request_id, x.worker_id) for x in reps] == [
+        (replica_id("r", "w1"), "w1"),
+        (replica_id("r", "w2"), "w2"),
+    ]
+    s = life.state.states
+    assert s["w1"].pending_prefill_tokens == 32 and s["w2"].pending_prefill_tokens == 64
+    assert all(life.holds.pending(x.request_id) for x in reps)
+    for x in reps:
+        life.end(x.request_id, x.ticket)
+    assert s["w1"].inflight == s["w2"].inflight == 0
+
+
+def test_a_reservation_counts_against_a_sample_taken_at_or_before_its_dispatch() -> None:
+    life = _lifecycle(1)
+    life.state.on_load(WorkerLoad(worker_id="w0", ts=5.0, kv_blocks_free=60), now=5.0)
+    w0 = life.state.states["w0"]
+    before = life.dispatch("old", "w0", 160, 0, 0, wall=4.0)  # in the sample already
+    at = life.dispatch("at", "w0", 160, 0, 0, wall=5.0)  # sampled, then dispatched
+    assert w0.kv_blocks_free == 60 - 10
+    life.end("at", at)
+    life.end("old", before)
+    assert w0.kv_blocks_free == 60
+
+
+def test_decide_excludes_workers_without_touching_the_state() -> None:
+    life = _lifecycle(2)
+    policy = build_policy({"name": "least_request", "params": {}})
+    req = RequestInfo("q", "m", 64, 8)
+    life.dispatch("busy", "w1", 64, 8, 0, wall=0.0)
+    assert life.decide(policy, req, {}, now=1.0).worker_id == "w0"
+    assert life.decide(policy, req, {}, now=1.0, excluded={"w0"}).worker_id == "w1"
+    assert set(life.state.snapshot.workers) == {"w0", "w1"}
+
+
+def test_the_admission_queue_is_bounded_timed_and_first_in_first_out() -> None:
+    q: AdmissionQueue[str] = AdmissionQueue(size=2, timeout_s=30.0)
+    assert q.join("a", 0.0) and q.join("b", 1.0) and not q.join("c", 1.0)
+    assert q.head() == "a" and len(q) == 2
+    assert q.left_s("a", 10.0) == 20.0 and not q.expired("a", 30.0) and q.expired("a", 30.5)
+    q.leave("a")
+    assert q.head() == "b" and q.join("c", 2.0)
+
+
+def test_holds_on_a_request_that_is_not_pending_are_refused() -> None:
+    h: FirstTokenHolds[str] = FirstTokenHolds()
+    assert not h.hold("nobody", "f")
+    h.sent("x")
+    assert h.done("x") == [] and not h.hold("x", "f")
