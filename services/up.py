@@ -26,6 +26,7 @@ from pathlib import Path
 from services.common import settings as S
 from services.common.embedded import (
     EmbeddedNats,
+    EmbeddedNatsCluster,
     EmbeddedPostgres,
     env_without_proxy,
     nats_url_reachable,
@@ -63,6 +64,13 @@ OPTIONS = (
         "telemetry_port", 8083, "telemetry HTTP (health, metrics) port", env="KVGATE_TELEMETRY_PORT"
     ),
     S.option("sim_port", 8100, "first simulated worker port", env="KVGATE_SIM_PORT"),
+    S.option(
+        "nats_cluster",
+        1,
+        "embedded NATS nodes: 1 = one server; 3 = a JetStream cluster of three servers"
+        " (streams at 3 replicas, any one node may fail)",
+        env="KVGATE_UP_NATS_CLUSTER",
+    ),
     S.option(
         "embedded_nats_port",
         0,
@@ -135,7 +143,7 @@ class Stack:
         self.log = get_logger("up")
         self.state_dir = Path(st.state_dir).resolve()
         self.log_dir = self.state_dir / "logs"
-        self.nats: EmbeddedNats | None = None
+        self.nats: EmbeddedNats | EmbeddedNatsCluster | None = None
         self.pg: EmbeddedPostgres | None = None
         self.children: list[Child] = []
         self.stopping = False
@@ -149,6 +157,9 @@ class Stack:
                 self.log.warning(
                     "given NATS is not reachable yet; services will keep retrying", url=nats_url
                 )
+        elif self.st.nats_cluster > 1:
+            self.nats = EmbeddedNatsCluster(self.state_dir / "nats", size=self.st.nats_cluster)
+            nats_url = self.nats.start()
         else:
             self.nats = EmbeddedNats(self.state_dir / "nats", port=self.st.embedded_nats_port)
             nats_url = self.nats.start()

@@ -33,8 +33,9 @@ STREAM_STORAGE_MB = S.option(
 
 STREAM_REPLICAS = S.option(
     "stream_replicas",
-    1,
-    "replicas of each JetStream stream (3 on a NATS cluster); re-applied at every service start",
+    0,
+    "replicas of each JetStream stream (0: 3 when the NATS cluster has 3 or more nodes, else 1);"
+    " re-applied at every service start",
 )
 
 
@@ -50,8 +51,26 @@ def _budget(fraction: float) -> int:
     return max(1 << 20, int(_env_int(STREAM_STORAGE_MB) * fraction) << 20)
 
 
+def cluster_size(bus: Bus) -> int:
+    """NATS servers this connection knows: the seed URLs plus the ones the cluster gossips
+    (INFO ``connect_urls``), de-duplicated by host:port."""
+    nc = bus.nc
+    if nc is None:
+        return 1
+    return max(1, len({srv.netloc for srv in nc.servers}))  # nats-py: the pool as URLs
+
+
+def stream_replicas(bus: Bus) -> int:
+    """The replica count for kvgate's streams: the setting, or 3 on a cluster of >= 3 nodes
+    (a stream at 3 replicas keeps its quorum with any one node down), else 1."""
+    configured = _env_int(STREAM_REPLICAS)
+    if configured > 0:
+        return configured
+    return 3 if cluster_size(bus) >= 3 else 1
+
+
 async def _ensure(bus: Bus, name: str, subjects: list[str], **config) -> str:
-    await bus.ensure_stream(name, subjects, num_replicas=_env_int(STREAM_REPLICAS), **config)
+    await bus.ensure_stream(name, subjects, num_replicas=stream_replicas(bus), **config)
     return name
 
 
