@@ -381,9 +381,9 @@ def _memory_child(side: str, pairs: int, cap: int) -> None:
         for wid, raw in feed:
             tree.apply_event(wid, raw)
         tree.find_matches([0])
-        del feed
         gc.collect()
-        after = rss_bytes()
+        after = rss_bytes()  # before freeing the feed: its pages going back must not count
+        del feed
         print(json.dumps({"rss_delta": after - before}))
         return
     import tracemalloc
@@ -409,10 +409,10 @@ def _memory_child(side: str, pairs: int, cap: int) -> None:
         index = PrefixIndex(max_blocks=cap or INDEXER_DEFAULT_CAP)
     for wid, raw in feed:
         index.apply_stored(wid, dec.decode(raw))
-    del feed
     gc.collect()
     traced = tracemalloc.get_traced_memory()[0]
-    after = rss_bytes()
+    after = rss_bytes()  # before freeing the feed: its pages going back must not count
+    del feed
     tracemalloc.stop()
     print(
         json.dumps(

@@ -334,8 +334,8 @@ static const uint8_t *tokens_block(TokenSource *ts, Py_ssize_t b, Py_ssize_t blo
 
 typedef struct {
     PyObject_HEAD
-    uint64_t *keys;     /* cap */
-    uint64_t *masks;    /* cap * W; an all-zero mask marks an empty entry */
+    uint64_t *ent;      /* cap entries of W + 1 words: the key, then its mask words (one
+                           cache line per probe for W = 1); an all-zero mask = empty entry */
     uint64_t *stamps;   /* cap, only with tracking: log position of the key's last touch */
     Py_ssize_t cap;     /* power of two */
     int shift;          /* 64 - log2(cap) */
@@ -351,12 +351,15 @@ typedef struct {
     uint64_t log_base;  /* stamp of log[0] */
 } KeyTable;
 
+#define KEY(t, i) ((t)->ent[(size_t)(i) * (size_t)((t)->W + 1)])
+#define MASK(t, i) ((t)->ent + (size_t)(i) * (size_t)((t)->W + 1) + 1)
+
 static inline Py_ssize_t home(const KeyTable *t, uint64_t k) {
     return (Py_ssize_t)((k * 0x9E3779B97F4A7C15ULL) >> t->shift);
 }
 
 static inline int empty_at(const KeyTable *t, Py_ssize_t i) {
-    const uint64_t *m = t->masks + i * t->W;
+    const uint64_t *m = MASK(t, i);
     for (Py_ssize_t w = 0; w < t->W; w++)
         if (m[w]) return 0;
     return 1;
@@ -366,31 +369,28 @@ static inline Py_ssize_t find(const KeyTable *t, uint64_t k) {
     Py_ssize_t mask = t->cap - 1, i = home(t, k);
     if (t->W == 1) {
         for (;;) {
-            if (!t->masks[i]) return -1;
-            if (t->keys[i] == k) return i;
+            if (!t->ent[2 * i + 1]) return -1;
+            if (t->ent[2 * i] == k) return i;
             i = (i + 1) & mask;
         }
     }
     for (;;) {
         if (empty_at(t, i)) return -1;
-        if (t->keys[i] == k) return i;
+        if (KEY(t, i) == k) return i;
         i = (i + 1) & mask;
     }
 }
 
 static int alloc_arrays(KeyTable *t, Py_ssize_t cap, Py_ssize_t W) {
-    uint64_t *keys = (uint64_t *)PyMem_Calloc((size_t)cap, 8);
-    uint64_t *masks = (uint64_t *)PyMem_Calloc((size_t)(cap * W), 8);
+    uint64_t *ent = (uint64_t *)PyMem_Calloc((size_t)(cap * (W + 1)), 8);
     uint64_t *stamps = t->track ? (uint64_t *)PyMem_Calloc((size_t)cap, 8) : NULL;
-    if (!keys || !masks || (t->track && !stamps)) {
-        PyMem_Free(keys);
-        PyMem_Free(masks);
+    if (!ent || (t->track && !stamps)) {
+        PyMem_Free(ent);
         PyMem_Free(stamps);
         PyErr_NoMemory();
         return -1;
     }
-    t->keys = keys;
-    t->masks = masks;
+    t->ent = ent;
     t->stamps = stamps;
     t->cap = cap;
     t->W = W;
@@ -402,23 +402,23 @@ static int alloc_arrays(KeyTable *t, Py_ssize_t cap, Py_ssize_t W) {
 
 /* Rehash into ``cap`` entries of ``W`` words (W >= the current width). */
 static int rebuild(KeyTable *t, Py_ssize_t cap, Py_ssize_t W) {
-    uint64_t *okeys = t->keys, *omasks = t->masks, *ostamps = t->stamps;
+    uint64_t *oent = t->ent, *ostamps = t->stamps;
     Py_ssize_t ocap = t->cap, oW = t->W;
     if (alloc_arrays(t, cap, W) < 0) return -1;
     Py_ssize_t m = cap - 1;
     for (Py_ssize_t j = 0; j < ocap; j++) {
-        const uint64_t *om = omasks + j * oW;
+        const uint64_t *om = oent + (size_t)j * (oW + 1) + 1;
         int nz = 0;
         for (Py_ssize_t w = 0; w < oW; w++) nz |= om[w] != 0;
         if (!nz) continue;
-        Py_ssize_t i = home(t, okeys[j]);
+        uint64_t k = oent[(size_t)j * (oW + 1)];
+        Py_ssize_t i = home(t, k);
         while (!empty_at(t, i)) i = (i + 1) & m;
-        t->keys[i] = okeys[j];
-        memcpy(t->masks + i * W, om, (size_t)oW * 8);
+        KEY(t, i) = k;
+        memcpy(MASK(t, i), om, (size_t)oW * 8);
         if (t->track) t->stamps[i] = ostamps[j];
     }
-    PyMem_Free(okeys);
-    PyMem_Free(omasks);
+    PyMem_Free(oent);
     PyMem_Free(ostamps);
     return 0;
 }
@@ -467,11 +467,11 @@ static inline Py_ssize_t find_or_slot(KeyTable *t, uint64_t k, int *is_new) {
     Py_ssize_t m = t->cap - 1, i = home(t, k);
     for (;;) {
         if (empty_at(t, i)) {
-            t->keys[i] = k;
+            KEY(t, i) = k;
             *is_new = 1;
             return i;
         }
-        if (t->keys[i] == k) {
+        if (KEY(t, i) == k) {
             *is_new = 0;
             return i;
         }
@@ -485,15 +485,15 @@ static void delete_at(KeyTable *t, Py_ssize_t i) {
     for (;;) {
         j = (j + 1) & m;
         if (empty_at(t, j)) break;
-        Py_ssize_t h = home(t, t->keys[j]);
+        Py_ssize_t h = home(t, KEY(t, j));
         int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
         if (stays) continue;
-        t->keys[i] = t->keys[j];
-        memcpy(t->masks + i * W, t->masks + j * W, (size_t)W * 8);
+        KEY(t, i) = KEY(t, j);
+        memcpy(MASK(t, i), MASK(t, j), (size_t)W * 8);
         if (t->track) t->stamps[i] = t->stamps[j];
         i = j;
     }
-    memset(t->masks + i * W, 0, (size_t)W * 8);
+    memset(MASK(t, i), 0, (size_t)W * 8);
     t->used--;
 }
 
@@ -539,7 +539,7 @@ static int log_touch(KeyTable *t, Py_ssize_t i) {
         }
     }
     t->stamps[i] = t->log_base + (uint64_t)t->log_len;
-    t->log[t->log_len++] = t->keys[i];
+    t->log[t->log_len++] = KEY(t, i);
     return 0;
 }
 
@@ -547,7 +547,7 @@ static int KeyTable_init(KeyTable *t, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"track_lru", NULL};
     int track = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p", kwlist, &track)) return -1;
-    if (t->keys) return 0;
+    if (t->ent) return 0;
     t->track = track;
     t->live = (uint64_t *)PyMem_Calloc(1, 8);
     t->scratch = (uint64_t *)PyMem_Calloc(2, 8);
@@ -560,8 +560,7 @@ static int KeyTable_init(KeyTable *t, PyObject *args, PyObject *kwds) {
 }
 
 static void KeyTable_dealloc(KeyTable *t) {
-    PyMem_Free(t->keys);
-    PyMem_Free(t->masks);
+    PyMem_Free(t->ent);
     PyMem_Free(t->stamps);
     PyMem_Free(t->live);
     PyMem_Free(t->scratch);
@@ -619,7 +618,7 @@ static PyObject *KeyTable_store(KeyTable *t, PyObject *args) {
         Py_DECREF(fast);
         return NULL;
     }
-    Py_ssize_t word = s >> 6, W = t->W;
+    Py_ssize_t word = s >> 6;
     uint64_t bit = 1ULL << (s & 63);
     int64_t added = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
@@ -627,7 +626,7 @@ static PyObject *KeyTable_store(KeyTable *t, PyObject *args) {
         if (as_key(items[j], &k) < 0) goto fail;
         int is_new;
         Py_ssize_t i = find_or_slot(t, k, &is_new);
-        uint64_t *mw = t->masks + i * W + word;
+        uint64_t *mw = MASK(t, i) + word;
         if (is_new) t->used++;
         if (!(*mw & bit)) {
             *mw |= bit;
@@ -656,7 +655,7 @@ static PyObject *KeyTable_remove(KeyTable *t, PyObject *args) {
     if (!fast) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t word = s >> 6, W = t->W;
+    Py_ssize_t word = s >> 6;
     uint64_t bit = 1ULL << (s & 63);
     int64_t removed = 0;
     int err = 0;
@@ -670,7 +669,7 @@ static PyObject *KeyTable_remove(KeyTable *t, PyObject *args) {
         if (!r) continue;
         Py_ssize_t i = find(t, k);
         if (i < 0) continue;
-        uint64_t *mw = t->masks + i * W + word;
+        uint64_t *mw = MASK(t, i) + word;
         if (!(*mw & bit)) continue;
         *mw &= ~bit;
         removed++;
@@ -686,7 +685,7 @@ static PyObject *KeyTable_remove(KeyTable *t, PyObject *args) {
 /* Subtract a deleted entry's live pairs from the counts. */
 static int64_t uncount(KeyTable *t, Py_ssize_t i) {
     int64_t n = 0;
-    const uint64_t *m = t->masks + i * t->W;
+    const uint64_t *m = MASK(t, i);
     for (Py_ssize_t w = 0; w < t->W; w++) {
         uint64_t x = m[w];
         while (x) {
@@ -738,7 +737,7 @@ static PyObject *KeyTable_get(KeyTable *t, PyObject *key) {
     if (r < 0) return NULL;
     Py_ssize_t i = r ? find(t, k) : -1;
     if (i < 0) return PyLong_FromLong(0);
-    return mask_to_int(t->masks + i * t->W, t->W);
+    return mask_to_int(MASK(t, i), t->W);
 }
 
 /* put(key, mask, touch) : set a key's mask as is (0 deletes it). Counts are the caller's
@@ -779,7 +778,7 @@ static PyObject *KeyTable_put(KeyTable *t, PyObject *args) {
         t->used++;
         touch = 1;
     }
-    memcpy(t->masks + i * W, tmp, (size_t)W * 8);
+    memcpy(MASK(t, i), tmp, (size_t)W * 8);
     if (touch && t->track && log_touch(t, i) < 0) return NULL;
     Py_RETURN_NONE;
 }
@@ -820,7 +819,7 @@ static PyObject *KeyTable_set_live(KeyTable *t, PyObject *args) {
 static PyObject *KeyTable_clear_slot(KeyTable *t, PyObject *slot_o) {
     Py_ssize_t s = parse_slot(t, slot_o);
     if (s < 0) return NULL;
-    Py_ssize_t word = s >> 6, W = t->W;
+    Py_ssize_t word = s >> 6;
     uint64_t bit = 1ULL << (s & 63);
     int64_t n = t->counts[s];
     if (t->live[word] & bit) t->pairs -= n;
@@ -828,7 +827,7 @@ static PyObject *KeyTable_clear_slot(KeyTable *t, PyObject *slot_o) {
     t->counts[s] = 0;
     Py_ssize_t i = 0;
     while (i < t->cap) {
-        uint64_t *mw = t->masks + i * W + word;
+        uint64_t *mw = MASK(t, i) + word;
         if (*mw & bit) {
             *mw &= ~bit;
             if (empty_at(t, i)) {
@@ -875,7 +874,7 @@ static inline int step(KeyTable *t, Assign *as, uint64_t *active, uint64_t *m, P
                        Py_ssize_t depth) {
     Py_ssize_t W = t->W;
     if (W == 1) {
-        uint64_t x = (i >= 0 ? t->masks[i] : 0) & active[0];
+        uint64_t x = (i >= 0 ? t->ent[2 * i + 1] : 0) & active[0];
         if (x == active[0]) return 1;
         m[0] = x;
         if (depth && assign(as, active, m, 1, depth) < 0) return -1;
@@ -884,7 +883,7 @@ static inline int step(KeyTable *t, Assign *as, uint64_t *active, uint64_t *m, P
     }
     int same = 1, any = 0;
     for (Py_ssize_t w = 0; w < W; w++) {
-        m[w] = (i >= 0 ? t->masks[i * W + w] : 0) & active[w];
+        m[w] = (i >= 0 ? MASK(t, i)[w] : 0) & active[w];
         same &= m[w] == active[w];
         any |= m[w] != 0;
     }
@@ -950,17 +949,28 @@ static PyObject *KeyTable_match(KeyTable *t, PyObject *args) {
     uint64_t *active = t->scratch, *m = t->scratch + W, h = seed;
     memcpy(active, t->live, (size_t)W * 8);
     Assign as = {names, result};
-    for (Py_ssize_t b = 0; b < n; b++) {
-        const uint8_t *blk = tokens_block(&ts, b, bs);
-        if (!blk) goto fail2;
-        h = xxh3_64(blk, (size_t)bs * 4, h);
-        int c = step(t, &as, active, m, find(t, h), depth);
-        if (c < 0) goto fail2;
-        if (!c) {
-            tokens_close(&ts);
-            return result;
+    /* hash a group of blocks, prefetch their table entries, then look them up: the cache
+     * misses of the group overlap instead of following one another */
+    enum { GROUP = 8 };
+    uint64_t hs[GROUP];
+    for (Py_ssize_t b0 = 0; b0 < n; b0 += GROUP) {
+        Py_ssize_t g = n - b0 < GROUP ? n - b0 : GROUP;
+        for (Py_ssize_t j = 0; j < g; j++) {
+            const uint8_t *blk = tokens_block(&ts, b0 + j, bs);
+            if (!blk) goto fail2;
+            h = xxh3_64(blk, (size_t)bs * 4, h);
+            hs[j] = h;
+            __builtin_prefetch(&KEY(t, home(t, h)));
         }
-        depth++;
+        for (Py_ssize_t j = 0; j < g; j++) {
+            int c = step(t, &as, active, m, find(t, hs[j]), depth);
+            if (c < 0) goto fail2;
+            if (!c) {
+                tokens_close(&ts);
+                return result;
+            }
+            depth++;
+        }
     }
     tokens_close(&ts);
     if (depth && assign(&as, active, NULL, W, depth) < 0) goto fail;
@@ -1024,12 +1034,12 @@ static PyObject *KeyTable_export(KeyTable *t, PyObject *unused) {
     PyObject *words = PyList_New(W);
     if (!kb || !words) goto fail;
     uint64_t *kp = (uint64_t *)PyBytes_AS_STRING(kb);
-    for (Py_ssize_t j = 0; j < n; j++) kp[j] = t->keys[pos[j]];
+    for (Py_ssize_t j = 0; j < n; j++) kp[j] = KEY(t, pos[j]);
     for (Py_ssize_t w = 0; w < W; w++) {
         PyObject *wb = PyBytes_FromStringAndSize(NULL, n * 8);
         if (!wb) goto fail;
         uint64_t *wp = (uint64_t *)PyBytes_AS_STRING(wb);
-        for (Py_ssize_t j = 0; j < n; j++) wp[j] = t->masks[pos[j] * W + w];
+        for (Py_ssize_t j = 0; j < n; j++) wp[j] = MASK(t, pos[j])[w];
         PyList_SET_ITEM(words, w, wb);
     }
     PyMem_Free(pos);
@@ -1052,7 +1062,7 @@ static PyObject *KeyTable_keys(KeyTable *t, PyObject *unused) {
         return NULL;
     }
     for (Py_ssize_t j = 0; j < n; j++) {
-        PyObject *k = PyLong_FromUnsignedLongLong(t->keys[pos[j]]);
+        PyObject *k = PyLong_FromUnsignedLongLong(KEY(t, pos[j]));
         if (!k) {
             PyMem_Free(pos);
             Py_DECREF(out);
@@ -1108,10 +1118,9 @@ static PyObject *KeyTable_load(KeyTable *t, PyObject *args) {
             PyErr_NoMemory();
             goto done;
         }
-        PyMem_Free(t->keys);
-        PyMem_Free(t->masks);
+        PyMem_Free(t->ent);
         PyMem_Free(t->stamps);
-        t->keys = t->masks = t->stamps = NULL;
+        t->ent = t->stamps = NULL;
         if (alloc_arrays(t, cap, W) < 0) {
             PyMem_Free(live);
             PyMem_Free(scratch);
@@ -1139,7 +1148,7 @@ static PyObject *KeyTable_load(KeyTable *t, PyObject *args) {
             if (is_new) t->used++;
             for (Py_ssize_t w = 0; w < nw; w++) {
                 uint64_t x = ((const uint64_t *)wv[w].buf)[j];
-                t->masks[i * W + w] = x;
+                MASK(t, i)[w] = x;
                 while (x) {
                     int b = __builtin_ctzll(x);
                     x &= x - 1;
