@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -180,3 +181,33 @@ def test_stack_survives_losing_one_nats_node(
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+async def test_kvgate_up_nats_cluster_starts_three_nodes(
+    tmp_path: Path, database_url: str, subject_prefix: str
+) -> None:
+    """`kvgate up --nats-cluster 3`'s infrastructure step: three embedded nodes, one cluster,
+    the seed URLs handed to the services; streams land at 3 replicas."""
+    import argparse
+
+    from services import up
+    from services.common import settings as S
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args(
+        ["--nats-cluster", "3", "--state-dir", str(tmp_path), "--database-url", database_url]
+    )
+    stack = up.Stack(S.resolve(args, up.OPTIONS, environ={}))
+    nats_url, _ = await asyncio.to_thread(stack.start_infra)
+    try:
+        assert len(nats_url.split(",")) == 3
+        bus = Bus(nats_url, "up-cluster-test", Subjects(subject_prefix))
+        await bus.connect(max_wait_s=10)
+        try:
+            name = await ensure_kv_events_stream(bus)
+            assert (await bus.js.stream_info(name)).config.num_replicas == 3
+        finally:
+            await bus.close()
+    finally:
+        await asyncio.to_thread(stack.stop)
