@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install up test lint fmt
+.PHONY: install browser up test lint fmt
 
 $(BIN)/kvgate: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,7 +16,11 @@ install: $(BIN)/kvgate
 up: install
 	$(BIN)/kvgate up $(ARGS)
 
-test: install
+# the operator page's end-to-end test drives Debian's chromium with Playwright (a dev extra)
+browser:
+	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }
+
+test: install browser
 	$(BIN)/python -m pytest -q -ra $(ARGS)
 
 lint: install

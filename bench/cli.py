@@ -39,7 +39,24 @@ from bench.stack import EXTERNAL_ROUTERS, BenchStack, external_available, http_j
 from bench.workloads import Workload, infinite_cache_hit_rate
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` names each option's default, unless its help already says it or it is empty."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, "", [], False)
+            or default is argparse.SUPPRESS
+            or action.option_strings == []
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsHelpFormatter
     add_workload_arguments(parser)
     add_policy_arguments(parser)
     parser.add_argument("--workers", "-n", type=int, default=8, help="simulated workers")

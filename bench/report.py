@@ -68,6 +68,36 @@ def _fmt(x: Any, scale: float = 1.0, digits: int = 1, pct: bool = False) -> str:
     return f"{x * scale:.{digits}f}"
 
 
+def terminal_table(report: dict[str, Any]) -> str:
+    """The few columns that matter, narrow enough for an 80-column terminal (the full table
+    is in results.md, and ``--wide`` prints it)."""
+    head = ("run", "ok", "fail", "TTFT p50", "TTFT p99", "ITL p50", "req/s", "hit")
+    rows = []
+    for run in report.get("runs", []):
+        s = run["summary"]
+        rows.append(
+            (
+                run["label"][:22],
+                str(s["completed"]),
+                str(s["errors"] + s["timeouts"] + s["rejected"]),
+                _fmt(_get(s, "ttft_s", "p50"), 1000) + " ms",
+                _fmt(_get(s, "ttft_s", "p99"), 1000) + " ms",
+                _fmt(_get(s, "itl_s", "p50"), 1000, 2) + " ms",
+                _fmt(s["request_throughput"], 1, 1),
+                _fmt(s.get("hit_rate"), pct=True),
+            )
+        )
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(head), *(line(r) for r in rows)]) + "\n"
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The results as a Markdown document: one table row per run, then the ratios."""
     w = report.get("workload", {})
@@ -141,40 +171,89 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plots(report: dict[str, Any], out_dir: Path) -> list[str]:
-    import matplotlib
+# Fixed colours: the same policy has the same colour in every plot, and none is grey (grey
+# reads as "disabled"); kvgate's own policy gets the strongest one.
+POLICY_COLORS = {
+    "kv_aware": "#d62728",  # red
+    "round_robin": "#1f77b4",
+    "random": "#17becf",
+    "least_request": "#2ca02c",
+    "power_of_two": "#bcbd22",
+    "prefix": "#ff7f0e",
+    "kv_load": "#9467bd",
+    "gpu_aware": "#8c564b",
+    "sglang-router": "#e377c2",
+    "vllm-router": "#393b79",
+}
+_SPARE_COLORS = ("#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354")
 
-    matplotlib.use("Agg")
+
+def run_colors(labels: list[str]) -> dict[str, str]:
+    """A colour per run label: its policy's (label up to ':' or '['), else a spare one."""
+    out: dict[str, str] = {}
+    spare = 0
+    for label in labels:
+        base = label.split(":", 1)[0].split("[", 1)[0].strip()
+        color = POLICY_COLORS.get(base)
+        if color is None or color in out.values():
+            color = _SPARE_COLORS[spare % len(_SPARE_COLORS)]
+            spare += 1
+        out[label] = color
+    return out
+
+
+def _ms(x: float, _pos: Any = None) -> str:
+    """Tick label in milliseconds without scientific notation (0.5, 2, 50, 1000, 20k)."""
+    if x >= 10_000:
+        return f"{x / 1000:g}k"
+    return f"{x:g}"
+
+
+def ttft_cdf_figure(report: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    runs = report.get("runs", [])
+    colors = run_colors([r["label"] for r in runs])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lo = None
+    for run in runs:
+        xs = [x * 1000 for x in (run["summary"].get("ttft_sorted") or [])]
+        if xs:
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, ys, where="post", label=run["label"], color=colors[run["label"]])
+            positive = [x for x in xs if x > 0]
+            if positive:
+                lo = min(positive) if lo is None else min(lo, min(positive))
+    ax.set_xlabel("TTFT (ms, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_xscale("log")
+    if lo is not None:
+        ax.set_xlim(left=max(lo * 0.8, 1e-3))
+    # 1-2-5 ticks in plain milliseconds: readable at any range
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(_ms))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(0, 1.0)
+    ax.set_title(f"TTFT CDF — {report.get('name')}")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def worker_load_figure(report: dict[str, Any]) -> Any:
+    """Per-worker in-flight over time, one panel per run, on one shared y scale (comparing
+    runs is the point: per-panel scales made a balanced run look as uneven as a skewed one)."""
     import matplotlib.pyplot as plt
 
     runs = report.get("runs", [])
-    files: list[str] = []
-    if not runs:
-        return files
-
-    # TTFT CDF per run
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        xs = run["summary"].get("ttft_sorted") or []
-        if xs:
-            ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            ax.step([x * 1000 for x in xs], ys, where="post", label=run["label"])
-    ax.set_xlabel("TTFT (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_xscale("symlog", linthresh=10)
-    ax.set_title(f"TTFT CDF — {report.get('name')}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "ttft_cdf.png", dpi=110)
-    plt.close(fig)
-    files.append("ttft_cdf.png")
-
-    # per-worker in-flight over time, one panel per run
     n = len(runs)
     cols = min(n, 3)
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False, sharex=True, sharey=True
+    )
     for i, run in enumerate(runs):
         ax = axes[i // cols][i % cols]
         ser = run["summary"].get("inflight_series", {})
@@ -192,27 +271,50 @@ def _plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         axes[j // cols][j % cols].axis("off")
     fig.suptitle(f"per-worker in-flight requests — {report.get('name')}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out_dir / "worker_load.png", dpi=110)
-    plt.close(fig)
-    files.append("worker_load.png")
+    return fig
 
-    # hit rate per run, against the infinite-cache bound
-    fig, ax = plt.subplots(figsize=(max(5, 1.0 * n + 2), 4))
+
+def hit_rate_figure(report: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    runs = report.get("runs", [])
+    n = len(runs)
     labels = [r["label"] for r in runs]
+    colors = run_colors(labels)
+    fig, ax = plt.subplots(figsize=(max(5, 1.0 * n + 2), 4))
     vals = [100 * (r["summary"].get("hit_rate") or 0.0) for r in runs]
-    ax.bar(labels, vals, color="tab:blue")
+    bars = ax.bar(labels, vals, color=[colors[lbl] for lbl in labels])
+    ax.bar_label(bars, labels=[f"{v:.1f}%" for v in vals], fontsize=8, padding=2)
     bound = _get(report, "workload", "infinite_cache_hit_rate")
     if bound is not None:
-        ax.axhline(100 * bound, color="tab:red", ls="--", label="infinite-cache bound")
+        ax.axhline(100 * bound, color="black", ls="--", lw=1, label="infinite-cache bound")
         ax.legend(fontsize=8)
     ax.set_ylabel("prefix-cache hit rate (%)")
-    ax.set_ylim(0, 100)
+    ax.set_ylim(0, 105)
     ax.set_title(f"hit rate (workers' own counters) — {report.get('name')}")
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "hit_rate.png", dpi=110)
-    plt.close(fig)
-    files.append("hit_rate.png")
+    return fig
+
+
+def _plots(report: dict[str, Any], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not report.get("runs"):
+        return []
+    files: list[str] = []
+    for name, make in (
+        ("ttft_cdf.png", ttft_cdf_figure),
+        ("worker_load.png", worker_load_figure),
+        ("hit_rate.png", hit_rate_figure),
+    ):
+        fig = make(report)
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
     return files
 
 

@@ -30,7 +30,7 @@ from bench.common import (
     workload_from_args,
 )
 from bench.metrics import summarize
-from bench.report import markdown, new_report, write_report
+from bench.report import markdown, new_report, terminal_table, write_report
 from bench.simcore import SimOptions, make_engine_config, request_keys, simulate
 from bench.workloads import infinite_cache_hit_rate, parse_params
 
@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add_policy_arguments(parser)
     parser.add_argument("--workers", "-n", type=int, default=8, help="engines (8..512)")
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="print the full results table (every column; results.md always has it)",
+    )
     parser.add_argument(
         "--engine",
         "-e",
@@ -214,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
     report = new_report(name, "simulate", config, wsum)
     report["runs"] = runs
     files = write_report(report, out_dir, plots=not args.no_plots)
-    print(markdown(report))
+    print(markdown(report) if args.wide else terminal_table(report))
     print(
         f"simulated {len(runs)} policies x {len(workload.requests)} requests on {args.workers} "
         f"workers in {wall:.1f} s wall; results in {files[0].parent}"

@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "services.up",
         "run the whole stack on this machine (embedded NATS and Postgres unless URLs are given)",
     ),
+    "status": (
+        "services.status",
+        "is the stack of 'kvgate up' running, and where (its state file)",
+    ),
     "router": ("services.router.cli", "OpenAI-compatible router: picks a worker per request"),
     "indexer": (
         "services.kv_indexer.cli",
@@ -48,7 +52,7 @@ def _top_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="kvgate: KV-cache-aware routing control plane for LLM inference fleets.",
         epilog=f"commands:\n{lines}\n\nRun 'kvgate COMMAND --help' for a command's options.",
-        usage="kvgate [-h] COMMAND [options]",
+        usage="kvgate [-h] [--version] COMMAND [options]",
     )
 
 
@@ -61,8 +65,21 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kvgate")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in {"-V", "--version"}:
+        print(f"kvgate {version()}")
+        return 0
     if not argv or argv[0] in {"-h", "--help"}:
         _top_parser().print_help()
         return 0 if argv else 2

@@ -11,6 +11,7 @@ JetStream / Postgres shut down cleanly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common import settings as S
+from services.common import stackfile
 from services.common.embedded import (
     EmbeddedNats,
     EmbeddedNatsCluster,
@@ -71,6 +73,15 @@ OPTIONS = (
         " (streams at 3 replicas, any one node may fail)",
         env="KVGATE_UP_NATS_CLUSTER",
     ),
+    S.option(
+        "bridge",
+        "",
+        "also run `kvgate bridge <engine>` (vllm, sglang, trtllm) for a local engine; its "
+        "endpoints come from KVGATE_BRIDGE_* (see kvgate bridge --help). '' = none",
+        choices=["", "vllm", "sglang", "trtllm"],
+        env="KVGATE_UP_BRIDGE",
+    ),
+    S.option("bridge_port", 8090, "bridge HTTP (health, metrics) port", env="KVGATE_BRIDGE_PORT"),
     S.option(
         "embedded_nats_port",
         0,
@@ -147,6 +158,7 @@ class Stack:
         self.pg: EmbeddedPostgres | None = None
         self.children: list[Child] = []
         self.stopping = False
+        self.lock = None  # the state dir's lock file, held while this stack runs
 
     # ------------------------------------------------------------------ infrastructure
     def start_infra(self) -> tuple[str, str]:
@@ -212,11 +224,21 @@ class Stack:
                 f"http://{host}:{st.router_port}/health",
             ),
         ]
+        if st.bridge:
+            # its /health answers 200 once the engine answered and its history is replayed
+            kids.append(
+                Child(
+                    "bridge",
+                    py + ["bridge", st.bridge, "--port", str(st.bridge_port)],
+                    f"http://{host}:{st.bridge_port}/health",
+                )
+            )
         return kids
 
     def check_ports(self) -> None:
         st = self.st
         ports = [st.router_port, st.api_port, st.indexer_port, st.telemetry_port]
+        ports += [st.bridge_port] if st.bridge else []
         ports += [st.sim_port + i for i in range(st.workers)]
         busy = [p for p in ports if port_open("127.0.0.1", p, 0.2)]
         if busy:
@@ -286,8 +308,56 @@ class Stack:
             self.nats.stop()
         if self.pg is not None:
             self.pg.stop()
+        if self.lock is not None:
+            stackfile.remove_state(self.state_dir)
+            self.lock.close()
+            self.lock = None
+
+    def take_state_dir(self) -> None:
+        """Refuse while another ``kvgate up`` runs here; stop what a dead one left behind."""
+        self.lock = stackfile.acquire_lock(self.state_dir)
+        stopped = stackfile.clean_stale(self.state_dir)
+        if stopped:
+            self.log.warning("stopped leftovers of a previous run", stopped=stopped)
+
+    def write_state(self, nats_url: str, db_url: str, token_file: str) -> Path:
+        st, host = self.st, "127.0.0.1"
+        ports = {
+            "router": st.router_port,
+            "api": st.api_port,
+            "indexer": st.indexer_port,
+            "telemetry": st.telemetry_port,
+        }
+        if st.workers > 0:
+            ports["sim"] = st.sim_port
+        urls = {name: f"http://{host}:{port}" for name, port in ports.items()}
+        pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
+        if isinstance(self.nats, EmbeddedNatsCluster):
+            for i, node in enumerate(self.nats.nodes):
+                if node.proc is not None:
+                    pids[f"nats-server-{i + 1}"] = node.proc.pid
+        elif self.nats is not None and self.nats.proc is not None:
+            pids["nats-server"] = self.nats.proc.pid
+        pg_pid = stackfile.postmaster_pid(self.state_dir / "postgres") if self.pg else None
+        if pg_pid is not None:
+            pids["postgres"] = pg_pid
+        return stackfile.write_state(
+            stackfile.StackState(
+                pid=os.getpid(),
+                started_at=time.time(),
+                state_dir=str(self.state_dir),
+                nats_url=nats_url,
+                database_url=db_url,
+                subject_prefix=st.subject_prefix,
+                urls=urls,
+                ports=ports,
+                pids=pids,
+                admin_token_file=token_file,
+            )
+        )
 
     def run(self) -> int:
+        self.take_state_dir()
         self.check_ports()
         nats_url, db_url = self.start_infra()
         env = env_without_proxy()
@@ -301,6 +371,13 @@ class Stack:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        # the admin token: the one given in the environment, else this state dir's own
+        token, token_created = os.environ.get("KVGATE_API_ADMIN_TOKEN", ""), False
+        token_file = ""
+        if not token:
+            token, token_created = stackfile.ensure_admin_token(self.state_dir)
+            token_file = str(self.state_dir / stackfile.TOKEN_FILE)
+            env["KVGATE_API_ADMIN_TOKEN"] = token
         self.migrate(env)
         self.children = self.plan()
         for c in self.children:
@@ -308,14 +385,34 @@ class Stack:
         self.wait_ready()
         if self.stopping:
             return 0
+        state_file = self.write_state(nats_url, db_url, token_file)
+        host = "127.0.0.1"
+        page = f"http://{host}:{self.st.api_port}/ui/"
+        if token_created:
+            token_line = f"  admin token     : {token}  (shown once; kept in {token_file})\n"
+            page_line = f"  operator page   : {page}#token={token}\n"
+        elif token_file:
+            token_line = f"  admin token     : in {token_file}\n"
+            page_line = f"  operator page   : {page}  (paste the admin token)\n"
+        else:
+            token_line = "  admin token     : from KVGATE_API_ADMIN_TOKEN\n"
+            page_line = f"  operator page   : {page}  (paste the admin token)\n"
         print(
             "\nkvgate is up\n"
-            f"  OpenAI base URL : http://127.0.0.1:{self.st.router_port}/v1\n"
-            f"  admin API       : http://127.0.0.1:{self.st.api_port}/api/v1\n"
-            f"  NATS            : {nats_url}\n"
+            f"  OpenAI base URL : http://{host}:{self.st.router_port}/v1\n"
+            f"  admin API       : http://{host}:{self.st.api_port}/api/v1\n"
+            + token_line
+            + page_line
+            + f"  NATS            : {nats_url}\n"
             f"  database        : {db_url}\n"
             f"  workers         : {self.st.workers} simulated\n"
+            "  metrics         : "
+            f"router http://{host}:{self.st.router_port}/metrics, "
+            f"api http://{host}:{self.st.api_port}/metrics,\n"
+            f"                    indexer http://{host}:{self.st.indexer_port}/metrics, "
+            f"telemetry http://{host}:{self.st.telemetry_port}/metrics\n"
             f"  logs            : {self.log_dir}\n"
+            f"  state file      : {state_file}  (kvgate status, alerts tail, api token read it)\n"
             "Press Ctrl-C to stop.\n",
             flush=True,
         )
@@ -337,13 +434,18 @@ def main(args: argparse.Namespace) -> int:
             stack.log.info("stopping", signal=signal.Signals(signum).name)
         stack.stopping = True
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    # SIGHUP: the terminal was closed; stop everything as on Ctrl-C
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     try:
         return stack.run()
+    except stackfile.StackRunning as exc:
+        print(f"kvgate up: {exc}", file=sys.stderr)
+        return 1
     except (RuntimeError, OSError) as exc:
         stack.log.error("kvgate up failed", error=str(exc))
         return 1
     finally:
         stack.stop()
-        os.sys.stdout.flush()
+        with contextlib.suppress(OSError, ValueError):  # a closed terminal
+            sys.stdout.flush()

@@ -320,9 +320,13 @@ async def test_alert_flow_dedup_resolve_ack_silence(api: ApiHarness, bus: Bus) -
     assert body["total"] == 1 and body["alerts"][0]["remedy"].startswith("raise")
     assert published.empty()
     # resolution from the source is published too
-    await raise_alert(bus, sig("resolved"))
+    done = sig("resolved")
+    done.summary = "w2: kv_starved resolved (condition cleared)"
+    await raise_alert(bus, done)
     subject, resolved = await asyncio.wait_for(published.get(), 5)
     assert resolved.state == "resolved" and resolved.alert_id == first.alert_id
+    # the resolution says so, not the opening text again
+    assert resolved.summary == "w2: kv_starved resolved (condition cleared)"
     _, a = await api.call("GET", f"/api/v1/alerts/{first.alert_id}")
     assert a["state"] == "resolved" and a["resolved_by"] == "source:telemetry"
     # it fires again: a new alert; ack it, then resolve by hand (published)
@@ -339,6 +343,7 @@ async def test_alert_flow_dedup_resolve_ack_silence(api: ApiHarness, bus: Bus) -
     await api.call("POST", f"/api/v1/alerts/{again.alert_id}/resolve", {"reason": "fixed"})
     _, by_hand = await asyncio.wait_for(published.get(), 5)
     assert by_hand.state == "resolved" and by_hand.alert_id == again.alert_id
+    assert by_hand.summary.startswith("resolved by ") and "was: batch starved" in by_hand.summary
     # silence the fingerprint: the next firing is stored (silenced) but not published
     status, sil = await api.call(
         "POST", f"/api/v1/alerts/{again.alert_id}/silence", {"duration_s": 600}

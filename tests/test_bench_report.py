@@ -165,3 +165,76 @@ def test_compare_reports_agreement():
     # p50: px is slowest in a but faster than rr in b -> one disagreement
     assert c["rankings"]["ttft_p50"]["disagreeing_pairs"] == [("px", "rr")]
     assert "Largest hit-rate difference: 2.5 points." in cmp_md(c)
+
+
+def _policy_report():
+    """The eight built-in policies: the eighth colour of matplotlib's cycle is grey."""
+    rep = _report()
+    base = rep["runs"][1]["summary"]
+    rep["runs"] = [
+        {"label": p, "summary": base}
+        for p in (
+            "round_robin",
+            "random",
+            "least_request",
+            "power_of_two",
+            "prefix",
+            "kv_load",
+            "gpu_aware",
+            "kv_aware",
+        )
+    ]
+    return rep
+
+
+def test_plot_colours_none_grey_and_distinct():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.colors import to_rgb
+
+    from bench.report import run_colors, ttft_cdf_figure
+
+    rep = _policy_report()
+    colors = run_colors([r["label"] for r in rep["runs"]])
+    assert len(set(colors.values())) == len(colors)
+    fig = ttft_cdf_figure(rep)
+    for line in fig.axes[0].get_lines():
+        r, g, b = to_rgb(line.get_color())
+        assert max(r, g, b) - min(r, g, b) > 0.15, (line.get_label(), line.get_color())  # grey
+
+
+def test_ttft_cdf_log_axis_has_readable_ticks():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from bench.report import ttft_cdf_figure
+
+    fig = ttft_cdf_figure(_report())
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    shown = [
+        t.get_text()
+        for t, v in zip(ax.get_xticklabels(), ax.get_xticks(), strict=True)
+        if t.get_text() and lo <= v <= hi
+    ]
+    assert len(shown) >= 3, shown  # was a single label on a 10..100 ms range
+    assert all("$" not in t and "e" not in t for t in shown), shown  # plain ms numbers
+
+
+def test_load_panels_share_a_y_scale_and_hit_bars_are_labelled():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from bench.report import hit_rate_figure, worker_load_figure
+
+    rep = _report()
+    rep["runs"][1]["summary"] = dict(rep["runs"][1]["summary"])
+    rep["runs"][1]["summary"]["inflight_series"] = {"bin_s": 0.1, "workers": {"a": [40, 80]}}
+    fig = worker_load_figure(rep)
+    a, b = fig.axes[0], fig.axes[1]
+    assert a.get_ylim() == b.get_ylim()
+    bars = hit_rate_figure(rep)
+    texts = [t.get_text() for t in bars.axes[0].texts]
+    assert "20.0%" in texts and "40.0%" in texts

@@ -94,7 +94,7 @@ def test_rekeyer_refuses_what_it_cannot_key() -> None:
     assert rk.counts["unknown_parent"] == 1
     assert rk.stored([1, 2], None, TOKENS[:31], 16) is None  # too few tokens
     assert rk.counts["token_count_mismatch"] == 1
-    assert rk.stored([1], None, TOKENS[:32], 32) is None
+    assert rk.stored([1], None, TOKENS[:24], 24) is None  # not a multiple of 16
     assert rk.counts["block_size_mismatch"] == 1
     assert rk.stored([1], None, [2**40] * 16, 16) is None
     assert rk.counts["invalid_schema"] == 1
@@ -102,7 +102,7 @@ def test_rekeyer_refuses_what_it_cannot_key() -> None:
     assert ok is not None and ok.keys == keys[:2]
     assert rk.removed([2, 77], None) == [BlockRemoved(keys=[keys[1]], tier="gpu")]
     assert rk.counts["unknown_block"] == 1
-    assert isinstance(rk.cleared(), AllBlocksCleared) and not rk.key_of
+    assert isinstance(rk.cleared(), AllBlocksCleared) and not rk.held and not rk.refs
     # a LoRA adapter keys its own space
     lo = rk.stored([5], None, TOKENS[:16], 16, lora="ad1")
     assert lo is not None and lo.keys == block_keys(TOKENS[:16], 16, block_seed(0, "ad1"))
@@ -113,15 +113,21 @@ def test_bad_vllm_payloads_are_classified() -> None:
     with pytest.raises(EngineFormatError) as e1:
         dec.decode(b"\xc1\x00")
     assert e1.value.reason == "malformed_msgpack"
-    bad_hash = msgpack.packb([0.0, [stored_ev("map", [1.5], None, TOKENS[:16])], 0])
-    with pytest.raises(EngineFormatError) as e2:
-        dec.decode(bad_hash)
-    assert e2.value.reason == "wrong_hash_type"
-    with pytest.raises(EngineFormatError) as e3:
-        dec.decode(msgpack.packb([0.0, [{"type": "Nope"}], 0]))
-    assert e3.value.reason == "invalid_schema"
+    with pytest.raises(EngineFormatError) as e0:
+        dec.decode(msgpack.packb("not a batch"))
+    assert e0.value.reason == "invalid_schema"
+    # bad events are reported one by one; the good ones of the same batch are kept
+    good = stored_ev("map", [1], None, TOKENS[:16])
+    batch = dec.decode(
+        msgpack.packb(
+            [0.0, [stored_ev("map", [1.5], None, TOKENS[:16]), {"type": "Nope"}, good, 7], 0]
+        )
+    )
+    assert [r for r, _ in batch.bad] == ["wrong_hash_type", "unknown_event_type", "invalid_schema"]
+    assert len(batch.events) == 1 and batch.events[0].block_hashes == [1]
     assert medium_tier(None) == "gpu" and medium_tier("CPU_PINNED") == "cpu"
-    assert medium_tier("DISK") == "disk"
+    assert medium_tier("DISK") == "disk" and medium_tier("STORAGE") == "disk"
+    assert medium_tier("EXTERNAL") is None and medium_tier("GPU", "REMOTE") is None
 
 
 def _trt_block(h: int, toks: list[int], level: int = 0) -> dict:
@@ -199,3 +205,265 @@ def test_lora_adapters_from_the_engines_model_list() -> None:
     assert lora_names(models) == ("chat-lora", "sql-lora")
     for bad in (None, [], {"data": "x"}, {"data": [1, {"parent": "llama"}]}):
         assert lora_names(bad) == ()
+
+
+# ---------------------------------------------------------------- keys the engine would reuse
+
+
+def vllm_stored(hashes, parent, tokens, bs=16, **fields) -> dict:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": bs,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **fields,
+    }
+
+
+def run(rk: Rekeyer, events: list) -> list:
+    batch = VllmDecoder().decode(msgpack.packb([0.0, events, 0], use_bin_type=True))
+    for reason, detail in batch.bad:
+        rk.bad(reason, detail)
+    return rk.vllm_events(batch.events)
+
+
+def held_keys(rk: Rekeyer, tier: str = "gpu") -> set[int]:
+    return {k for ev in rk.dump()[1:] if ev.tier == tier for k in ev.keys}
+
+
+def test_cache_salt_keys_a_disjoint_space_like_the_router() -> None:
+    """A salted prompt must not match unsalted blocks (nor another salt's): the bridge
+    starts the chain at block_seed(seed, lora, salt), exactly as the router keys a request's
+    ``cache_salt``."""
+    plain = block_keys(TOKENS[:32], 16, block_seed(3))
+    salted = block_keys(TOKENS[:32], 16, block_seed(3, salt="tenant-a"))
+    lora_salted = block_keys(TOKENS[:32], 16, block_seed(3, "ad1", "tenant-a"))
+    # SGLang: cache_salt field
+    rk = Rekeyer(hash_seed=3, block_size=16)
+    out = run(rk, [vllm_stored([1, 2], None, TOKENS[:32], cache_salt="tenant-a")])
+    assert out[0].keys == salted
+    # vLLM: the salt is the first block's extra_keys string (after the LoRA name)
+    rk = Rekeyer(hash_seed=3, block_size=16)
+    out = run(rk, [vllm_stored([1, 2], None, TOKENS[:32], extra_keys=[["tenant-a"], None])])
+    assert out[0].keys == salted and out[0].keys != plain
+    rk = Rekeyer(hash_seed=3, block_size=16)
+    ev = vllm_stored(
+        [1, 2], None, TOKENS[:32], lora_name="ad1", extra_keys=[["ad1", "tenant-a"], ["ad1"]]
+    )
+    assert run(rk, [ev])[0].keys == lora_salted
+    # the continuation of a salted chain stays in the salted space through its parent
+    out = run(rk, [vllm_stored([3], 2, TOKENS[32:48], lora_name="ad1", extra_keys=[["ad1"]])])
+    assert out[0].keys == block_keys(TOKENS[:48], 16, block_seed(3, "ad1", "tenant-a"))[2:]
+
+
+def test_multimodal_extra_keys_never_match_text_blocks() -> None:
+    text = block_keys(TOKENS[:32], 16)
+    a, b = Rekeyer(block_size=16), Rekeyer(block_size=16)
+    img = [[["mmhash-cat", 0]], [["mmhash-cat", -16]]]
+    ka = run(a, [vllm_stored([1, 2], None, TOKENS[:32], extra_keys=img)])[0].keys
+    kb = run(b, [vllm_stored([7, 8], None, TOKENS[:32], extra_keys=img)])[0].keys
+    assert ka == kb  # same image, same placeholder tokens: the engine reuses the cache
+    assert not set(ka) & set(text)
+    other = [[["mmhash-dog", 0]], [["mmhash-dog", -16]]]
+    kc = run(Rekeyer(block_size=16), [vllm_stored([1, 2], None, TOKENS[:32], extra_keys=other)])
+    assert not set(kc[0].keys) & set(ka)
+    # an image only in the second block: the first block is plain text and matches
+    mixed = run(
+        Rekeyer(block_size=16),
+        [vllm_stored([1, 2], None, TOKENS[:32], extra_keys=[None, [["mmhash-cat", 3]]])],
+    )
+    assert mixed[0].keys[0] == text[0] and mixed[0].keys[1] != text[1]
+
+
+def test_hybrid_groups_sliding_window_eviction_keeps_full_attention_blocks() -> None:
+    keys = block_keys(TOKENS[:48], 16)
+    rk = Rekeyer(block_size=16)
+    out = run(
+        rk,
+        [
+            vllm_stored([1, 2, 3], None, TOKENS[:48], group_idx=0),
+            vllm_stored([1, 2, 3], None, TOKENS[:48], group_idx=1),
+        ],
+    )
+    assert [e.keys for e in out] == [keys]  # the second group adds no new canonical block
+    # the sliding-window group frees the blocks outside its window
+    assert (
+        run(rk, [{"type": "BlockRemoved", "block_hashes": [1, 2], "medium": "GPU", "group_idx": 1}])
+        == []
+    )
+    assert held_keys(rk) == set(keys)
+    out = run(
+        rk, [{"type": "BlockRemoved", "block_hashes": [1, 2, 3], "medium": "GPU", "group_idx": 0}]
+    )
+    assert out == [BlockRemoved(keys=keys[:2], tier="gpu")] and held_keys(rk) == {keys[2]}
+    # with kinds published (vLLM 0.33), a sliding-window / mamba group is not indexed at all
+    rk = Rekeyer(block_size=16)
+    run(
+        rk,
+        [
+            vllm_stored(
+                [1, 2], None, TOKENS[:32], group_idx=0, kv_cache_spec_kind="full_attention"
+            ),
+            vllm_stored(
+                [1, 2], None, TOKENS[:32], group_idx=1, kv_cache_spec_kind="sliding_window"
+            ),
+            vllm_stored([9], None, TOKENS[:64], 64, group_idx=2, kv_cache_spec_kind="mamba"),
+        ],
+    )
+    assert held_keys(rk) == set(keys[:2]) and rk.skipped["non_prefix_group"] == 2
+    assert rk.counts == {}
+
+
+def test_block_sizes_that_are_multiples_are_split_not_dropped() -> None:
+    keys = block_keys(TOKENS, 16)
+    rk = Rekeyer(block_size=16)
+    out = run(
+        rk,
+        [
+            vllm_stored([1], None, TOKENS[:16]),
+            vllm_stored(
+                [2, 3], 1, TOKENS[16:80], 32, group_idx=1
+            ),  # another group, 32-token blocks
+            vllm_stored([4], 3, TOKENS[80:88], 8),  # a partial block: cannot be keyed at 16
+        ],
+    )
+    assert [e.keys for e in out] == [keys[:1], keys[1:5]] and out[1].parent_key == keys[0]
+    assert rk.counts == {"block_size_mismatch": 1}
+    out = run(rk, [{"type": "BlockRemoved", "block_hashes": [3], "group_idx": 1, "medium": "GPU"}])
+    assert out == [BlockRemoved(keys=keys[3:5], tier="gpu")]
+
+
+def test_remote_blocks_are_not_this_workers_cache() -> None:
+    rk = Rekeyer(block_size=16)
+    out = run(
+        rk,
+        [
+            vllm_stored([1], None, TOKENS[:16], locality="REMOTE"),
+            vllm_stored([2], None, TOKENS[16:32], medium="EXTERNAL"),
+            vllm_stored([3], None, TOKENS[32:48], locality="LOCAL"),
+        ],
+    )
+    assert [e.keys for e in out] == [block_keys(TOKENS[32:48], 16)]
+    assert rk.skipped["remote_medium"] == 2 and rk.counts == {}
+
+
+def test_unknown_event_types_and_bigram_pages_cost_only_themselves() -> None:
+    keys = block_keys(TOKENS[:32], 16)
+    pairs = [[t, t + 1] for t in TOKENS[:16]]  # SGLang EAGLE bigram page
+    rk = Rekeyer(block_size=16)
+    out = run(
+        rk,
+        [
+            {
+                "type": "BlockStored",
+                "block_hashes": [9],
+                "parent_block_hash": None,
+                "token_ids": pairs,
+                "block_size": 16,
+                "lora_id": None,
+                "medium": "GPU",
+            },
+            {"type": "KvCacheMetrics", "usage": 0.5},
+            vllm_stored([1, 2], None, TOKENS[:32]),
+            ["SomeFutureEvent", 1, 2],
+        ],
+    )
+    assert [e.keys for e in out] == [keys]
+    assert rk.counts == {"bigram_page": 1, "unknown_event_type": 2}
+
+
+def test_trtllm_window_sizes_are_groups() -> None:
+    """Variable sliding-window attention: the small window's eviction leaves the blocks the
+    full window still holds."""
+    import json
+
+    keys = block_keys(TOKENS[:32], 16)
+
+    def stored(eid: int, window: int) -> dict:
+        blocks = [_trt_block(100 + i, TOKENS[16 * i : 16 * i + 16]) for i in range(2)]
+        data = {"type": "stored", "parent_hash": None, "blocks": blocks}
+        return {"event_id": eid, "data": data, "window_size": window}
+
+    events = [
+        stored(0, 4096),
+        stored(1, 512),
+        {
+            "event_id": 2,
+            "data": {"type": "removed", "block_hashes": [100, 101]},
+            "window_size": 512,
+        },
+    ]
+    parsed, bad = decode_trtllm(json.dumps(events).encode())
+    rk = Rekeyer()
+    out = rk.trtllm_events(parsed)
+    assert bad == [] and out == [BlockStored(keys=keys, parent_key=None, block_size=16, tier="gpu")]
+    assert {k for ev in rk.dump()[1:] for k in ev.keys} == set(keys)
+    rm = rk.trtllm_events(
+        decode_trtllm(
+            json.dumps(
+                [
+                    {
+                        "event_id": 3,
+                        "data": {"type": "removed", "block_hashes": [100, 101]},
+                        "window_size": 4096,
+                    }
+                ]
+            ).encode()
+        )[0]
+    )
+    assert rm == [BlockRemoved(keys=keys, tier="gpu")] and rk.counts == {}
+
+
+async def test_router_keys_a_salted_lora_request_like_the_bridge_keys_its_blocks() -> None:
+    """The request a client sends (OpenAI body with vLLM's ``cache_salt``, a LoRA model) and
+    the blocks the engine reports for it (vLLM extra_keys) land on the same keys; the same
+    prompt without the salt does not."""
+    from services.common.tokenizer import ByteTokenizer
+    from services.router.tokenize import RequestParser
+
+    parser = RequestParser(ByteTokenizer(), hash_seed=5, is_lora=lambda m: m == "sql-lora")
+    body = {"model": "sql-lora", "prompt": "z" * 64, "cache_salt": "tenant-a"}
+    req = await parser.parse(body, chat=False)
+    toks = req.token_ids[:64]
+    rk = Rekeyer(hash_seed=5, block_size=16)
+    extra = [["sql-lora", "tenant-a"], ["sql-lora"], ["sql-lora"], ["sql-lora"]]
+    out = run(rk, [vllm_stored([1, 2, 3, 4], None, toks, lora_name="sql-lora", extra_keys=extra)])
+    assert RequestParser.keys(req, 16)[:4] == out[0].keys
+    plain = await parser.parse({**body, "cache_salt": None}, chat=False)
+    assert not set(RequestParser.keys(plain, 16)) & set(out[0].keys)
+
+
+def test_trtllm_token_extra_ids_key_their_own_space() -> None:
+    import json
+
+    def ev(eid: int, h: int, extra: int) -> dict:
+        blk = _trt_block(h, TOKENS[:16])
+        for t in blk["tokens"][4:8]:
+            t["token_extra_id"] = extra
+        return {"event_id": eid, "data": {"type": "stored", "parent_hash": None, "blocks": [blk]}}
+
+    text = block_keys(TOKENS[:16], 16)
+    outs = []
+    for extra in (7, 7, 9):
+        rk = Rekeyer()
+        outs.append(rk.trtllm_events(decode_trtllm(json.dumps([ev(0, 1, extra)]).encode())[0]))
+    assert outs[0][0].keys == outs[1][0].keys  # the same image: the engine reuses it
+    assert outs[0][0].keys != text and outs[2][0].keys != outs[0][0].keys
+
+
+def test_a_block_moving_between_tiers_keeps_its_key_and_chain() -> None:
+    keys = block_keys(TOKENS[:48], 16)
+    rk = Rekeyer(block_size=16)
+    assert rk.stored([1, 2], None, TOKENS[:32], 16).keys == keys[:2]  # GPU
+    assert rk.stored([2], 1, TOKENS[16:32], 16, "cpu").keys == [keys[1]]  # offloaded copy
+    assert rk.removed([2], "gpu") == [BlockRemoved(keys=[keys[1]], tier="gpu")]
+    # the CPU copy still names the chain: a child keys from it
+    assert rk.stored([3], 2, TOKENS[32:48], 16).keys == [keys[2]]
+    tiers = {ev.tier: set(ev.keys) for ev in rk.dump()[1:]}
+    assert tiers == {"gpu": {keys[0], keys[2]}, "cpu": {keys[1]}}
+    assert rk.removed([2], None) == [BlockRemoved(keys=[keys[1]], tier="cpu")]
+    assert rk.stored([1], None, TOKENS[:16], 16) is None and rk.counts == {}  # duplicate

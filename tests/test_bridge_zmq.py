@@ -42,13 +42,24 @@ def two_ports() -> tuple[int, int]:
 class TinyEngine:
     """A vLLM-style publisher: PUB ``[topic, seq, payload]`` + ROUTER replay buffer."""
 
-    def __init__(self, form: str, mode: str, topic_frame: bool) -> None:
+    def __init__(
+        self,
+        form: str = "map",
+        mode: str = "uint64",
+        topic_frame: bool = True,
+        block_size: int = 16,
+        connect_to: str | None = None,
+    ) -> None:
         self.form, self.mode, self.topic_frame = form, mode, topic_frame
+        self.block_size = block_size
         self.pub_port, self.replay_port = two_ports()
         ctx = zmq.asyncio.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
+        if connect_to:  # the engine's PUB connects out to a bridge that binds
+            self.pub.connect(connect_to)
+        else:
+            self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
@@ -74,12 +85,12 @@ class TinyEngine:
                 "block_hashes": hashes,
                 "parent_block_hash": p,
                 "token_ids": tokens,
-                "block_size": 16,
+                "block_size": self.block_size,
                 "lora_id": None,
                 "medium": "GPU",
                 "lora_name": None,
             }
-        return ["BlockStored", hashes, p, tokens, 16, None, "GPU", None]
+        return ["BlockStored", hashes, p, tokens, self.block_size, None, "GPU", None]
 
     def removed(self, ids: list[int]) -> object:
         hashes = [self.ehash(i) for i in ids]
@@ -87,9 +98,17 @@ class TinyEngine:
             return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
         return ["BlockRemoved", hashes, "GPU"]
 
+    def restart(self) -> None:
+        """A new engine process: seq from 0 again, an empty replay buffer."""
+        self.seq = -1
+        self.buffer.clear()
+
     async def publish(self, events: list[object], send: bool = True) -> int:
-        self.seq += 1
         payload = msgpack.packb([time.time(), events, 0], use_bin_type=True)
+        return await self.publish_raw(payload, send)
+
+    async def publish_raw(self, payload: bytes, send: bool = True) -> int:
+        self.seq += 1
         self.buffer.append((self.seq, payload))
         if send:
             await self.pub.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload])
@@ -122,6 +141,7 @@ async def bridge(
     nats_url: str, subjects: Subjects, worker: str, endpoint: str, replay: str | None, **kw
 ) -> AsyncIterator[ZmqBridge]:
     async with connected(nats_url, subjects, "bridge") as b:
+        kw.setdefault("block_size", None if kw.get("engine_url") else 16)
         rt = BridgeRuntime(b, worker, engine="vllm", model="m", heartbeat_s=0.2, **kw)
         await rt.start()
         zb = ZmqBridge(rt, endpoint, replay, topic="kv@")

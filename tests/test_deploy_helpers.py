@@ -26,6 +26,7 @@ ENV_EXAMPLE = ROOT / ".env.example"
 TEST_SECRETS = {
     "POSTGRES_PASSWORD": "pw0123456789abcdef",
     "KVGATE_API_ADMIN_TOKEN": "tok-" + "a" * 32,
+    "GRAFANA_ADMIN_PASSWORD": "grafana-" + "b" * 16,
 }
 # Site-specific values the env examples leave empty (deploy/gpu-node.env.example).
 TEST_SITE = {

@@ -209,5 +209,16 @@ async def test_kvgate_up_nats_cluster_starts_three_nodes(
             assert (await bus.js.stream_info(name)).config.num_replicas == 3
         finally:
             await bus.close()
+        # the state file names every node, so a later `kvgate up` can clean them up
+        from services.common import stackfile
+
+        stack.write_state(nats_url, database_url, str(tmp_path / "token"))
+        state = stackfile.read_state(tmp_path)
+        assert state is not None
+        assert sorted(k for k in state.pids if k.startswith("nats-server")) == [
+            "nats-server-1",
+            "nats-server-2",
+            "nats-server-3",
+        ]
     finally:
         await asyncio.to_thread(stack.stop)

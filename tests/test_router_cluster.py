@@ -67,13 +67,17 @@ async def test_policy_hot_reload_within_1s_without_drops(nats_url, subjects, bus
     await _publish_policy(
         bus,
         PolicyUpdated(
-            revision=1, name="round_robin", version=1, spec={"name": "round_robin", "params": {}}
+            revision=1, name="rr-bar", version=1, spec={"name": "round_robin", "params": {}}
         ),
     )
     router = await RouterProc(nats_url, subjects, policy="random").start()
     r = router.router
     try:
         await router.wait_workers(2)
+        # operators see the policy they named, at its version, not the algorithm
+        async with aiohttp.ClientSession() as s, s.get(router.url + "/health") as resp:
+            health = await resp.json()
+        assert health["policy"] == "rr-bar@1" and health["policy_algorithm"] == "round_robin"
         assert r.policies.control.name == "round_robin" and r.policies.revision == 1
         statuses: Counter = Counter()
         policies: list[str] = []
@@ -125,7 +129,7 @@ async def test_policy_hot_reload_within_1s_without_drops(nats_url, subjects, bus
             stop.set()
             await asyncio.gather(*runners)
         assert set(statuses) == {200}, statuses
-        assert policies[0] == "round_robin" and policies[-1] == "least_request"
+        assert policies[0] == "rr-bar@1" and policies[-1] == "least_request@3"
         assert (
             r.policies.control.name == "least_request"
             and r.policies.control.params["max_inflight"] == 50
@@ -186,7 +190,7 @@ async def test_canary_arms_are_deterministic_and_sticky(nats_url, subjects, bus:
                 assert st == 200
                 arms[h["x-kvgate-arm"]] += 1
                 assert h["x-kvgate-policy"] == (
-                    "least_request" if h["x-kvgate-arm"] == "candidate" else "kv_aware"
+                    "least_request@2" if h["x-kvgate-arm"] == "candidate" else "kv_aware@7"
                 )
             assert 30 <= arms["candidate"] <= 90, arms
             # a session stays on one arm

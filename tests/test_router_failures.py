@@ -125,7 +125,7 @@ async def test_breaker_opens_alerts_probes_and_closes(nats_url, subjects, bus: B
             assert (
                 fired.kind == "circuit_open" and fired.worker_id == "w0" and fired.state == "firing"
             )
-            assert fired.severity == "warning" and fired.fingerprint == "circuit_open:w0"
+            assert fired.severity == "critical" and fired.fingerprint == "circuit_open:w0"
             # open: the session's requests go to w1 now
             st, h, _ = await post(
                 s,

@@ -68,7 +68,7 @@ async def test_openai_client_chat_and_completions(cluster) -> None:
             model="m", messages=[{"role": "user", "content": "who"}], max_tokens=1
         )
         assert raw.headers["x-kvgate-worker"] in {w.worker_id for w in workers}
-        assert raw.headers["x-kvgate-policy"] == "kv_aware"
+        assert raw.headers["x-kvgate-policy"] == "kv_aware@default"
         models = await client.models.list()
         assert sorted(m.id for m in models.data) == ["m", "other"]
         # model routing: only the worker serving "other" gets its requests
@@ -104,7 +104,8 @@ async def test_health_models_and_debug_route_send_nothing(cluster) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.get(router.url + "/health") as r:
             h = await r.json()
-        assert h["workers"] == 4 and h["nats"] is True and h["policy"] == "kv_aware"
+        assert h["workers"] == 4 and h["nats"] is True and h["policy"] == "kv_aware@default"
+        assert h["policy_algorithm"] == "kv_aware"
         before = sum(len(w.served) for w in workers)
         async with s.get(
             router.url + "/debug/route",
@@ -193,7 +194,12 @@ async def test_outcomes_and_metrics(cluster, bus: Bus) -> None:
         "kvgate_router_ttft_seconds",
         "kvgate_router_e2e_seconds",
         "kv_cache_hit_rate",
+        "kvgate_router_kv_cache_hit_ratio",
         "request_timeout_total",
+        "kvgate_router_timeouts_total",
+        "kvgate_router_itl_seconds_bucket",
+        'kvgate_router_arm_requests_total{arm="control",status="ok"}',
+        'kvgate_router_arm_ttft_seconds_count{arm="control"}',
         "kvgate_router_decision_seconds",
         "kvgate_router_queue_length",
         "kvgate_router_retries_total",

@@ -69,6 +69,7 @@ class FakeWorker:
     mode: str = "ok"  # ok | 503 | 500 | hang | crash_mid | slow
     crash_after: int = 2  # chunks before dying (crash_mid)
     hold: asyncio.Event | None = None  # answers wait for this (keep requests in flight)
+    delay_s: float = 0.0  # each answer takes this long first (a slow worker)
     capacity: WorkerCapacity = field(
         default_factory=lambda: WorkerCapacity(
             block_size=BS, num_gpu_blocks=4096, max_num_seqs=64, max_model_len=8192
@@ -158,6 +159,8 @@ class FakeWorker:
             return web.json_response({"error": "stopped"}, status=503)
         if self.hold is not None:
             await self.hold.wait()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)  # the slowness under test, not synchronisation
         prompt = prompt_from_request(ByteTokenizer(), body)
         prompt_tokens = len(ByteTokenizer().encode(prompt))
         held = block_keys(ByteTokenizer().encode(prompt), BS)

@@ -71,7 +71,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop() -> None:
     seen: list[int] = []
 
     class Recording(ByteTokenizer):
-        def encode(self, text: str) -> list[int]:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
             seen.append(threading.get_ident())
             return super().encode(text)
 

@@ -122,8 +122,14 @@ async def test_publishes_engine_and_nvml_values_then_stale_never_zeros(
 
             # Prometheus view of the agent
             text = generate_latest(REGISTRY).decode()
-            assert 'gpu_utilization_percent{gpu="0",worker="w-a"} 87.0' in text
-            assert 'gpu_memory_used_bytes{gpu="0",worker="w-a"}' in text
+            assert 'gpu_utilization_percent{gpu="0",worker="w-a"} 87.0' in text  # alias
+            assert 'kvgate_gpu_sm_utilization_ratio{gpu="0",worker="w-a"} 0.87' in text
+            assert 'kvgate_gpu_memory_used_bytes{gpu="0",worker="w-a"}' in text
+            assert 'kvgate_gpu_sm_clock_hertz{gpu="0",worker="w-a"} 1.755e+09' in text
+            # error counts are counters (Prometheus: rate() / increase() work on them)
+            assert "# TYPE kvgate_gpu_xid_errors_total counter" in text
+            assert 'kvgate_gpu_xid_errors_total{gpu="0",worker="w-a"} 0.0' in text
+            assert "# TYPE kvgate_gpu_ecc_uncorrected_errors_total counter" in text
             assert 'kvgate_telemetry_scrape_errors_total{reason="http",worker="w-a"}' in text
         finally:
             await agent.stop()

@@ -276,3 +276,28 @@ def test_build_rules_rejects_unknown_names_and_fields() -> None:
         build_rules({"kv_starved": {"windw_s": 3}})
     [starved] = [r for r in build_rules({"kv_starved": {"window_s": 3}}) if r.kind == "kv_starved"]
     assert starved.window_s == 3
+
+
+def test_no_kv_events_quiet_for_a_worker_whose_requests_all_hit_its_cache() -> None:
+    # busy, prefix caching on, 100 prompt tokens looked up per sample and every one found
+    # cached: the worker stores no new blocks, so no events is right, not a fault
+    w = [
+        Observation(
+            ts=T0 + i / 10,
+            running=3,
+            prefix_caching=True,
+            prefix_cache_queries=100.0 * i,
+            prefix_cache_hits=100.0 * i,
+            tokens_per_block=16,
+            kv_events=0,
+        )
+        for i in range(310)
+    ]
+    assert NoKvEvents().check("w", w, end(w)) is None
+    # the same worker missing its cache on a tenth of those tokens computes new blocks
+    missing = [replace(o, prefix_cache_hits=90.0 * i) for i, o in enumerate(w)]
+    f = NoKvEvents().check("w", missing, end(missing))
+    assert f is not None and "new blocks" in f.summary
+    # a handful of uncached tokens (less than min_new_blocks blocks) is not evidence
+    few = [replace(o, prefix_cache_hits=100.0 * i - min(i, 40)) for i, o in enumerate(w)]
+    assert NoKvEvents().check("w", few, end(few)) is None

@@ -76,6 +76,13 @@ async def test_sim_worker_like_seed_001_raises_kv_starved(bus: Bus, nats_url: st
         assert first.source == "sim" and first.max_batch == 64
         assert first.kv_capacity_tokens == 2560 and first.tokens_per_block == 16
         assert first.gpus and first.gpus[0].mem_total_bytes
+        # the simulated GPU is on the agent's /metrics too (new names and the seed's alias)
+        from prometheus_client import REGISTRY, generate_latest
+
+        text = generate_latest(REGISTRY).decode()
+        assert 'kvgate_gpu_sm_utilization_ratio{gpu="0",worker="seed001"}' in text
+        assert 'gpu_utilization_percent{gpu="0",worker="seed001"}' in text
+        assert 'kvgate_gpu_memory_total_bytes{gpu="0",worker="seed001"}' in text
 
         async def one(i: int) -> None:
             body = {

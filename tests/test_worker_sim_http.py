@@ -128,7 +128,12 @@ async def test_tokenize_models_and_health():
     async with sim_worker(worker_id="wd", loras=("ad-1",)) as w:
         status, js, _ = await post(w.url + "/tokenize", {"prompt": "héllo"})
         assert status == 200
-        assert js == {"tokens": list("héllo".encode()), "count": 6, "max_model_len": 4096}
+        assert js == {
+            "tokens": list("héllo".encode()),
+            "count": 6,
+            "max_model_len": 4096,
+            "token_strs": None,
+        }
         msgs = {"messages": [{"role": "user", "content": "hi"}]}
         status, js, _ = await post(w.url + "/tokenize", msgs)
         assert js["tokens"] == list(prompt_from_request(ByteTokenizer(), msgs).encode())

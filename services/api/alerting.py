@@ -78,6 +78,15 @@ def silence_dict(s: Silence) -> dict[str, Any]:
     }
 
 
+def resolution_summary(a: AlertRow) -> str:
+    """What a resolved alert says: the source's resolution text, else who resolved what.
+    (The row keeps the opening text as its summary, for the record.)"""
+    text = (a.details or {}).get("resolution")
+    if isinstance(text, str) and text:
+        return text
+    return f"resolved by {a.resolved_by or 'unknown'}; was: {a.summary}"[:2000]
+
+
 def to_message(a: AlertRow) -> Alert:
     state = "resolved" if a.state == "resolved" else "firing"
     return Alert(
@@ -87,8 +96,8 @@ def to_message(a: AlertRow) -> Alert:
         state=state,
         source=a.source,
         worker_id=a.worker_id,
-        summary=a.summary,
-        remedy=a.remedy,
+        summary=resolution_summary(a) if state == "resolved" else a.summary,
+        remedy="" if state == "resolved" else a.remedy,
         details=a.details or {},
         ts=datetime.now(UTC).timestamp(),
         alert_id=a.id,
@@ -139,6 +148,10 @@ async def apply_signal(s: AsyncSession, sig: Alert) -> AlertRow | None:
         existing.resolved_at = now
         existing.resolved_by = f"source:{sig.source}"
         existing.last_seen = now
+        existing.details = {
+            **(existing.details or {}),
+            "resolution": sig.summary or f"{sig.kind} resolved",
+        }
         return None if existing.silenced else existing
     if existing is not None:
         severity_changed = existing.severity != sig.severity

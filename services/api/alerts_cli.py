@@ -22,9 +22,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from services.common import settings as S
+from services.common import stackfile
+from services.common.embedded import nats_url_reachable
 from services.common.subjects import check_token
 
-OPTIONS = (S.NATS_URL, S.SUBJECT_PREFIX)
+OPTIONS = (S.NATS_URL, S.SUBJECT_PREFIX, S.STATE_DIR)
 SEVERITIES = ("info", "warning", "critical")
 _COLORS = {"critical": "\033[31;1m", "warning": "\033[33m", "info": "\033[36m"}
 
@@ -169,8 +171,25 @@ def main(args: argparse.Namespace) -> int:
     st = S.resolve(args, OPTIONS)
     configure_logging("alerts", "warning", "console")  # logs to stderr; stdout is the alerts
     if args.action == "tail":
+        nats_url, prefix, source = st.nats_url, st.subject_prefix, "the default"
+        if not stackfile.given(args, "nats_url", S.NATS_URL.env_var):
+            stack = stackfile.running_stack(st.state_dir)
+            if stack is not None:  # the embedded stack of `kvgate up`
+                nats_url, source = stack.nats_url, f"{stackfile.stack_path(st.state_dir)}"
+                if not stackfile.given(args, "subject_prefix", S.SUBJECT_PREFIX.env_var):
+                    prefix = stack.subject_prefix
+        else:
+            source = "--nats-url / KVGATE_NATS_URL"
+        if not nats_url_reachable(nats_url):
+            print(
+                f"kvgate alerts tail: no NATS server at {nats_url} (from {source}). "
+                f"Start the stack with 'kvgate up' (its state file in {st.state_dir} is found "
+                "by itself; --state-dir for another), or give --nats-url / KVGATE_NATS_URL.",
+                file=sys.stderr,
+            )
+            return 1
         try:
-            return asyncio.run(tail(args, st.nats_url, st.subject_prefix))
+            return asyncio.run(tail(args, nats_url, prefix))
         except ConnectionError as exc:
             print(f"kvgate alerts tail: {exc}", file=sys.stderr)
             return 1

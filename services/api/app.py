@@ -21,6 +21,7 @@ from services.api.framework import install
 from services.api.publisher import PolicyPublisher
 from services.api.routes import build_routes
 from services.api.tokens import TokenAuth
+from services.api.ui import add_static
 from services.api.workers import ControlRepublisher, WorkerRegistry
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
@@ -79,6 +80,7 @@ class ApiService:
             policy_schemas=policy_schemas(),
         )
         await registry.subscribe(bus)
+        await ctx.decisions.start(bus)
         await ensure_policy_stream(bus)
         self.collector = OutcomeCollector(db, bus, flush_s=cfg.flush_interval_s)
         await self.collector.start()
@@ -92,6 +94,7 @@ class ApiService:
         app = web.Application(client_max_size=1024 * 1024)
         install(app, build_routes(ctx), ctx.auth.lookup)
         app.router.add_get("/metrics", metrics_handler)
+        add_static(app)  # the operator page at /ui/ (its data comes from the routes above)
         self.app = app
         return app
 
@@ -112,6 +115,7 @@ class ApiService:
         parts = [p for p in (self.evaluator, self.controls, self.alerts, self.collector) if p]
         await asyncio.gather(*(p.stop() for p in parts), return_exceptions=True)
         if self.ctx is not None:
+            await self.ctx.decisions.stop()
             await self.ctx.bus.close()
             await self.ctx.db.close()
 

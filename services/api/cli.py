@@ -41,7 +41,7 @@ OPTIONS = S.COMMON + (
         env="KVGATE_API_REPUBLISH_S",
     ),
 )
-TOKEN_OPTIONS = (S.DATABASE_URL, S.LOG_LEVEL, S.LOG_FORMAT)
+TOKEN_OPTIONS = (S.DATABASE_URL, S.LOG_LEVEL, S.LOG_FORMAT, S.STATE_DIR)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "--database-url",
             dest="database_url",
             default=argparse.SUPPRESS,
-            help=f"{S.DATABASE_URL.help} [env {S.DATABASE_URL.env_var}]",
+            help=f"{S.DATABASE_URL.help} [env {S.DATABASE_URL.env_var}; default: the database "
+            "of the running 'kvgate up' (its state file), else "
+            f"{S.DATABASE_URL.default}]",
+        )
+        p.add_argument(
+            "--state-dir",
+            dest="state_dir",
+            default=argparse.SUPPRESS,
+            help=f"where 'kvgate up' keeps its state file [env {S.STATE_DIR.env_var}; "
+            f"default {S.STATE_DIR.default!r}]",
         )
 
 
@@ -121,8 +130,15 @@ async def _token(args: argparse.Namespace, database_url: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "action", None) == "token":
+        from services.common import stackfile
+
         st = S.resolve(args, TOKEN_OPTIONS)
-        return asyncio.run(_token(args, st.database_url))
+        database_url = st.database_url
+        if not stackfile.given(args, "database_url", S.DATABASE_URL.env_var):
+            stack = stackfile.running_stack(st.state_dir)
+            if stack is not None:  # the embedded database of `kvgate up`
+                database_url = stack.database_url
+        return asyncio.run(_token(args, database_url))
     from services.api.app import serve
     from services.common.service import run_service
 

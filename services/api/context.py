@@ -8,6 +8,7 @@ from typing import Any
 from services.api.db import Database
 from services.api.publisher import PolicyPublisher
 from services.api.tokens import TokenAuth
+from services.api.ui import DecisionFeed
 from services.api.workers import WorkerRegistry
 from services.common.bus import Bus
 
@@ -21,3 +22,4 @@ class ApiContext:
     registry: WorkerRegistry
     policy_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
     background: list[Any] = field(default_factory=list)  # things with async stop()
+    decisions: DecisionFeed = field(default_factory=DecisionFeed)  # the operator page's feed

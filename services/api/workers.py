@@ -37,6 +37,10 @@ class _Seen:
     load_at: float = 0.0
 
 
+def _mean(xs: list[float]) -> float | None:
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
 class WorkerRegistry:
     def __init__(self, stale_s: float = 10.0, down_s: float = 60.0, forget_s: float = 600.0):
         self.stale_s = stale_s
@@ -106,6 +110,10 @@ class WorkerRegistry:
                 "stale": load.stale,
                 "age_s": round(now - seen.load_at, 3),
                 "gpus": len(load.gpus),
+                "cache_hit_rate": load.cache_hit_rate,
+                "gpu_sm_util": _mean(
+                    [g.sm_util_pct / 100 for g in load.gpus if g.sm_util_pct is not None]
+                ),
             }
             if load
             else None,

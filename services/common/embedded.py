@@ -260,8 +260,7 @@ class EmbeddedPostgres:
         self._server = None
 
     def start(self) -> str:
-        import pgserver  # imported lazily: it is heavy and only needed here
-
+        pgserver = import_pgserver()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         # "stop": the server stops when this process releases it (no orphan postmaster)
         self._server = pgserver.get_server(self.state_dir, cleanup_mode="stop")
@@ -286,6 +285,24 @@ class EmbeddedPostgres:
                 self._server.cleanup()
             self._server = None
             log.info("embedded postgres stopped")
+
+
+def import_pgserver():  # noqa: ANN201 - the module
+    """Import pgserver (heavy, so lazily) without platformdirs' RuntimeDirWarning.
+
+    pgserver asks platformdirs for a runtime dir at import; with XDG_RUNTIME_DIR unset (any
+    shell that is not a desktop login) platformdirs warns and falls back to /tmp, which is
+    what we want anyway; the warning only adds a traceback-like line to ``kvgate up``."""
+    import warnings
+
+    try:
+        from platformdirs.api import RuntimeDirWarning
+    except ImportError:  # older platformdirs: it does not warn
+        RuntimeDirWarning = Warning  # noqa: N806
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeDirWarning)
+        import pgserver
+    return pgserver
 
 
 def asyncpg_dsn(sqlalchemy_url: str) -> str:

@@ -111,6 +111,25 @@ class Settings(argparse.Namespace):
         return f"Settings({', '.join(sorted(vars(self)))})"
 
 
+def placeholder(opt: Option) -> str | None:
+    """What ``--help`` shows for an option's value: what it is (URL, PORT, N), not its name."""
+    if opt.choices is not None:
+        return None  # argparse lists the choices
+    name = opt.name
+    for suffix, word in (("_url", "URL"), ("_port", "PORT"), ("_dir", "DIR"), ("_path", "PATH")):
+        if name.endswith(suffix) or name == suffix[1:]:
+            return word
+    if name.endswith(("_s", "_timeout", "_interval")) or name in ("timeout", "interval"):
+        return "SECONDS"
+    if opt.type is _parse_bool:
+        return "BOOL"
+    if opt.type is int:
+        return "N"
+    if opt.type is float:
+        return "X"
+    return "TEXT"
+
+
 def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> None:
     """Add a flag for each option; the default is None so env/default resolution happens later."""
     for opt in options:
@@ -121,6 +140,7 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
             default=None,
             type=opt.type,
             choices=opt.choices,
+            metavar=placeholder(opt),
             help=help_text,
         )
 

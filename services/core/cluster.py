@@ -74,6 +74,7 @@ class ClusterState:
         self._remote: dict[str, tuple[float, dict[str, int], dict[str, int]]] = {}
         self._controls: dict[str, str] = {}  # control may arrive before the first heartbeat
         self._breaker_open: set[str] = set()
+        self._ejected: set[str] = set()  # latency outliers (services/router/outlier.py)
         self.snapshot = ClusterSnapshot(self.states)
         self.block_sizes: set[int] = set()
         self.lora_names: frozenset[str] = frozenset()  # adapters any known worker serves
@@ -132,7 +133,17 @@ class ClusterState:
             self._breaker_open.discard(worker_id)
         s = self.states.get(worker_id)
         if s is not None:
-            s.circuit_open = is_open
+            s.circuit_open = is_open or worker_id in self._ejected
+
+    def set_ejected(self, worker_id: str, ejected: bool) -> None:
+        """A latency outlier is out of rotation like a worker whose circuit is open."""
+        if ejected:
+            self._ejected.add(worker_id)
+        else:
+            self._ejected.discard(worker_id)
+        s = self.states.get(worker_id)
+        if s is not None:
+            s.circuit_open = ejected or worker_id in self._breaker_open
 
     def keep_alive(self, now: float) -> None:
         """While the bus is down no heartbeat can arrive: keep the last known workers."""
@@ -245,7 +256,7 @@ class ClusterState:
         s.healthy = now - e.seen <= self.worker_timeout and e.hb.state != "starting"
         s.cordoned = ctl == "cordon"
         s.draining = ctl == "drain" or e.hb.state == "draining"
-        s.circuit_open = wid in self._breaker_open
+        s.circuit_open = wid in self._breaker_open or wid in self._ejected
         load = e.load
         if load is not None:
             age = now - e.load_seen

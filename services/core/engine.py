@@ -23,7 +23,7 @@ Scheduling (one call of :meth:`Engine.step` = one forward pass of the batch):
 
 Invariants:
 - the same config, seed and sequence of calls give the same outputs (no randomness besides a
-  hash of (seed, prompt, position) that picks generated tokens);
+  hash of (seed, prompt, request's sample_seed, position) that picks generated tokens);
 - a request's first generated token is emitted in the step that completes its prefill;
 - a finished request has produced exactly ``max_tokens`` tokens (there is no EOS).
 """
@@ -123,6 +123,13 @@ class SimRequest:
     # hashes every prompt once for the router); the engine computes them when None or when they
     # do not match the prompt's length and first block
     prompt_block_keys: Sequence[int] | None = None
+    # mixed into the generated tokens' seed: a request's sampling seed / options and its choice
+    # index (0: the tokens depend on the prompt alone)
+    sample_seed: int = 0
+    cache_salt: str | None = None  # vLLM's cache_salt: its blocks live in their own key space
+    # the tokens this request may generate (allowed_token_ids, logit_bias, bad_words); None:
+    # the engine's output vocabulary
+    output_vocab: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -259,7 +266,7 @@ class Engine:
             raise AdmissionError(f"duplicate request id {req.request_id!r}")
         self.check(len(req.prompt_token_ids), req.max_tokens)
         c = self.config
-        seed = block_seed(c.hash_seed, req.lora)
+        seed = block_seed(c.hash_seed, req.lora, req.cache_salt)
         keys = self._prompt_keys(req, seed)
         gen_seed = xxhash.xxh3_64_intdigest(
             (keys[-1] if keys else 0).to_bytes(8, "little")
@@ -268,6 +275,10 @@ class Engine:
             ),
             seed=c.seed & 0xFFFFFFFFFFFFFFFF,
         )
+        if req.sample_seed:
+            gen_seed = xxhash.xxh3_64_intdigest(
+                gen_seed.to_bytes(8, "little"), seed=req.sample_seed & 0xFFFFFFFFFFFFFFFF
+            )
         if not req.arrival_time:
             req.arrival_time = now
         seq = _Seq(
@@ -483,9 +494,13 @@ class Engine:
             s.num_computed = computed
             if computed >= s.prefill_target:  # prefill done (now or before): sample
                 g = s.generated
-                tok = vocab[
-                    xxh3(g.to_bytes(8, "little"), s.gen_seed) % nvocab
-                ]  # positional seed: cheaper
+                own = s.req.output_vocab
+                if own is None:
+                    tok = vocab[
+                        xxh3(g.to_bytes(8, "little"), s.gen_seed) % nvocab
+                    ]  # positional seed: cheaper
+                else:
+                    tok = own[xxh3(g.to_bytes(8, "little"), s.gen_seed) % len(own)]
                 s.tokens.append(tok)
                 s.generated = g = g + 1
                 tokens[s.req.request_id] = [tok]

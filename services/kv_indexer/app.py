@@ -170,7 +170,7 @@ class IndexerService:
     # ------------------------------------------------------------------ bad input
     def _on_bad(self, reason: str, worker: str | None, detail: str) -> None:
         BAD_INPUT.labels(reason).inc()
-        key = worker  # at most one line per worker per minute (the count says the rest)
+        key = (worker, reason)  # one line per worker and reason per minute, + suppressed count
         if self._log.allow(key):
             log.warning(
                 "bad kv input",

@@ -26,6 +26,9 @@ Beside the request path, each with a narrow interface to it:
 - ``policy_reload``: applies ``policy.updated`` (and the newest stored one at start).
 - ``sweeper``: ages state every 100 ms, ticks breakers.
 - ``debug``: ``/debug/state`` and ``/debug/route`` (explain a decision, send nothing).
+- ``openai_extras``: the rest of vLLM's surface: ``/tokenize``, ``/detokenize``, ``/version``,
+  ``/ping``, ``/v1/models/{id}``, and routed ``/v1/embeddings`` + ``--passthrough-paths``
+  (through the request path).
 - ``signals``: the capacity signal queued requests wait on, and fire-and-forget tasks.
 - ``app``: wiring only: construct the parts, start / stop them, build the aiohttp app.
 """

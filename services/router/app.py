@@ -42,6 +42,7 @@ from services.common.tokenizer import load_tokenizer
 from services.core.cluster import ClusterState
 from services.core.lifecycle import AdmissionQueue, RequestLifecycle
 from services.core.policy import build_policy
+from services.router import openai_extras
 from services.router.admission import Admission
 from services.router.breaker import Breaker
 from services.router.canary import PolicySet
@@ -50,6 +51,7 @@ from services.router.cluster_feed import ClusterFeed
 from services.router.debug import DebugViews
 from services.router.decide import Decider
 from services.router.dispatch import Dispatcher
+from services.router.ejection import RouterOutliers, outlier_config
 from services.router.handlers import Handlers
 from services.router.holds import FirstTokenWaits
 from services.router.index_feed import make_index_source
@@ -97,6 +99,7 @@ class Router:
             st.hash_seed,
             st.default_max_tokens,
             is_lora=self.state.is_lora,
+            context_len=lambda model: openai_extras.max_model_len(self.state, model),
         )
         self.lifecycle: RequestLifecycle[asyncio.Event] = RequestLifecycle(
             self.state, FirstTokenWaits()
@@ -122,6 +125,11 @@ class Router:
         self.sweeper = Sweeper(bus, self.state, self.circuits, self.capacity)
         self.outcomes = OutcomePublisher(bus, maxsize=st.outcome_buffer)
         self.recorder = OutcomeRecorder(self.router_id, self.outcomes)
+        # latency outlier ejection: fed by finished requests, evaluated by the sweeper
+        self.outliers = RouterOutliers(
+            self.router_id, bus, self.state, self.capacity, self.spawner, outlier_config(st)
+        )
+        self.recorder.outliers = self.sweeper.outliers = self.outliers
         # the request path
         self.decider = Decider(self.lifecycle, self.index_source, self.parser)
         self.admission = Admission(self.decider, self.state, self.capacity, st)
@@ -238,6 +246,7 @@ class Router:
         app.router.add_get("/metrics", metrics_handler)
         app.router.add_route("*", "/debug/route", dbg.h_route)
         app.router.add_get("/debug/state", dbg.h_state)
+        openai_extras.add_routes(app, self.parser, self.state, self.path, self.st)
         return app
 
 

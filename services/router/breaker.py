@@ -5,8 +5,16 @@ half_open: one probe at a time (a request, or the router's health probe);
 probe success -> closed; probe failure -> open again with the wait doubled (up to ``max_open_s``).
 
 Only server-side trouble counts as failure (connect errors, timeouts, 5xx); a client's 4xx
-is a success for the breaker. Invariant: :meth:`allow` is False while open, and while
-half-open with a probe already in flight.
+is a success for the breaker.
+
+Invariants:
+- :meth:`allow` is False while open, and while half-open with a probe already in flight.
+- Only evidence gathered after the circuit opened moves it: an open (or half-open) circuit
+  closes only through a success of a request *dispatched* at or after ``opened_at`` (the
+  half-open probe, or a request let through while half-open). A stream that was already in
+  flight when the circuit opened and then succeeds says nothing about the worker now (a worker
+  failing half its requests would otherwise flap open/closed many times a minute); its failure
+  likewise does not re-open a half-open circuit.
 """
 
 from __future__ import annotations
@@ -47,7 +55,14 @@ class Breaker:
         if self.state == HALF_OPEN:
             self.probing = True
 
-    def success(self) -> str:
+    def _stale(self, dispatched_at: float) -> bool:
+        """Was the request sent before the circuit (last) opened?"""
+        return self.state != CLOSED and dispatched_at < self.opened_at
+
+    def success(self, dispatched_at: float) -> str:
+        """A request sent at ``dispatched_at`` (same clock as ``now``) succeeded."""
+        if self._stale(dispatched_at):
+            return self.state
         self.failures = 0
         self.probing = False
         if self.state != CLOSED:
@@ -55,7 +70,10 @@ class Breaker:
             self.wait_s = 0.0
         return self.state
 
-    def failure(self, now: float) -> str:
+    def failure(self, now: float, dispatched_at: float | None = None) -> str:
+        """A request sent at ``dispatched_at`` (default: now) failed at ``now``."""
+        if self._stale(now if dispatched_at is None else dispatched_at):
+            return self.state
         self.failures += 1
         if self.state == HALF_OPEN:
             self.wait_s = min(max(self.wait_s, self.open_s) * 2, self.max_open_s)

@@ -38,6 +38,12 @@ class Arm:
     policy: Policy
     canary_id: str | None
     policy_version: int
+    label: str = ""  # what operators call it: "<policy name>@<version>" (x-kvgate-policy)
+
+
+def policy_label(name: str, version: int | None) -> str:
+    """A managed policy is ``name@version``; the router's built-in default ``algo@default``."""
+    return f"{name}@{version}" if version is not None else f"{name}@default"
 
 
 def spec_of(name: str, spec: dict) -> dict:
@@ -56,6 +62,8 @@ class PolicySet:
         self.fraction = 0.0
         self.revision = -1
         self.source = "default"
+        self.control_label = policy_label(default.name, None)
+        self.candidate_label = ""
 
     def apply(self, msg: PolicyUpdated) -> bool:
         """Apply a notice; returns False if it was stale. Raises PolicyError if invalid."""
@@ -74,27 +82,49 @@ class PolicySet:
         self.fraction = msg.canary.fraction if msg.canary else 0.0
         self.revision = msg.revision
         self.source = "policy.updated"
+        self.control_label = policy_label(msg.name, msg.version)
+        self.candidate_label = (
+            policy_label(msg.canary.candidate_name, msg.canary.candidate_version)
+            if msg.canary is not None
+            else ""
+        )
         return True
 
     def arm(self, request_id: str, session_id: str | None) -> Arm:
         if self.candidate is not None and self.canary_id is not None:
             which = arm_for(self.canary_id, session_id or request_id, self.fraction)
             if which == "candidate":
-                return Arm("candidate", self.candidate, self.canary_id, self.candidate.version)
-            return Arm("control", self.control, self.canary_id, self.control.version)
-        return Arm("control", self.control, None, self.control.version)
+                return Arm(
+                    "candidate",
+                    self.candidate,
+                    self.canary_id,
+                    self.candidate.version,
+                    self.candidate_label,
+                )
+            return Arm(
+                "control", self.control, self.canary_id, self.control.version, self.control_label
+            )
+        return Arm("control", self.control, None, self.control.version, self.control_label)
 
     def describe(self) -> dict:
         out = {
             "revision": self.revision,
             "source": self.source,
-            "control": {**self.control.spec, "version": self.control.version},
+            "control": {
+                **self.control.spec,
+                "version": self.control.version,
+                "label": self.control_label,
+            },
             "canary": None,
         }
         if self.candidate is not None:
             out["canary"] = {
                 "canary_id": self.canary_id,
                 "fraction": self.fraction,
-                "candidate": {**self.candidate.spec, "version": self.candidate.version},
+                "candidate": {
+                    **self.candidate.spec,
+                    "version": self.candidate.version,
+                    "label": self.candidate_label,
+                },
             }
         return out

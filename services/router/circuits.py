@@ -2,7 +2,8 @@
 and the ``circuit_open`` alert (firing when a circuit opens, resolved when it closes).
 
 Interface to the request path: :meth:`Circuits.success` / :meth:`Circuits.failure` after each
-attempt; the decision sees the result through ``ClusterState.set_breaker_open`` (the worker's
+attempt, with the monotonic time the attempt was sent (only evidence from after a circuit
+opened moves it, see :mod:`services.router.breaker`); the decision sees the result through ``ClusterState.set_breaker_open`` (the worker's
 ``circuit_open``). The sweeper calls :meth:`Circuits.tick`.
 
 Invariants: a worker's circuit is open in the cluster state exactly while its breaker is open
@@ -63,23 +64,29 @@ class Circuits:
             M.BREAKER.labels(wid).set(0)
         return br
 
-    def success(self, wid: str) -> None:
+    def success(self, wid: str, sent_at: float) -> None:
+        """A request (or probe) sent to ``wid`` at ``sent_at`` (monotonic) succeeded."""
         br = self.breakers.get(wid)
         if br is None or (br.state == "closed" and br.failures == 0):
             return
         was = br.state
-        br.success()
-        if was != "closed":
+        br.success(sent_at)
+        if was != "closed" and br.state == "closed":
             self.state.set_breaker_open(wid, False)
             M.BREAKER.labels(wid).set(0)
             log.info("circuit closed", worker=wid)
-            self._alert(wid, "resolved", f"worker {wid} answers again; circuit closed")
+            self._alert(
+                wid,
+                "resolved",
+                f"circuit_open resolved: worker {wid} answers again, circuit closed",
+            )
             self.capacity.notify()
 
-    def failure(self, wid: str, reason: str) -> None:
+    def failure(self, wid: str, reason: str, sent_at: float | None = None) -> None:
+        """A request sent at ``sent_at`` (default: now) failed."""
         br = self._breaker(wid)
         was = br.state
-        br.failure(time.monotonic())
+        br.failure(time.monotonic(), sent_at)
         if br.state == "open":
             self.state.set_breaker_open(wid, True)
             M.BREAKER.labels(wid).set(2)
@@ -106,6 +113,7 @@ class Circuits:
         """Half-open probe: GET /health on the worker; success closes the breaker."""
         ws = self.state.states.get(wid)
         ok = False
+        sent_at = time.monotonic()
         if ws is not None and self.session is not None:
             try:
                 async with self.session.get(
@@ -116,15 +124,16 @@ class Circuits:
             except Exception:
                 ok = False
         if ok:
-            self.success(wid)
+            self.success(wid, sent_at)
         else:
-            self.failure(wid, "health probe failed")
+            self.failure(wid, "health probe failed", sent_at)
 
     def _alert(self, wid: str, state: str, summary: str) -> None:
         alert = Alert(
             fingerprint=f"circuit_open:{wid}",
             kind="circuit_open",
-            severity="warning",
+            # critical: the worker is out of service (docs/api.md, alert severities)
+            severity="critical",
             state=state,  # type: ignore[arg-type]
             source="router",
             worker_id=wid,

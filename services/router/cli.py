@@ -7,6 +7,7 @@ import os
 
 from services.common import settings as S
 from services.common.service import run_service
+from services.router.outlier import OPTIONS as OUTLIER_OPTIONS
 
 OPTIONS = S.COMMON + (
     S.HASH_SEED,
@@ -95,9 +96,18 @@ OPTIONS = S.COMMON + (
     ),
     S.option(
         "default_max_tokens",
-        256,
-        "max_tokens assumed for admission when a request does not set it",
+        0,
+        "max_tokens assumed for admission when a request does not set it; 0 = vLLM's "
+        "defaults: 16 for completions, the rest of the workers' context for chat",
         env="KVGATE_ROUTER_DEFAULT_MAX_TOKENS",
+    ),
+    S.option(
+        "passthrough_paths",
+        "",
+        "comma-separated POST paths routed to the workers as they are (e.g. "
+        "/v1/responses,/v1/rerank), keyed by their messages / prompt / input when present; "
+        "/v1/embeddings always is",
+        env="KVGATE_ROUTER_PASSTHROUGH_PATHS",
     ),
     S.option(
         "outcome_buffer",
@@ -121,6 +131,9 @@ OPTIONS = S.COMMON + (
 )
 
 
+OPTIONS += OUTLIER_OPTIONS
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     S.add_options(parser, OPTIONS)
 
@@ -138,12 +151,17 @@ def settings(args: argparse.Namespace | None = None, **overrides) -> S.Settings:
 def main(args: argparse.Namespace) -> int:
     from services.core.policy import PolicyError
     from services.router.app import parse_policy_option, serve
+    from services.router.openai_extras import passthrough_paths
 
     st = S.resolve(args, OPTIONS)
     try:
         parse_policy_option(st.policy)
     except (PolicyError, ValueError) as exc:
         raise SystemExit(f"invalid --policy: {exc}") from None
+    try:
+        passthrough_paths(st.passthrough_paths)
+    except ValueError as exc:
+        raise SystemExit(f"invalid --passthrough-paths: {exc}") from None
     child = os.environ.get(_CHILD_ENV)
     st.reuse_port = st.processes > 1 or bool(child)
     if child:

@@ -57,7 +57,8 @@ class Handlers:
                 "workers": self.state.routable_count(),
                 "nats": self.bus.is_connected,
                 "index_ready": bool(getattr(self.index_source, "ready", False)),
-                "policy": self.policies.control.name,
+                "policy": self.policies.control_label,  # name@version
+                "policy_algorithm": self.policies.control.name,
                 "policy_revision": self.policies.revision,
                 "queue_length": self.capacity.waiting,
             }

@@ -1,7 +1,8 @@
 """The router's Prometheus metrics (process-wide default registry, served on GET /metrics).
 
-``kv_cache_hit_rate`` and ``request_timeout_total`` carry the names operators asked for
-(seed 002); the rest are ``kvgate_router_*``.
+Every metric is ``kvgate_router_*``. ``kv_cache_hit_rate`` and ``request_timeout_total``
+are kept as aliases of ``kvgate_router_kv_cache_hit_ratio`` and
+``kvgate_router_timeouts_total`` (the names of the first release; same values).
 """
 
 from __future__ import annotations
@@ -23,19 +24,43 @@ TTFT = Histogram(
 E2E = Histogram(
     "kvgate_router_e2e_seconds", "End-to-end request time", ["policy"], buckets=LAT_BUCKETS
 )
+ITL = Histogram(
+    "kvgate_router_itl_seconds",
+    "Mean inter-token latency of a streamed answer: (end - first token) / (tokens - 1)",
+    ["policy"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1),
+)
+ARM_REQUESTS = Counter(
+    "kvgate_router_arm_requests_total",
+    "Requests by canary arm (control | candidate) and status: the arms side by side",
+    ["arm", "status"],
+)
+ARM_TTFT = Histogram(
+    "kvgate_router_arm_ttft_seconds",
+    "Time to first token by canary arm (a non-streamed answer counts its whole time)",
+    ["arm"],
+    buckets=LAT_BUCKETS,
+)
 DECISION = Histogram(
     "kvgate_router_decision_seconds",
     "Routing decision time (tokenize, keys, index match, policy)",
     buckets=(25e-6, 50e-6, 100e-6, 150e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05),
 )
-HIT_RATE = Gauge(
-    "kv_cache_hit_rate",
-    "Prompt tokens served from KV cache / prompt tokens, over the last 1000 requests",
+HIT_RATIO = Gauge(
+    "kvgate_router_kv_cache_hit_ratio",
+    "Prompt tokens served from KV cache / prompt tokens, over the last 1000 requests, 0-1 "
+    "(kind: predicted by the router, reported by the workers)",
     ["kind"],
+)
+HIT_RATE = Gauge(  # alias (first release's name)
+    "kv_cache_hit_rate", "Alias of kvgate_router_kv_cache_hit_ratio", ["kind"]
 )
 PROMPT_TOKENS = Counter("kvgate_router_prompt_tokens_total", "Prompt tokens routed")
 CACHED_TOKENS = Counter("kvgate_router_cached_tokens_total", "Cached prompt tokens", ["kind"])
-TIMEOUTS = Counter("request_timeout_total", "Requests that timed out at the router")
+TIMEOUTS = Counter("kvgate_router_timeouts_total", "Requests that timed out at the router")
+TIMEOUTS_ALIAS = Counter(  # alias (first release's name)
+    "request_timeout_total", "Alias of kvgate_router_timeouts_total"
+)
 QUEUE_LEN = Gauge("kvgate_router_queue_length", "Requests waiting for capacity in the router")
 QUEUE_REJECTED = Counter(
     "kvgate_router_queue_rejected_total", "429s: queue full or wait expired", ["reason"]
@@ -48,6 +73,16 @@ MIGRATIONS = Counter(
 )
 BREAKER = Gauge(
     "kvgate_router_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["worker"]
+)
+OUTLIER_EJECTED = Gauge(
+    "kvgate_router_outlier_ejected",
+    "1 while the worker is ejected as a latency outlier",
+    ["worker"],
+)
+OUTLIER_EJECTIONS = Counter(
+    "kvgate_router_outlier_ejections_total",
+    "Times the worker was ejected as a latency outlier",
+    ["worker"],
 )
 OUTCOMES_DROPPED = Counter(
     "kvgate_router_outcomes_dropped_total", "Outcome messages not published", ["reason"]
@@ -91,7 +126,8 @@ class HitRate:
         self.cached = 0
         self.prompt = 0
         self._cached_c = CACHED_TOKENS.labels(kind)
-        self._rate_g = HIT_RATE.labels(kind)
+        self._rate_g = HIT_RATIO.labels(kind)
+        self._rate_alias = HIT_RATE.labels(kind)
 
     def add(self, cached: int, prompt: int) -> None:
         if len(self.window) == self.window.maxlen:
@@ -102,4 +138,6 @@ class HitRate:
         self.cached += cached
         self.prompt += prompt
         self._cached_c.inc(cached)
-        self._rate_g.set(self.cached / self.prompt if self.prompt else 0.0)
+        ratio = self.cached / self.prompt if self.prompt else 0.0
+        self._rate_g.set(ratio)
+        self._rate_alias.set(ratio)

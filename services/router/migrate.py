@@ -11,6 +11,7 @@ continuation holds its own ticket, released in ``finally``; the client's stream 
 from __future__ import annotations
 
 import contextlib
+import time
 
 from aiohttp import web
 
@@ -54,18 +55,18 @@ class Migrator:
         """Continue the client's stream on another worker from prompt + generated text."""
         broken = exc
         while True:
-            self.circuits.failure(broken.worker_id, broken.reason)
+            self.circuits.failure(broken.worker_id, broken.reason, ctx.sent_at)
             ctx.excluded.add(broken.worker_id)
             out = ctx.out
             assert out is not None
-            if ctx.migrated >= self.max_migrations:
+            if ctx.migrated >= self.max_migrations or not ctx.parsed.migratable:
                 M.MIGRATIONS.labels("gave_up").inc()
                 ctx.status, ctx.http_status = "error", 502
                 await _end_with_error(out, f"worker failed mid-stream: {broken.reason}")
                 return
             ctx.migrated += 1
             gen_tokens = len(self.tokenizer.encode(ctx.generated)) if ctx.generated else 0
-            ctx.completion_tokens = gen_tokens
+            ctx.completion_tokens = ctx.carried_tokens = gen_tokens
             remaining = ctx.parsed.max_tokens - gen_tokens
             log.info(
                 "migrating stream",
@@ -84,7 +85,9 @@ class Migrator:
                 chat=ctx.parsed.chat,
                 model=ctx.parsed.model,
                 prompt=ctx.parsed.prompt + ctx.generated,
-                token_ids=self.tokenizer.encode(ctx.parsed.prompt + ctx.generated),
+                token_ids=self.decider.parser.continuation_ids(
+                    ctx.parsed, ctx.parsed.prompt + ctx.generated
+                ),
                 max_tokens=remaining,
                 stream=True,
                 seed=ctx.parsed.seed,
@@ -104,6 +107,7 @@ class Migrator:
             ticket = self.dispatcher.reserve(wid, len(cont.token_ids), remaining, d.cached_tokens)
             try:
                 body = upstream_body(ctx, migrate=True, max_tokens=remaining)
+                ctx.sent_at = time.monotonic()
                 try:
                     resp = await self.sender.post(ctx, wid, "/v1/completions", body, b"")
                 except (WorkerFailed, Upstream5xx) as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 from services.common.aio import cancel_and_wait, wait_event
 from services.common.bus import Bus
@@ -91,13 +92,20 @@ class OutcomeRecorder:
         self.publisher = publisher
         self.hit_pred = M.HitRate("predicted")
         self.hit_reported = M.HitRate("reported")
+        self.outliers: Any = None  # services.router.ejection.RouterOutliers, set by the router
 
     def record(self, ctx: Ctx) -> None:
         e2e = time.perf_counter() - ctx.t0
         pol = ctx.arm.policy.name
         M.child(M.REQUESTS, pol, ctx.worker_id or "none", ctx.status).inc()
+        M.child(M.ARM_REQUESTS, ctx.arm.name, ctx.status).inc()
         if ctx.status == "ok":
+            if self.outliers is not None:
+                self.outliers.record(ctx, e2e)
             M.child(M.E2E, pol).observe(e2e)
+            M.child(M.ARM_TTFT, ctx.arm.name).observe(ctx.ttft if ctx.ttft is not None else e2e)
+            if ctx.ttft is not None and ctx.completion_tokens > 1:
+                M.child(M.ITL, pol).observe((e2e - ctx.ttft) / (ctx.completion_tokens - 1))
             if ctx.ttft is not None:
                 M.child(M.TTFT, pol).observe(ctx.ttft)
             prompt = len(ctx.parsed.token_ids)
@@ -107,6 +115,7 @@ class OutcomeRecorder:
                 self.hit_reported.add(ctx.cached_reported, prompt)
         elif ctx.status == "timeout":
             M.TIMEOUTS.inc()
+            M.TIMEOUTS_ALIAS.inc()
         self.publisher.submit(
             RouterOutcome(
                 request_id=ctx.request_id,

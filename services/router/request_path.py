@@ -57,13 +57,13 @@ class RequestPath:
     async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            parsed = await self.parser.parse(_json_decode(await request.read()), chat)
+            parsed = await self.parser.parse(_json_decode(await request.read()), chat, request.path)
         except msgspec.DecodeError as exc:
             return error_response(
                 400, f"request body is not valid JSON: {exc}", "invalid_request_error"
             )
         except BadRequest as exc:
-            return error_response(400, str(exc), "invalid_request_error")
+            return error_response(400, str(exc), "invalid_request_error", param=exc.param)
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         session_id = session_of(request)
         ctx = Ctx(rid, parsed, self.policies.arm(rid, session_id), session_id, t0, request.path)
@@ -84,10 +84,11 @@ class RequestPath:
             ticket = self.dispatcher.dispatch(ctx, d)
             try:
                 await self.dispatcher.hold(d)
+                ctx.sent_at = time.monotonic()  # the breaker weighs only evidence sent after
                 return await self.sender.send(request, ctx, ticket)
             except WorkerFailed as exc:
                 ctx.last_failure = exc
-                self.circuits.failure(exc.worker_id, exc.reason)
+                self.circuits.failure(exc.worker_id, exc.reason, ctx.sent_at)
                 ctx.excluded.add(exc.worker_id)
                 if ctx.retries >= self.max_retries:
                     return reject(

@@ -36,6 +36,7 @@ from services.router.proxy import (
     write,
 )
 from services.router.upstream import FastClient, UpstreamError
+from services.router.usage import continued_usage
 
 _json_decode = msgspec.json.decode
 
@@ -110,7 +111,7 @@ class Sender:
             if resp.status == 503:
                 raise WorkerFailed(wid, f"503 from worker: {detail}")
             # other 5xx: counts against the breaker, passed through to the client
-            self.circuits.failure(wid, f"{resp.status} from worker")
+            self.circuits.failure(wid, f"{resp.status} from worker", ctx.sent_at)
             raise Upstream5xx(resp.status, detail)
         return resp
 
@@ -136,10 +137,10 @@ class Sender:
                 wid, f"503 from worker: {resp.body[:200].decode('utf-8', 'replace')}"
             )
         if status >= 500:
-            self.circuits.failure(wid, f"{status} from worker")
+            self.circuits.failure(wid, f"{status} from worker", ctx.sent_at)
             ctx.status = "error"
         else:
-            self.circuits.success(wid)
+            self.circuits.success(wid, ctx.sent_at)
             if status >= 400:
                 ctx.status = "error"
         self.dispatcher.first_token(ctx, ticket)
@@ -162,7 +163,7 @@ class Sender:
         finally:
             resp.release()
         self.dispatcher.first_token(ctx, ticket)
-        self.circuits.success(wid)
+        self.circuits.success(wid, ctx.sent_at)
         ctx.http_status = resp.status
         if resp.status >= 400:
             ctx.status = "error"
@@ -234,11 +235,13 @@ class Sender:
                     await write(out, sse.DONE)
                     break
                 if info.usage is not None:
+                    if reframe:  # a continuation: usage as if one worker did it all
+                        info.usage = continued_usage(info.usage, ctx.carried_tokens)
+                        if info.data is not None and "usage" in info.data:
+                            info.data = {**info.data, "usage": info.usage}
                     ctx.cached_reported = sse.cached_tokens_of(info.usage)
                     if isinstance(info.usage.get("completion_tokens"), int):
-                        ctx.completion_tokens = info.usage["completion_tokens"] + (
-                            ctx.completion_tokens if reframe else 0
-                        )
+                        ctx.completion_tokens = info.usage["completion_tokens"]
                 if info.usage_only and not ctx.client_wants_usage:
                     continue
                 if info.text and ctx.ttft is None:
@@ -275,7 +278,7 @@ class Sender:
             if not out.prepared:
                 raise WorkerFailed(wid, "stream ended before output")
             raise StreamBroken(wid, "stream ended without [DONE]")
-        self.circuits.success(wid)
+        self.circuits.success(wid, ctx.sent_at)
         await out.write_eof()
 
 

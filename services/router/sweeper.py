@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from services.common.bus import Bus
 from services.core.cluster import ClusterState
@@ -24,6 +25,7 @@ class Sweeper:
         self.state = state
         self.circuits = circuits
         self.capacity = capacity
+        self.outliers: Any = None  # services.router.ejection.RouterOutliers, set by the router
 
     async def run(self) -> None:
         while True:
@@ -35,3 +37,5 @@ class Sweeper:
                 self.capacity.notify()
             M.WORKERS.set(self.state.routable_count())
             self.circuits.tick(now)
+            if self.outliers is not None:
+                self.outliers.evaluate(now)

@@ -399,8 +399,14 @@ class Agent:
         return {wid: w.last for wid, w in self.workers.items() if w.last is not None}
 
     def _gpu_rows(self) -> Iterable[tuple[GpuSample, list[str]]]:
+        """NVML's GPUs (mapped to their workers), then the GPUs engines report themselves
+        (the simulated workers'), each labelled with its one worker."""
         for g in self.gpu_samples:
             yield g, self.assignment.workers_of(g.index)
+        for wid, w in self.workers.items():
+            if w.last is not None and not w.last.stale:
+                for g in w.sample.engine_gpus:
+                    yield g, [wid]
 
     def _log_once(self, key: Any, event: str, **kw: Any) -> None:
         if self._err_log.allow(key):

@@ -51,7 +51,8 @@ class Observation(msgspec.Struct, frozen=True, gc=False):
     kv_capacity_tokens: int | None = None
     tokens_per_block: int | None = None
     prefix_caching: bool | None = None
-    prefix_cache_queries: float | None = None  # cumulative counter
+    prefix_cache_queries: float | None = None  # cumulative counter (prompt tokens looked up)
+    prefix_cache_hits: float | None = None  # cumulative counter (prompt tokens found cached)
     kv_events: int = 0  # KV event batches seen from this worker since the agent started
     typical_prompt_tokens: float | None = None
     typical_new_tokens: float | None = None  # requested max new tokens (typical)
@@ -504,12 +505,19 @@ class XidErrors:
 
 @dataclass
 class NoKvEvents:
-    """Prefix caching is on and the worker serves requests, but no KV events arrive from it."""
+    """Prefix caching is on and the worker computed new KV blocks, but no KV events arrive.
+
+    "Computed new blocks" comes from the worker's own counters: the prompt tokens it looked
+    up in its prefix cache and did *not* find (queries - hits) over the window, in blocks. A
+    worker whose requests all hit its cache stores no new blocks, so it rightly publishes no
+    events and this rule stays quiet. Only an engine that exports no prefix-cache counters is
+    judged on being busy (running requests on half the samples)."""
 
     kind: str = "no_kv_events"
     severity: str = "warning"
     window_s: float = 30.0
     coverage: float = 0.9
+    min_new_blocks: float = 4.0  # new blocks the window must hold before silence is suspect
 
     def check(self, worker: str, window: Sequence[Observation], now: float) -> Finding | None:
         if not _covered(window, now, self.window_s, self.coverage):
@@ -518,21 +526,25 @@ class NoKvEvents:
         if len(obs) < 2 or obs[-1].prefix_caching is not True:
             return None
         first, last = obs[0], obs[-1]
+        if last.kv_events > first.kv_events:
+            return None
         q0, q1 = first.prefix_cache_queries, last.prefix_cache_queries
-        serving = (q0 is not None and q1 is not None and q1 > q0) or (
-            sum(1 for o in obs if (o.running or 0) > 0) >= len(obs) / 2
-        )
-        if not serving or last.kv_events > first.kv_events:
+        if q0 is not None and q1 is not None:
+            h0, h1 = first.prefix_cache_hits, last.prefix_cache_hits
+            hits = (h1 - h0) if h0 is not None and h1 is not None and h1 >= h0 else 0.0
+            missed = max(0.0, (q1 - q0) - hits)
+            new_blocks = missed / (last.tokens_per_block or 16)
+            if new_blocks < self.min_new_blocks:
+                return None
+            evidence = f" ({missed:.0f} uncached prompt tokens, ~{new_blocks:.0f} new blocks)"
+        elif sum(1 for o in obs if (o.running or 0) > 0) >= len(obs) / 2:
+            evidence = ""  # no prefix-cache counters: busy is all we know
+        else:
             return None
         return Finding(
             summary=(
-                f"{worker}: serves requests with prefix caching on but published no KV events "
-                f"in {last.ts - first.ts:.0f} s"
-                + (
-                    f" ({q1 - q0:.0f} prefix-cache queries)"
-                    if q0 is not None and q1 is not None
-                    else ""
-                )
+                f"{worker}: computes new KV blocks with prefix caching on but published no KV "
+                f"events in {last.ts - first.ts:.0f} s" + evidence
             ),
             remedy=(
                 "Enable KV events on the engine (vLLM/SGLang: --kv-events-config "

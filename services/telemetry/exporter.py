@@ -4,16 +4,29 @@ GPU and worker gauges are produced by a custom collector from the agent's latest
 scrape time, so a 10 Hz sampling loop pays nothing for them (no per-sample ``.labels().set()``).
 Counters (scrapes, scrape errors, alerts) are ordinary prometheus-client counters.
 
-GPU gauges (labels ``gpu``, ``worker``; ``worker`` is the comma-joined list of workers mapped to
-the GPU, empty when unmapped): ``gpu_utilization_percent`` (SM), ``gpu_memory_utilization_percent``
-(occupancy), ``gpu_memory_bandwidth_utilization_percent``, ``gpu_memory_used_bytes``,
-``gpu_memory_total_bytes``, ``gpu_memory_free_bytes``, ``gpu_pcie_rx_bytes_per_second``,
-``gpu_pcie_tx_bytes_per_second``, ``gpu_sm_clock_mhz``, ``gpu_memory_clock_mhz``,
-``gpu_temperature_celsius``, ``gpu_power_watts``, ``gpu_xid_errors`` and
-``gpu_ecc_uncorrected_errors``. Worker gauges (label ``worker``): ``kv_cache_hit_rate``,
+GPU metrics (labels ``gpu``, ``worker``; ``worker`` is the comma-joined list of workers mapped
+to the GPU, empty when unmapped). They come from NVML on the node, and from the engines that
+report their own GPU (the simulated workers' ``sim:gpu_*`` gauges), so the simulated stack has
+GPU panels too. Prometheus conventions: base units, 0-1 ``_ratio`` gauges, ``_total`` counters.
+
+- ``kvgate_gpu_sm_utilization_ratio``, ``kvgate_gpu_memory_utilization_ratio`` (occupancy),
+  ``kvgate_gpu_memory_bandwidth_utilization_ratio``
+- ``kvgate_gpu_memory_used_bytes``, ``kvgate_gpu_memory_total_bytes``,
+  ``kvgate_gpu_memory_free_bytes``, ``kvgate_gpu_pcie_rx_bytes_per_second``,
+  ``kvgate_gpu_pcie_tx_bytes_per_second``, ``kvgate_gpu_sm_clock_hertz``,
+  ``kvgate_gpu_memory_clock_hertz``, ``kvgate_gpu_temperature_celsius``,
+  ``kvgate_gpu_power_watts``
+- counters ``kvgate_gpu_xid_errors_total`` (since the agent started) and
+  ``kvgate_gpu_ecc_uncorrected_errors_total`` (NVML's volatile count)
+
+Worker gauges (label ``worker``): ``kvgate_telemetry_prefix_cache_hit_ratio``,
 ``kvgate_telemetry_kv_usage_ratio``, ``kvgate_telemetry_requests_running``,
 ``kvgate_telemetry_requests_waiting``, ``kvgate_telemetry_sample_age_seconds``,
 ``kvgate_telemetry_stale``.
+
+Aliases kept from the first release (same values, documented in docs/telemetry.md):
+``gpu_utilization_percent`` (= 100 x ``kvgate_gpu_sm_utilization_ratio``) and
+``kv_cache_hit_rate{worker}`` (= ``kvgate_telemetry_prefix_cache_hit_ratio``).
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.schemas import GpuSample, WorkerLoad
@@ -47,25 +60,50 @@ SCRAPE_SECONDS = Histogram(
     buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 
-_GPU_GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("gpu_utilization_percent", "SM utilisation (NVML utilization.gpu)", "sm_util_pct"),
-    ("gpu_memory_utilization_percent", "Device memory occupancy, used/total", "mem_util_pct"),
+# (name, help, GpuSample attribute, scale to the exported unit)
+_GPU_GAUGES: tuple[tuple[str, str, str, float], ...] = (
     (
-        "gpu_memory_bandwidth_utilization_percent",
-        "Share of time device memory was read or written (NVML utilization.memory)",
-        "mem_bw_util_pct",
+        "kvgate_gpu_sm_utilization_ratio",
+        "SM utilisation, 0-1 (NVML utilization.gpu)",
+        "sm_util_pct",
+        0.01,
     ),
-    ("gpu_memory_used_bytes", "Device memory used", "mem_used_bytes"),
-    ("gpu_memory_total_bytes", "Device memory total", "mem_total_bytes"),
-    ("gpu_memory_free_bytes", "Device memory free", "mem_free_bytes"),
-    ("gpu_pcie_rx_bytes_per_second", "PCIe receive throughput", "pcie_rx_bytes_s"),
-    ("gpu_pcie_tx_bytes_per_second", "PCIe transmit throughput", "pcie_tx_bytes_s"),
-    ("gpu_sm_clock_mhz", "SM clock", "sm_clock_mhz"),
-    ("gpu_memory_clock_mhz", "Memory clock", "mem_clock_mhz"),
-    ("gpu_temperature_celsius", "GPU temperature", "temperature_c"),
-    ("gpu_power_watts", "Power draw", "power_w"),
-    ("gpu_xid_errors", "Critical XID errors seen since the agent started", "xid_errors"),
-    ("gpu_ecc_uncorrected_errors", "Volatile uncorrected ECC errors", "ecc_errors"),
+    (
+        "kvgate_gpu_memory_utilization_ratio",
+        "Device memory occupancy, used/total, 0-1",
+        "mem_util_pct",
+        0.01,
+    ),
+    (
+        "kvgate_gpu_memory_bandwidth_utilization_ratio",
+        "Share of time device memory was read or written, 0-1 (NVML utilization.memory)",
+        "mem_bw_util_pct",
+        0.01,
+    ),
+    ("kvgate_gpu_memory_used_bytes", "Device memory used", "mem_used_bytes", 1.0),
+    ("kvgate_gpu_memory_total_bytes", "Device memory total", "mem_total_bytes", 1.0),
+    ("kvgate_gpu_memory_free_bytes", "Device memory free", "mem_free_bytes", 1.0),
+    ("kvgate_gpu_pcie_rx_bytes_per_second", "PCIe receive throughput", "pcie_rx_bytes_s", 1.0),
+    ("kvgate_gpu_pcie_tx_bytes_per_second", "PCIe transmit throughput", "pcie_tx_bytes_s", 1.0),
+    ("kvgate_gpu_sm_clock_hertz", "SM clock", "sm_clock_mhz", 1e6),
+    ("kvgate_gpu_memory_clock_hertz", "Memory clock", "mem_clock_mhz", 1e6),
+    ("kvgate_gpu_temperature_celsius", "GPU temperature", "temperature_c", 1.0),
+    ("kvgate_gpu_power_watts", "Power draw", "power_w", 1.0),
+    # alias of the first release (seed names): percent, unprefixed
+    (
+        "gpu_utilization_percent",
+        "Alias of kvgate_gpu_sm_utilization_ratio x 100 (kept for existing dashboards)",
+        "sm_util_pct",
+        1.0,
+    ),
+)
+_GPU_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("kvgate_gpu_xid_errors", "Critical XID errors seen since the agent started", "xid_errors"),
+    (
+        "kvgate_gpu_ecc_uncorrected_errors",
+        "Volatile uncorrected ECC errors (NVML; resets with the driver)",
+        "ecc_errors",
+    ),
 )
 
 
@@ -88,18 +126,36 @@ class TelemetryCollector(Collector):
     def collect(self) -> Iterable[Any]:
         fams = {
             name: GaugeMetricFamily(name, doc, labels=["gpu", "worker"])
-            for name, doc, _ in _GPU_GAUGES
+            for name, doc, _, _ in _GPU_GAUGES
+        }
+        counters = {
+            name: CounterMetricFamily(name, doc, labels=["gpu", "worker"])
+            for name, doc, _ in _GPU_COUNTERS
         }
         for g, workers in self._gpus():
             labels = [str(g.index), ",".join(workers)]
-            for name, _, attr in _GPU_GAUGES:
+            for name, _, attr, scale in _GPU_GAUGES:
                 value = getattr(g, attr)
                 if value is not None:
-                    fams[name].add_metric(labels, float(value))
+                    fams[name].add_metric(labels, float(value) * scale)
+            for name, _, attr in _GPU_COUNTERS:
+                value = getattr(g, attr)
+                if value is not None:
+                    counters[name].add_metric(labels, float(value))
         yield from fams.values()
-        hit = GaugeMetricFamily("kv_cache_hit_rate", "Prefix-cache hit rate", labels=["worker"])
+        yield from counters.values()
+        hit = GaugeMetricFamily(
+            "kvgate_telemetry_prefix_cache_hit_ratio",
+            "Prefix-cache hit ratio the engine reports (hits / queries), 0-1",
+            labels=["worker"],
+        )
+        hit_alias = GaugeMetricFamily(
+            "kv_cache_hit_rate",
+            "Alias of kvgate_telemetry_prefix_cache_hit_ratio (kept for existing dashboards)",
+            labels=["worker"],
+        )
         kv = GaugeMetricFamily(
-            "kvgate_telemetry_kv_usage_ratio", "KV cache usage", labels=["worker"]
+            "kvgate_telemetry_kv_usage_ratio", "KV cache usage, 0-1", labels=["worker"]
         )
         run = GaugeMetricFamily(
             "kvgate_telemetry_requests_running", "Requests running", labels=["worker"]
@@ -117,6 +173,7 @@ class TelemetryCollector(Collector):
         for w, load in self._loads().items():
             for fam, value in (
                 (hit, load.cache_hit_rate),
+                (hit_alias, load.cache_hit_rate),
                 (kv, load.kv_usage),
                 (run, load.running),
                 (wait, load.waiting),
@@ -125,7 +182,7 @@ class TelemetryCollector(Collector):
                     fam.add_metric([w], float(value))
             age.add_metric([w], max(0.0, now - load.ts))
             stale.add_metric([w], 1.0 if load.stale else 0.0)
-        yield from (hit, kv, run, wait, age, stale)
+        yield from (hit, hit_alias, kv, run, wait, age, stale)
 
 
 _registered: list[TelemetryCollector] = []

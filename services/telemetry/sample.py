@@ -29,6 +29,7 @@ from .targets import GpuAssignment, Target
 class SampleState:
     """What a worker's samples are computed from beyond the current reading."""
 
+    engine_gpus: tuple[GpuSample, ...] = ()  # GPUs the engine reports itself (simulated)
     hit_base: tuple[float, float, float] | None = None  # (ts, queries, hits)
     hit_rate: float | None = None
     prompt_obs: deque[int] = field(default_factory=lambda: deque(maxlen=256))
@@ -103,6 +104,7 @@ def load_from(
     hit = r.cache_hit_rate
     if hit is None and r.prefix_cache_queries is not None and r.prefix_cache_hits is not None:
         hit = hit_rate(st, ts, r.prefix_cache_queries, r.prefix_cache_hits)
+    st.engine_gpus = tuple(r.gpus)
     return WorkerLoad(
         worker_id=t.worker_id,
         ts=ts,
@@ -153,6 +155,7 @@ def observation(
         tokens_per_block=load.tokens_per_block,
         prefix_caching=load.prefix_caching,
         prefix_cache_queries=load.prefix_cache_queries,
+        prefix_cache_hits=load.prefix_cache_hits,
         kv_events=kv_events,
         typical_prompt_tokens=typ[0],
         typical_new_tokens=typ[1],

@@ -52,8 +52,9 @@ OPTIONS = S.COMMON + (
     ),
     S.option(
         "default_max_tokens",
-        128,
-        "max_tokens when a request gives none",
+        0,
+        "max_tokens when a request gives none (capped by the context left); "
+        "0 = vLLM's defaults: completions 16, chat the rest of the context",
         env="KVGATE_SIM_DEFAULT_MAX_TOKENS",
     ),
     S.option(

@@ -40,7 +40,7 @@ from services.common.schemas import (
     WorkerCapacity,
     WorkerHeartbeat,
 )
-from services.common.tokenizer import Tokenizer
+from services.common.tokenizer import Tokenizer, adds_special_tokens, completion_prompts
 from services.core.engine import (
     AdmissionError,
     Engine,
@@ -55,12 +55,14 @@ from services.worker_sim.gpu import GpuGauges, GpuModel
 from services.worker_sim.metrics import WorkerMetrics
 from services.worker_sim.openai_api import (
     ApiError,
+    Choice,
     ParsedRequest,
     chunk,
     full_response,
     parse_request,
     usage,
 )
+from services.worker_sim.outputs import Output
 from services.worker_sim.zmq_pub import ZmqPublisher
 from services.worker_sim.zmq_wire import encode_batch
 
@@ -79,7 +81,7 @@ class WorkerSettings:
     model: str = "sim-llama-8b"
     loras: tuple[str, ...] = ()
     speedup: float = 1.0
-    default_max_tokens: int = 128
+    default_max_tokens: int = 0  # 0: vLLM's defaults (completions 16, chat the rest of the context)
     strict_model: bool = False
     heartbeat_interval: float = 1.0
     kv_queue_max: int = 10_000
@@ -137,7 +139,8 @@ class SimWorker:
         self._kv_queue: asyncio.Queue[tuple[int, KvEventBatch, int]] = asyncio.Queue(
             maxsize=self.settings.kv_queue_max
         )
-        self._streams: dict[str, asyncio.Queue[tuple[str, Any]]] = {}
+        # engine request id -> its HTTP request's queue of (event, engine request id, value)
+        self._streams: dict[str, asyncio.Queue[tuple[str, str, Any]]] = {}
         self._wake = asyncio.Event()
         self._not_hung = asyncio.Event()
         if not self.faults.hang:
@@ -192,7 +195,7 @@ class SimWorker:
         await cancel_and_wait(self._tasks)
         self._tasks = []
         for q in self._streams.values():
-            q.put_nowait(("crash", None))
+            q.put_nowait(("crash", "", None))
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -304,11 +307,11 @@ class SimWorker:
         for rid, toks in out.tokens.items():
             q = self._streams.get(rid)
             if q is not None:
-                q.put_nowait(("tokens", toks))
+                q.put_nowait(("tokens", rid, toks))
         for fin in out.finished:
             q = self._streams.get(fin.request_id)
             if q is not None:
-                q.put_nowait(("done", fin))
+                q.put_nowait(("done", fin.request_id, fin))
 
     # ------------------------------------------------------------------ KV events
     def _emit_kv(self, events: list[KvEvent], meta: list[EventMeta | None]) -> None:
@@ -399,9 +402,13 @@ class SimWorker:
         app.on_response_prepare.append(add_header)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id:.+}", self._model)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_route("*", "/ping", self._ping)
         # SGLang-style info endpoints (sglang-router and the bridge's capacity probe read them)
         for path in ("/get_server_info", "/server_info"):
             app.router.add_get(path, self._server_info)
@@ -509,20 +516,104 @@ class SimWorker:
         return web.json_response({"worker_id": self.worker_id, "faults": self.faults.to_dict()})
 
     async def _tokenize(self, r: web.Request) -> web.Response:
+        """vLLM's /tokenize: a completion (``prompt``) or a chat (``messages`` and the template
+        inputs) -> ``{count, max_model_len, tokens, token_strs}``."""
         try:
             body = await _json_body(r)
             if "messages" in body:
-                kind = "chat"
-            elif "prompt" in body:
-                kind = "completion"
+                p = parse_request("chat", body, self.tokenizer, self.settings.model)
+                ids = p.prompts[0].token_ids
+            elif isinstance(body.get("prompt"), str):
+                try:
+                    special = adds_special_tokens(body, chat=False)
+                except ValueError as exc:
+                    raise ApiError(400, str(exc), "add_special_tokens") from None
+                ids = self.tokenizer.encode(body["prompt"], special)
             else:
-                raise ApiError(400, "'prompt' or 'messages' is required")
-            p = parse_request(kind, {**body, "max_tokens": 1}, self.tokenizer, self.settings.model)
+                raise ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt")
         except ApiError as exc:
             return _error(exc)
-        ids = self.tokenizer.encode(p.prompt)
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.engine_config.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
+        if body.get("return_token_strs"):
+            out["token_strs"] = [self.tokenizer.decode([i]) for i in ids]
+        return web.json_response(out)
+
+    async def _detokenize(self, r: web.Request) -> web.Response:
+        try:
+            body = await _json_body(r)
+            ids = body.get("tokens")
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+            ):
+                raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
+        except ApiError as exc:
+            return _error(exc)
+        return web.json_response({"prompt": self.tokenizer.decode(ids)})
+
+    async def _model(self, r: web.Request) -> web.Response:
+        want = r.match_info["model_id"]
+        resp = await self._models(r)
+        data = json.loads(resp.body)["data"]  # type: ignore[arg-type]
+        for card in data:
+            if card["id"] == want:
+                return web.json_response(card)
+        return _error(
+            ApiError(404, f"The model `{want}` does not exist.", "model", "NotFoundError")
+        )
+
+    async def _ping(self, _r: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _embeddings(self, r: web.Request) -> web.Response:
+        """Synthetic, deterministic embeddings (vLLM's /v1/embeddings shape): each input's
+        vector is a unit vector derived from its token ids, so equal inputs embed equally."""
+        try:
+            body = await _json_body(r)
+            if "input" not in body:
+                raise ApiError(400, "'input' is required", "input")
+            try:
+                inputs = completion_prompts({"prompt": body["input"]})
+            except ValueError as exc:
+                raise ApiError(400, str(exc).replace("prompt", "input"), "input") from None
+            dims = body.get("dimensions")
+            if dims is None:
+                dims = EMBEDDING_DIMS
+            if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= 4096:
+                raise ApiError(400, "'dimensions' must be an integer in [1, 4096]", "dimensions")
+            fmt = body.get("encoding_format") or "float"
+            if fmt not in ("float", "base64"):
+                raise ApiError(
+                    400, "'encoding_format' must be 'float' or 'base64'", "encoding_format"
+                )
+        except ApiError as exc:
+            return _error(exc)
+        data = []
+        total = 0
+        for i, item in enumerate(inputs):
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else item
+            total += len(ids)
+            vec = synthetic_embedding(ids, dims)
+            emb: Any = vec
+            if fmt == "base64":
+                import base64
+                import struct
+
+                emb = base64.b64encode(struct.pack(f"<{dims}f", *vec)).decode()
+            data.append({"index": i, "object": "embedding", "embedding": emb})
         return web.json_response(
-            {"tokens": ids, "count": len(ids), "max_model_len": self.engine_config.max_model_len}
+            {
+                "id": "embd-" + uuid.uuid4().hex,
+                "object": "list",
+                "created": int(time.time()),
+                "model": body.get("model") or self.settings.model,
+                "data": data,
+                "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0},
+            }
         )
 
     async def _completions(self, r: web.Request) -> web.StreamResponse:
@@ -533,83 +624,154 @@ class SimWorker:
 
     async def _generate(self, r: web.Request, kind: str) -> web.StreamResponse:
         t0 = time.monotonic()
+        s = self.settings
+        c = self.engine_config
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         try:
             body = await _json_body(r)
-            s = self.settings
             p = parse_request(
                 kind,  # type: ignore[arg-type]
                 body,
                 self.tokenizer,
                 s.model,
                 s.loras,
-                s.default_max_tokens,
                 s.strict_model,
+                c.max_model_len,
+                c.output_vocab,
             )
+            # vLLM builds the response id from the client's request_id (or X-Request-Id)
+            rid = prefix + (p.request_id or r.headers.get("x-request-id") or uuid.uuid4().hex)
+            if f"{rid}-0-0" in self._streams:
+                rid = prefix + uuid.uuid4().hex  # a reused id must not mix two requests' outputs
             if self.faults.reject and self._rng.random() < self.faults.reject:
                 raise ApiError(503, "the worker is overloaded (injected fault)")
-            ids = self.tokenizer.encode(p.prompt)
-            try:
-                self.engine.check(len(ids), p.max_tokens)
-            except AdmissionError as exc:
-                raise ApiError(400, str(exc), "max_tokens") from None
+            outs: list[Output] = []
+            for pi, prompt in enumerate(p.prompts):
+                mt = p.max_tokens_for(len(prompt.token_ids), c.max_model_len, s.default_max_tokens)
+                try:
+                    self.engine.check(len(prompt.token_ids), mt)
+                except AdmissionError as exc:
+                    param = "prompt" if kind == "completion" else "messages"
+                    raise ApiError(400, str(exc), "max_tokens" if p.max_tokens else param) from None
+                for j in range(p.n):
+                    outs.append(
+                        Output(
+                            request_id=f"{rid}-{pi}-{j}",
+                            index=pi * p.n + j,
+                            prompt_index=pi,
+                            prompt=prompt,
+                            max_tokens=mt,
+                            seed=p.choice_seed(pi, j),
+                            p=p,
+                            tokenizer=self.tokenizer,
+                            vocab=c.output_vocab,
+                        )
+                    )
         except ApiError as exc:
             return _error(exc)
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        rid = prefix + uuid.uuid4().hex
-        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._streams[rid] = q
+        q: asyncio.Queue[tuple[str, str, Any]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self.engine.add_request(
-            SimRequest(rid, ids, p.max_tokens, p.lora, loop.time() * self.settings.speedup),
-            loop.time() * self.settings.speedup,
-        )
+        now = loop.time() * s.speedup
+        for o in outs:
+            self._streams[o.request_id] = q
+            self.engine.add_request(
+                SimRequest(
+                    o.request_id,
+                    o.prompt.token_ids,
+                    o.max_tokens,
+                    p.lora,
+                    now,
+                    sample_seed=o.seed,
+                    cache_salt=p.cache_salt,
+                    output_vocab=p.vocab,
+                ),
+                now,
+            )
         self._wake.set()
         done = False
         try:
             if p.stream:
-                resp = await self._stream(r, p, rid, q, t0)
+                resp = await self._stream(r, p, rid, outs, q, t0)
             else:
-                resp = await self._collect(r, p, rid, q, t0)
+                resp = await self._collect(r, p, rid, outs, q, t0)
             done = True
             return resp
         finally:
-            self._streams.pop(rid, None)
-            if not done:
-                self.engine.abort(rid)
+            for o in outs:
+                self._streams.pop(o.request_id, None)
+                if not done or not o.engine_done:
+                    self.engine.abort(o.request_id)
 
     def _observe_ttft(self, t0: float) -> None:
         self.metrics.ttft.observe(time.monotonic() - t0)
         self.metrics.ttft_sim.observe((time.monotonic() - t0) * self.settings.speedup)
+
+    async def _next_event(
+        self, q: asyncio.Queue[tuple[str, str, Any]], by_id: dict[str, Output]
+    ) -> tuple[str, Output | None, Any]:
+        """The next engine event for one of this request's outputs; a stop string aborts the
+        output's engine request at once (its KV blocks free up, like vLLM)."""
+        kind, sub, val = await q.get()
+        o = by_id.get(sub)
+        if kind == "tokens" and o is not None and o.feed(val):
+            self.engine.abort(o.request_id)
+            self._wake.set()
+        elif kind == "done" and o is not None:
+            fin: FinishedRequest = val
+            o.finish(fin.cached_tokens, fin.finish_reason)
+        return kind, o, val
+
+    @staticmethod
+    def _usage(p: ParsedRequest, outs: list[Output]) -> dict[str, Any]:
+        """vLLM's usage: each prompt counted once (whatever ``n``), every output's tokens."""
+        firsts = {o.prompt_index: o for o in reversed(outs)}
+        prompt = sum(len(o.prompt.token_ids) for o in firsts.values())
+        cached = sum(o.cached_tokens or 0 for o in firsts.values())
+        return usage(prompt, sum(o.num_tokens for o in outs), cached)
 
     async def _collect(
         self,
         r: web.Request,
         p: ParsedRequest,
         rid: str,
-        q: asyncio.Queue[tuple[str, Any]],
+        outs: list[Output],
+        q: asyncio.Queue[tuple[str, str, Any]],
         t0: float,
     ) -> web.StreamResponse:
-        out: list[int] = []
-        while True:
-            kind, val = await q.get()
-            if kind == "tokens":
-                if not out:
-                    self._observe_ttft(t0)
-                out.extend(val)
-            elif kind == "done":
-                fin: FinishedRequest = val
-                text = self.tokenizer.decode(out)
-                use = usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
-                return web.json_response(full_response(p, rid, text, fin.finish_reason, use))
-            else:  # crash: the connection just breaks
+        by_id = {o.request_id: o for o in outs}
+        first = True
+        while not all(o.engine_done for o in outs):
+            kind, _o, _val = await self._next_event(q, by_id)
+            if kind == "tokens" and first:
+                self._observe_ttft(t0)
+                first = False
+            elif kind == "crash":  # the connection just breaks
                 return _cut(r)
+        choices = [
+            Choice(
+                index=o.index,
+                text=o.full_text(),
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+                logprobs=o.full_logprobs(),
+                token_ids=list(o.token_ids),
+                prompt_token_ids=list(o.prompt.token_ids),
+            )
+            for o in outs
+        ]
+        body = full_response(p, rid, choices, self._usage(p, outs))
+        if p.prompt_logprobs is not None:
+            for ch, o in zip(body["choices"], outs, strict=True):
+                ch["prompt_logprobs"] = o.prompt_logprobs()
+        return web.json_response(body)
 
     async def _stream(
         self,
         r: web.Request,
         p: ParsedRequest,
         rid: str,
-        q: asyncio.Queue[tuple[str, Any]],
+        outs: list[Output],
+        q: asyncio.Queue[tuple[str, str, Any]],
         t0: float,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
@@ -617,31 +779,102 @@ class SimWorker:
         )
         await resp.prepare(r)
         created = int(time.time())
+        by_id = {o.request_id: o for o in outs}
 
         async def send(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
+        def running_usage(o: Output) -> dict[str, Any] | None:
+            if not (p.include_usage and p.continuous_usage):
+                return None
+            return usage(len(o.prompt.token_ids), o.num_tokens, None)
+
+        sent_final: set[int] = set()
+        for o in outs:
+            if p.kind == "chat":
+                await send(chunk(p, rid, created, "", role=True, index=o.index))
+            if p.echo:
+                text, lp = o.stream_echo()
+                if text or lp:
+                    await send(chunk(p, rid, created, text, index=o.index, logprobs=lp))
         first = True
-        if p.kind == "chat":
-            await send(chunk(p, rid, created, "", role=True))
-        while True:
-            kind, val = await q.get()
+        while len(sent_final) < len(outs):
+            kind, o, _val = await self._next_event(q, by_id)
+            if kind == "crash":  # cut the stream
+                return _cut(r, resp)
+            if o is None or o.index in sent_final:
+                continue
             if kind == "tokens":
                 if first:
                     self._observe_ttft(t0)
                     first = False
-                await send(chunk(p, rid, created, self.tokenizer.decode(val)))
+                if not o.done and o.num_tokens % p.stream_interval:
+                    continue  # stream_interval: one chunk every N tokens
+                text, lp = o.take_delta(final=False)
+                if o.done:  # stopped or at max_tokens: this chunk is its last
+                    await send(
+                        chunk(
+                            p,
+                            rid,
+                            created,
+                            text,
+                            o.finish_reason,
+                            index=o.index,
+                            logprobs=lp,
+                            stop_reason=o.stop_reason,
+                            use=running_usage(o),
+                        )
+                    )
+                    sent_final.add(o.index)
+                elif text or lp is not None and lp.get("content", lp.get("tokens")):
+                    await send(
+                        chunk(
+                            p, rid, created, text, index=o.index, logprobs=lp, use=running_usage(o)
+                        )
+                    )
             elif kind == "done":
-                fin: FinishedRequest = val
-                await send(chunk(p, rid, created, None, finish_reason=fin.finish_reason))
-                if p.include_usage:
-                    use = usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
-                    await send(chunk(p, rid, created, None, use=use))
-                await resp.write(b"data: [DONE]\n\n")
-                await resp.write_eof()
-                return resp
-            else:  # crash: cut the stream
-                return _cut(r, resp)
+                text, lp = o.take_delta(final=True)
+                await send(
+                    chunk(
+                        p,
+                        rid,
+                        created,
+                        text,
+                        o.finish_reason,
+                        index=o.index,
+                        logprobs=lp,
+                        stop_reason=o.stop_reason,
+                        use=running_usage(o),
+                    )
+                )
+                sent_final.add(o.index)
+        if p.include_usage:
+            while not all(o.engine_done for o in outs):  # cached_tokens of stopped outputs
+                kind, _o, _v = await self._next_event(q, by_id)
+                if kind == "crash":
+                    return _cut(r, resp)
+            await send(chunk(p, rid, created, None, use=self._usage(p, outs)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+EMBEDDING_DIMS = 64
+
+
+def synthetic_embedding(ids: list[int], dims: int) -> list[float]:
+    """A deterministic unit vector for a token sequence (equal inputs, equal vectors)."""
+    import math
+
+    import xxhash
+
+    seed = xxhash.xxh3_64_intdigest(repr(ids).encode())
+    raw = [
+        (xxhash.xxh3_64_intdigest(i.to_bytes(4, "little"), seed=seed) % 20001 - 10000) / 10000
+        for i in range(dims)
+    ]
+    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+    return [round(x / norm, 6) for x in raw]
 
 
 async def _json_body(r: web.Request) -> dict[str, Any]:

@@ -12,6 +12,7 @@ changing it changes the published document.
 
 from __future__ import annotations
 
+from services.api import ui
 from services.api.context import ApiContext
 from services.api.framework import Route
 from services.api.routes import alerts, audit, canaries, meta, policies, tokens, workers
@@ -22,4 +23,5 @@ def build_routes(ctx: ApiContext) -> list[Route]:
     table += meta.routes(ctx, table)
     for resource in (policies, canaries, workers, alerts, audit, tokens):
         table += resource.routes(ctx)
+    table += ui.routes(ctx.decisions)  # the operator page's decision feed
     return table

@@ -9,6 +9,12 @@ Examples::
         --replay-endpoint tcp://127.0.0.1:5558 --engine-url http://127.0.0.1:8000 --model llama
     kvgate bridge sglang --worker-id pod-b --endpoint tcp://127.0.0.1:5557 ...
     kvgate bridge trtllm --worker-id pod-c --engine-url http://127.0.0.1:8000 --model llama
+    # an engine whose PUB connects out (its endpoint has no '*'): the bridge binds
+    kvgate bridge vllm --bind true --endpoint 'tcp://*:5557' --replay-endpoint tcp://pod-d:5558
+
+The block size is read from the engine (or --block-size) before anything is published; the
+bridge replays the engine's buffer from seq 0 before it says ready. GET /health and
+GET /metrics (kvgate_bridge_*) are served on --host:--port.
 """
 
 from __future__ import annotations
@@ -55,7 +61,31 @@ OPTIONS = S.COMMON + (
     ),
     S.option("model", "", "model name the engine serves", env="KVGATE_BRIDGE_MODEL"),
     S.option(
-        "block_size", 0, "expected block size (0 = the engine's)", env="KVGATE_BRIDGE_BLOCK_SIZE"
+        "block_size",
+        0,
+        "the engine's KV block size; 0 = read it from the engine (/metrics "
+        "vllm:cache_config_info, SGLang /get_server_info page_size) and wait until it answers",
+        env="KVGATE_BRIDGE_BLOCK_SIZE",
+    ),
+    S.option(
+        "bind",
+        False,
+        "bind the SUB socket on --endpoint (for engines whose PUB connects out: an endpoint "
+        "without '*', e.g. tcp://*:5557 here and tcp://<bridge-host>:5557 in the engine)",
+        env="KVGATE_BRIDGE_BIND",
+    ),
+    S.option(
+        "host",
+        "127.0.0.1",
+        "address of the bridge's HTTP endpoint (GET /health, GET /metrics); 0.0.0.0 to let "
+        "a Prometheus on another host scrape it",
+        env="KVGATE_BRIDGE_HOST",
+    ),
+    S.option(
+        "port",
+        8090,
+        "port of the bridge's HTTP endpoint (GET /health, GET /metrics; 0 = none)",
+        env="KVGATE_BRIDGE_PORT",
     ),
     S.option(
         "num_gpu_blocks",
@@ -121,7 +151,6 @@ async def serve(st, stop: asyncio.Event) -> None:
         hash_seed=st.hash_seed,
         block_size=st.block_size or None,
         capacity=CapacityDefaults(
-            block_size=st.block_size or 16,
             num_gpu_blocks=st.num_gpu_blocks,
             max_num_seqs=st.max_num_seqs,
             max_model_len=st.max_model_len,
@@ -129,6 +158,11 @@ async def serve(st, stop: asyncio.Event) -> None:
         heartbeat_s=st.heartbeat_interval,
     )
     await rt.start()
+    runner = None
+    if st.port:
+        from services.common.service import start_http
+
+        runner = await start_http(rt.make_app(), st.host, st.port)
     try:
         if st.engine == "trtllm":
             from services.kv_indexer.bridges.trtllm import TrtllmBridge
@@ -139,8 +173,12 @@ async def serve(st, stop: asyncio.Event) -> None:
         else:
             from services.kv_indexer.bridges.zmq_bridge import ZmqBridge
 
-            await ZmqBridge(rt, st.endpoint, st.replay_endpoint or None, st.topic).run(stop)
+            await ZmqBridge(
+                rt, st.endpoint, st.replay_endpoint or None, st.topic, bind=st.bind
+            ).run(stop)
     finally:
+        if runner is not None:
+            await runner.cleanup()
         await rt.stop()
         await bus.close()
 

@@ -6,13 +6,19 @@ either a map with a ``"type"`` key (vLLM >= 0.24, SGLang >= 0.5.20) or an array 
 first (older)::
 
     BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-                 lora_name (+ extra_keys, group_idx, ... ignored)
-    BlockRemoved: block_hashes, medium
+                 lora_name, extra_keys, group_idx, kv_cache_spec_kind, locality,
+                 lookahead_token_ids (vLLM), cache_salt (SGLang); other fields
+                 (session_id, ownership, ...) ignored
+    BlockRemoved: block_hashes, medium, group_idx, locality
     AllBlocksCleared
 
 Block hashes are unsigned 64-bit ints (vLLM), signed int64 (SGLang) or bytes (vLLM sha256).
 Fields an older engine does not send take their defaults; trailing fields a newer one adds
 are ignored.
+
+Validation is per event: :meth:`VllmDecoder.decode` keeps every event it can read and
+reports each one it cannot (unknown event type, wrong hash type, SGLang EAGLE bigram pages,
+...) as ``(reason, detail)``, so one bad event never costs the rest of its batch.
 
 TensorRT-LLM (``POST /kv_cache_events`` on trtllm-serve, JSON): a list of
 ``{"event_id", "data": {...}, "window_size", "attention_dp_rank"?}`` where ``data`` is one of
@@ -41,11 +47,19 @@ class MStored(Struct, tag="BlockStored", tag_field="type"):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None  # vLLM: one entry (list or None) per block
+    group_idx: int | None = None  # vLLM: KV cache group (hybrid models)
+    kv_cache_spec_kind: str | None = None  # vLLM: the group's attention kind
+    locality: str | None = None  # vLLM: LOCAL / REMOTE to the publisher
+    cache_salt: str | None = None  # SGLang
+    lookahead_token_ids: list[Any] | None = None  # vLLM: tokens past each block in its hash
 
 
 class MRemoved(Struct, tag="BlockRemoved", tag_field="type"):
     block_hashes: list[EngineHash]
     medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class MCleared(Struct, tag="AllBlocksCleared", tag_field="type"):
@@ -60,11 +74,19 @@ class AStored(Struct, array_like=True, tag="BlockStored"):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    locality: str | None = None
+    cache_salt: str | None = None
+    lookahead_token_ids: list[Any] | None = None
 
 
 class ARemoved(Struct, array_like=True, tag="BlockRemoved"):
     block_hashes: list[EngineHash]
     medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class ACleared(Struct, array_like=True, tag="AllBlocksCleared"):
@@ -118,43 +140,110 @@ class EngineFormatError(ValueError):
         self.detail = detail
 
 
+class DecodedBatch(Struct):
+    """One engine batch: the events that could be read, in order, and ``(reason, detail)``
+    for each event that could not."""
+
+    ts: float
+    events: list[MapEvent | ArrayEvent]
+    bad: list[tuple[str, str]] = []
+
+
+_map_event = msgspec.msgpack.Decoder(MapEvent)
+_array_event = msgspec.msgpack.Decoder(ArrayEvent)
+_KNOWN_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+def _why_bad(raw: object, exc: Exception) -> str:
+    """The bad-input reason for one undecodable event (``raw`` as generic msgpack)."""
+    tag = (
+        raw.get("type")
+        if isinstance(raw, dict)
+        else (raw[0] if isinstance(raw, list) and raw else None)
+    )
+    if not isinstance(tag, str):
+        return "invalid_schema"
+    if tag not in _KNOWN_TYPES:
+        return "unknown_event_type"
+    toks = raw.get("token_ids") if isinstance(raw, dict) else (raw[3] if len(raw) > 3 else None)
+    if tag == "BlockStored" and isinstance(toks, list) and toks and isinstance(toks[0], list):
+        return "bigram_page"  # SGLang EAGLE: token_ids as (token, next token) pairs
+    return "wrong_hash_type" if "hash" in str(exc) else "invalid_schema"
+
+
+def decode_event(raw: object) -> tuple[MapEvent | ArrayEvent | None, tuple[str, str] | None]:
+    """One event given as generic msgpack -> (event, None) or (None, (reason, detail))."""
+    dec = _map_event if isinstance(raw, dict) else _array_event
+    try:
+        return dec.decode(msgspec.msgpack.encode(raw)), None
+    except (msgspec.ValidationError, msgspec.DecodeError, TypeError) as exc:
+        return None, (_why_bad(raw, exc), str(exc)[:300])
+
+
 class VllmDecoder:
     """Decodes vLLM / SGLang payloads, remembering which of the four forms the engine uses
-    (so the common case is a single typed decode)."""
+    (so the common case is a single typed decode). A batch with an event the typed decode
+    rejects is decoded again event by event: the good ones are kept, each bad one reported.
+    """
 
     def __init__(self) -> None:
         self._order = list(range(len(_DECODERS)))
 
-    def decode(self, payload: bytes) -> BatchArrayMap | BatchArrayArray | BatchMapMap:
-        first_error: msgspec.ValidationError | None = None
+    def decode(self, payload: bytes) -> DecodedBatch:
         for pos, i in enumerate(self._order):
             try:
                 batch = _DECODERS[i].decode(payload)
-            except msgspec.ValidationError as exc:
-                first_error = first_error or exc
+            except msgspec.ValidationError:
                 continue
             except msgspec.DecodeError as exc:
                 raise EngineFormatError("malformed_msgpack", str(exc)) from None
             if pos:
                 self._order.insert(0, self._order.pop(pos))
-            return batch
-        text = str(first_error)
-        reason = "wrong_hash_type" if "hash" in text else "invalid_schema"
-        # say which part is wrong in terms of the first form that parses structurally
+            return DecodedBatch(batch.ts, batch.events)  # type: ignore[arg-type]
+        return self._per_event(payload)
+
+    @staticmethod
+    def _per_event(payload: bytes) -> DecodedBatch:
         try:
             obj: Any = _any.decode(payload)
-            if not isinstance(obj, (list, dict)):
-                reason = "invalid_schema"
-        except msgspec.DecodeError:
-            reason = "malformed_msgpack"
-        raise EngineFormatError(reason, text)
+        except msgspec.DecodeError as exc:
+            raise EngineFormatError("malformed_msgpack", str(exc)) from None
+        if isinstance(obj, list) and len(obj) >= 2:
+            ts, raw_events = obj[0], obj[1]
+        elif isinstance(obj, dict):
+            ts, raw_events = obj.get("ts"), obj.get("events")
+        else:
+            raise EngineFormatError("invalid_schema", f"not an event batch: {type(obj).__name__}")
+        if (
+            not isinstance(ts, (int, float))
+            or isinstance(ts, bool)
+            or not isinstance(raw_events, list)
+        ):
+            raise EngineFormatError("invalid_schema", "batch needs ts (number) and events (list)")
+        out = DecodedBatch(float(ts), [], [])
+        for raw in raw_events:
+            ev, why = decode_event(raw)
+            if ev is not None:
+                out.events.append(ev)
+            elif why is not None:
+                out.bad.append(why)
+        return out
 
 
-def medium_tier(medium: str | None) -> str:
-    """Engine storage medium -> kvgate tier ("GPU" / None -> gpu, "CPU*" -> cpu, else disk)."""
+REMOTE_MEDIA = ("EXTERNAL", "REMOTE")
+
+
+def medium_tier(medium: str | None, locality: str | None = None) -> str | None:
+    """Engine storage medium -> kvgate tier ("GPU" / None -> gpu, "CPU*" -> cpu, local
+    storage -> disk); None for blocks that are not on this engine (vLLM ``locality`` REMOTE,
+    SGLang ``EXTERNAL`` shared pools): those are not this worker's cache."""
+    if locality and locality.upper() == "REMOTE":
+        return None
     if not medium:
         return "gpu"
     m = medium.lower()
+    if m.upper() in REMOTE_MEDIA:
+        return None
     if "gpu" in m or "hbm" in m or "device" in m:
         return "gpu"
     if "cpu" in m or "host" in m or "dram" in m:

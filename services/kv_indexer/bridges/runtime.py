@@ -7,7 +7,14 @@ Invariants:
   with an AllBlocksCleared batch at seq 0; a batch whose publish
   fails still consumed its seq (the indexer sees the gap and asks us for a dump);
 - heartbeats stop while the engine does not answer (so the indexer drops its blocks), and a
-  new engine instance gets a new ``instance_id`` (so the indexer clears its old blocks).
+  new engine instance gets a new ``instance_id`` (so the indexer clears its old blocks);
+- no heartbeat before the engine's block size is known (read from the engine or given with
+  ``--block-size``): a guessed size would make the indexer drop the engine's first events;
+  until the bridge has replayed the engine's history (``mark_ready``) heartbeats say
+  ``state="starting"`` so routers do not trust the still-incomplete cache view;
+- an engine whose ``process_start_time_seconds`` changes, or that comes back after its
+  ``/health`` failed and its start time cannot be read, restarted: ``restart_detected`` is
+  set for the bridge to start a new instance and replay from 0.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +42,7 @@ from services.common.schemas import (
     WorkerCapacity,
     WorkerHeartbeat,
 )
+from services.common.service import metrics_handler
 from services.common.streams import ensure_kv_events_stream
 from services.kv_indexer.bridges.rekey import Rekeyer
 
@@ -49,11 +58,24 @@ BRIDGE_REPLAYS = Counter("kvgate_bridge_replays_total", "Engine replays, by resu
 BRIDGE_PUBLISH_FAILED = Counter(
     "kvgate_bridge_publish_failed_total", "Canonical batches that could not be published"
 )
+BRIDGE_SKIPPED = Counter(
+    "kvgate_bridge_skipped_events_total",
+    "Engine KV events that are valid but not this worker's local prefix cache, by reason",
+    ["reason"],
+)
+BRIDGE_RESETS = Counter(
+    "kvgate_bridge_instance_resets_total",
+    "Times a bridge dropped what it knew of its engine and resynced from the engine's replay "
+    "(engine restart or history that cannot be recovered), by reason",
+    ["reason"],
+)
 
 
 @dataclass
 class CapacityDefaults:
-    block_size: int = 16
+    """Fallbacks for what the engine does not report (never the block size: that one is
+    read from the engine or given explicitly)."""
+
     num_gpu_blocks: int = 4096
     max_num_seqs: int = 256
     max_model_len: int = 8192
@@ -86,6 +108,16 @@ def parse_vllm_capacity(metrics_text: str) -> dict[str, int]:
     return out
 
 
+def parse_start_time(metrics_text: str) -> float | None:
+    """``process_start_time_seconds`` of a Prometheus exposition (vLLM and SGLang export the
+    client library's process collector), None when absent."""
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name == "process_start_time_seconds":
+            for sm in fam.samples:
+                return float(sm.value)
+    return None
+
+
 class BridgeRuntime:
     def __init__(
         self,
@@ -109,7 +141,15 @@ class BridgeRuntime:
         self.heartbeat_s = heartbeat_s
         self.defaults = capacity or CapacityDefaults()
         self._log = RateLimiter(60.0)
-        self.rekeyer = Rekeyer(hash_seed, block_size, on_bad=self._on_bad)
+        self.rekeyer = Rekeyer(hash_seed, block_size, on_bad=self._on_bad, on_skip=self._on_skip)
+        self.block_size_known = asyncio.Event()
+        if block_size:
+            self.block_size_known.set()
+        self.ready = False  # history replayed: heartbeats say "ready"
+        self.restart_detected = asyncio.Event()
+        self.engine_start_time: float | None = None
+        self._engine_was_down = False
+        self.resets: dict[str, int] = {}
         self.instance_id = uuid.uuid4().hex[:16]
         self.out_seq = -1  # last assigned
         self.published_seq = -1
@@ -124,9 +164,24 @@ class BridgeRuntime:
     # ------------------------------------------------------------------ bad input
     def _on_bad(self, reason: str, detail: str) -> None:
         BRIDGE_BAD.labels(reason).inc()
-        if self._log.allow(self.worker_id):
+        if self._log.allow(("bad", reason)):
             log.warning(
-                "bad engine KV input", worker_id=self.worker_id, reason=reason, detail=detail[:300]
+                "bad engine KV input",
+                worker_id=self.worker_id,
+                reason=reason,
+                detail=detail[:300],
+                suppressed=self._log.take_suppressed(("bad", reason)),
+            )
+
+    def _on_skip(self, reason: str, detail: str) -> None:
+        BRIDGE_SKIPPED.labels(reason).inc()
+        if self._log.allow(("skip", reason)):
+            log.info(
+                "engine KV events skipped",
+                worker_id=self.worker_id,
+                reason=reason,
+                detail=detail[:300],
+                suppressed=self._log.take_suppressed(("skip", reason)),
             )
 
     def bad(self, reason: str, detail: str) -> None:
@@ -153,16 +208,33 @@ class BridgeRuntime:
         if self._session is not None:
             await self._session.close()
 
-    def new_instance(self) -> None:
-        """The engine restarted: forget its blocks, number batches afresh."""
+    def new_instance(self, reason: str = "engine_restarted") -> None:
+        """The engine restarted (or its history cannot be recovered): forget its blocks,
+        number batches afresh; the indexer clears the old instance's blocks."""
         self.rekeyer.reset()
         self.instance_id = uuid.uuid4().hex[:16]
         self.out_seq = -1
         self.published_seq = -1
         self.emit([AllBlocksCleared()])
-        log.info(
-            "engine restarted: new instance", worker_id=self.worker_id, instance=self.instance_id
+        BRIDGE_RESETS.labels(reason).inc()
+        self.resets[reason] = self.resets.get(reason, 0) + 1
+        log.warning(
+            "engine state reset: new instance",
+            worker_id=self.worker_id,
+            reason=reason,
+            instance=self.instance_id,
         )
+
+    def mark_ready(self) -> None:
+        """The engine's history has been replayed (as far as it keeps one)."""
+        if not self.ready:
+            self.ready = True
+            log.info("bridge ready", worker_id=self.worker_id, block_size=self.rekeyer.block_size)
+
+    def set_block_size(self, block_size: int) -> None:
+        if self.rekeyer.block_size is None and block_size > 0:
+            self.rekeyer.block_size = block_size
+            self.block_size_known.set()
 
     # ------------------------------------------------------------------ output
     def emit(self, events: list[KvEvent], ts: float | None = None) -> None:
@@ -222,14 +294,19 @@ class BridgeRuntime:
             async with s.get(f"{self.engine_url}/health") as r:
                 ok = r.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
+            ok = False
         if not ok:
+            self._engine_was_down = True
             return False
+        start: float | None = None
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
             async with s.get(f"{self.engine_url}/metrics") as r:
                 if r.status == 200:
-                    caps = parse_vllm_capacity(await r.text())
+                    text = await r.text()
+                    caps = parse_vllm_capacity(text)
                     self._engine_caps.update(caps)
+                    start = parse_start_time(text)
+        self._check_identity(start)
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
             async with s.get(f"{self.engine_url}/v1/models") as r:
                 if r.status == 200:
@@ -249,12 +326,56 @@ class BridgeRuntime:
                             self._engine_caps["max_num_seqs"] = int(info["max_running_requests"])
                         if info.get("context_length"):
                             self._engine_caps["max_model_len"] = int(info["context_length"])
+        if "block_size" in self._engine_caps:
+            self.set_block_size(self._engine_caps["block_size"])
+        return True
+
+    def _check_identity(self, start: float | None) -> None:
+        """Engine start time changed, or the engine came back from a failed /health and its
+        start time cannot be told: a new engine process (its seq restarts at 0)."""
+        was_down, self._engine_was_down = self._engine_was_down, False
+        known = self.engine_start_time
+        if start is not None:
+            self.engine_start_time = start
+            if known is not None and abs(start - known) > 1e-3:
+                self.restart_detected.set()
+        elif was_down and self.ready:
+            self.restart_detected.set()
+
+    async def wait_block_size(self, stop: asyncio.Event, every_s: float = 1.0) -> bool:
+        """Until the engine's block size is known (probing it), saying so now and then.
+        False when stopped first."""
+        waited = 0.0
+        while not self.block_size_known.is_set():
+            if stop.is_set():
+                return False
+            if not self.engine_url:
+                if waited == 0.0:
+                    log.error(
+                        "block size unknown: no --engine-url to read it from and no "
+                        "--block-size given; waiting",
+                        worker_id=self.worker_id,
+                    )
+            else:
+                await self.probe_engine()
+                if self.block_size_known.is_set():
+                    break
+                if self._log.allow("block_size_wait"):
+                    log.warning(
+                        "waiting for the engine's block size (/metrics vllm:cache_config_info "
+                        "or /get_server_info page_size); or pass --block-size",
+                        worker_id=self.worker_id,
+                        engine_url=self.engine_url,
+                    )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.block_size_known.wait(), every_s)
+            waited += every_s
         return True
 
     def capacity(self) -> WorkerCapacity:
         c = self._engine_caps
         d = self.defaults
-        block = self.rekeyer.block_size or c.get("block_size") or d.block_size
+        block = self.rekeyer.block_size or c.get("block_size") or 1
         blocks = self.rekeyer.num_gpu_blocks or c.get("num_gpu_blocks") or d.num_gpu_blocks
         return WorkerCapacity(
             block_size=block,
@@ -262,6 +383,35 @@ class BridgeRuntime:
             max_num_seqs=max(1, c.get("max_num_seqs") or d.max_num_seqs),
             max_model_len=max(1, c.get("max_model_len") or d.max_model_len),
         )
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "instance_id": self.instance_id,
+            "ready": self.ready,
+            "engine_ok": self.engine_ok,
+            "block_size": self.rekeyer.block_size,
+            "kv_seq": self.out_seq,
+            "published_seq": self.published_seq,
+            "blocks": self.rekeyer.blocks(),
+            "bad_input": dict(self.rekeyer.counts),
+            "skipped": dict(self.rekeyer.skipped),
+            "resets": dict(self.resets),
+        }
+
+    def make_app(self) -> web.Application:
+        """``GET /health`` (200 once ready and the engine answers, else 503; JSON status)
+        and ``GET /metrics`` (the ``kvgate_bridge_*`` counters)."""
+
+        async def health(_: web.Request) -> web.Response:
+            body = self.health()
+            ok = self.ready and self.engine_ok
+            return web.json_response(body, status=200 if ok else 503)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics_handler)
+        return app
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
@@ -271,6 +421,7 @@ class BridgeRuntime:
             model=self.model,
             capacity=self.capacity(),
             engine=self.engine,
+            state="ready" if self.ready else "starting",
             kv_seq=self.out_seq,
             ts=time.time(),
             loras=self.loras,
@@ -280,7 +431,7 @@ class BridgeRuntime:
         subject = self.bus.subjects.heartbeat(self.worker_id)
         while True:
             self.engine_ok = await self.probe_engine()
-            if self.engine_ok:
+            if self.engine_ok and self.block_size_known.is_set():
                 with contextlib.suppress(Exception):
                     await self.bus.publish(subject, self.heartbeat())
             await asyncio.sleep(self.heartbeat_s)

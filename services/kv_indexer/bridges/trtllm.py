@@ -46,7 +46,7 @@ class TrtllmBridge:
                 if ev.event_id == 0 or isinstance(ev.data, TCreated):
                     self.rt.emit(self.rt.rekeyer.trtllm_events(keep))
                     keep = []
-                    self.rt.new_instance()
+                    self.rt.new_instance("engine_restarted")
                 else:
                     continue  # duplicate
             elif last is not None and ev.event_id > last + 1:
@@ -57,8 +57,12 @@ class TrtllmBridge:
             keep.append(ev)
         self.events += len(keep)
         self.rt.emit(self.rt.rekeyer.trtllm_events(keep))
+        # trtllm-serve reports no block size over HTTP: each stored block carries its tokens
+        if self.rt.rekeyer.block_size and not self.rt.block_size_known.is_set():
+            self.rt.block_size_known.set()
 
     async def run(self, stop: asyncio.Event) -> None:
+        self.rt.mark_ready()  # no replay to wait for: the endpoint hands over what it queued
         timeout = aiohttp.ClientTimeout(total=10.0)
         async with aiohttp.ClientSession(timeout=timeout) as s:
             while not stop.is_set():

@@ -1,0 +1,287 @@
+// kvgate operator page: polls the admin API once a second and draws what it gets.
+// Plain DOM and hand-written SVG; data only ever reaches the page through textContent.
+"use strict";
+
+const API = "/api/v1";
+const SVGNS = "http://www.w3.org/2000/svg";
+const POLL_MS = 1000;
+const KEEP_DECISIONS = 300;
+
+const state = { token: "", lastSeq: 0, decisions: [], polling: false };
+
+// ------------------------------------------------------------------ small helpers
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+
+function svg(tag, attrs = {}) {
+  const node = document.createElementNS(SVGNS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  return node;
+}
+
+function pct(x) { return x == null ? "–" : `${(100 * x).toFixed(1)}%`; }
+function ms(x) { return x == null ? "–" : (1000 * x).toFixed(0); }
+function ago(iso) {
+  if (!iso) return "–";
+  const s = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);
+  return s < 90 ? `${s.toFixed(0)} s ago` : s < 5400 ? `${(s / 60).toFixed(0)} min ago` : `${(s / 3600).toFixed(1)} h ago`;
+}
+
+// a horizontal bar (0..1) as SVG, with its value written next to it
+function ratioBar(x, width = 90) {
+  const box = svg("svg", { width: width + 48, height: 14, class: "bar", role: "img" });
+  box.append(svg("rect", { x: 0, y: 2, width, height: 10, fill: "#e5e7eb" }));
+  if (x != null) {
+    const v = Math.max(0, Math.min(1, x));
+    const color = v > 0.9 ? "#b91c1c" : v > 0.75 ? "#d97706" : "#0ea5e9";
+    box.append(svg("rect", { x: 0, y: 2, width: v * width, height: 10, fill: color }));
+  }
+  const t = svg("text", { x: width + 4, y: 12, "font-size": 11 });
+  t.textContent = pct(x);
+  box.append(t);
+  return box;
+}
+
+// a line chart of several series [{name, color, points: [[x, y], ...]}]
+function lineChart(title, series, { width = 360, height = 150, fmt = (v) => v.toFixed(2), yMin = 0, minSpan = 1 } = {}) {
+  const pad = { l: 48, r: 10, t: 20, b: 22 };
+  const all = series.flatMap((s) => s.points);
+  const box = svg("svg", { width, height, role: "img", "aria-label": title });
+  const head = svg("text", { x: pad.l, y: 13, "font-size": 12, "font-weight": 600 });
+  head.textContent = title;
+  box.append(head);
+  if (all.length === 0) {
+    const t = svg("text", { x: pad.l, y: height / 2, "font-size": 11, fill: "#6b7280" });
+    t.textContent = "no samples yet";
+    box.append(t);
+    return box;
+  }
+  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
+  const y0 = Math.min(yMin, ...ys), y1 = Math.max(Math.max(...ys) * 1.1, y0 + minSpan);
+  const sx = (x) => pad.l + ((x - x0) / (x1 - x0)) * (width - pad.l - pad.r);
+  const sy = (y) => height - pad.b - ((y - y0) / (y1 - y0)) * (height - pad.t - pad.b);
+  for (const f of [0, 0.5, 1]) {
+    const v = y0 + f * (y1 - y0);
+    box.append(svg("line", { x1: pad.l, x2: width - pad.r, y1: sy(v), y2: sy(v), stroke: "#e5e7eb" }));
+    const t = svg("text", { x: pad.l - 4, y: sy(v) + 4, "font-size": 10, "text-anchor": "end", fill: "#6b7280" });
+    t.textContent = fmt(v);
+    box.append(t);
+  }
+  series.forEach((s, i) => {
+    if (s.points.length === 0) return;
+    const d = s.points.map((p, j) => `${j ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
+    box.append(svg("path", { d, fill: "none", stroke: s.color, "stroke-width": 2 }));
+    for (const p of s.points) box.append(svg("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.5, fill: s.color }));
+    const t = svg("text", { x: width - pad.r - 90 * (series.length - i), y: height - 5, "font-size": 11, fill: s.color });
+    t.textContent = s.name;
+    box.append(t);
+  });
+  return box;
+}
+
+// ------------------------------------------------------------------ API
+async function api(path, opts = {}) {
+  const headers = { Authorization: `Bearer ${state.token}` };
+  if (opts.body !== undefined) headers["Content-Type"] = "application/json";
+  const resp = await fetch(API + path, {
+    method: opts.method || "GET",
+    headers,
+    body: opts.body === undefined ? undefined : JSON.stringify(opts.body),
+  });
+  let data = null;
+  try { data = await resp.json(); } catch (_) { data = null; }
+  if (resp.status === 401) { showLogin("token refused: " + (data?.error?.message || "401")); throw new Error("401"); }
+  if (!resp.ok) throw new Error(data?.error?.message || `HTTP ${resp.status}`);
+  return data;
+}
+
+// ------------------------------------------------------------------ sections
+function renderWorkers(workers) {
+  const body = document.querySelector("#workers tbody");
+  const routed = {};
+  for (const d of state.decisions) if (d.worker_id) routed[d.worker_id] = (routed[d.worker_id] || 0) + 1;
+  body.replaceChildren(...workers.map((w) => {
+    const load = w.load || {};
+    const health = el("td", { class: w.health === "healthy" ? "ok" : "bad" }, w.health);
+    const circuit = el("td", { class: w.breaker === "open" ? "bad" : "" }, w.breaker);
+    const rw = load.running == null ? "–" : `${load.running} / ${load.waiting ?? 0}` + (load.max_batch ? ` of ${load.max_batch}` : "");
+    return el("tr", { "data-worker": w.worker_id },
+      el("td", {}, w.worker_id), health, el("td", {}, w.admin_state), circuit,
+      el("td", {}, rw), el("td", {}, ratioBar(w.kv?.usage)),
+      el("td", {}, ratioBar(load.cache_hit_rate)), el("td", {}, ratioBar(load.gpu_sm_util, 60)),
+      el("td", { class: "routed" }, String(routed[w.worker_id] || 0)));
+  }));
+  document.getElementById("workers-count").textContent = `(${workers.length})`;
+}
+
+function renderDecisions() {
+  const recent = state.decisions.slice(-15).reverse();
+  const body = document.querySelector("#decisions tbody");
+  body.replaceChildren(...recent.map((d) => el("tr", { "data-seq": d.seq },
+    el("td", {}, new Date(d.ts * 1000).toLocaleTimeString()),
+    el("td", {}, d.request_id.slice(0, 12)),
+    el("td", {}, d.policy_version ? `${d.policy} v${d.policy_version}` : `${d.policy} (default)`),
+    el("td", {}, d.arm),
+    el("td", {}, d.worker_id || "–"),
+    el("td", { class: d.status === "ok" ? "ok" : "bad" }, d.status),
+    el("td", {}, `${d.predicted_cached_tokens} / ${d.cached_tokens ?? "–"} / ${d.prompt_tokens}`),
+    el("td", {}, ms(d.ttft_s)))));
+  // requests per worker among the kept decisions, as bars
+  const counts = {};
+  for (const d of state.decisions) counts[d.worker_id || "none"] = (counts[d.worker_id || "none"] || 0) + 1;
+  const names = Object.keys(counts).sort();
+  const chart = document.getElementById("decisions-chart");
+  const width = 520, row = 16, height = Math.max(1, names.length) * row + 22;
+  const box = svg("svg", { width, height, role: "img", "aria-label": "requests per worker" });
+  const head = svg("text", { x: 0, y: 12, "font-size": 12, "font-weight": 600 });
+  head.textContent = `last ${state.decisions.length} requests per worker`;
+  box.append(head);
+  const max = Math.max(1, ...Object.values(counts));
+  names.forEach((n, i) => {
+    const y = 20 + i * row;
+    const label = svg("text", { x: 0, y: y + 11, "font-size": 11 });
+    label.textContent = n;
+    box.append(label);
+    box.append(svg("rect", { x: 110, y: y + 2, height: row - 5, width: (counts[n] / max) * (width - 170), fill: "#0ea5e9" }));
+    const v = svg("text", { x: 114 + (counts[n] / max) * (width - 170), y: y + 11, "font-size": 11 });
+    v.textContent = String(counts[n]);
+    box.append(v);
+  });
+  chart.replaceChildren(box);
+  const span = state.decisions.length > 1 ? state.decisions.at(-1).ts - state.decisions[0].ts : 0;
+  document.getElementById("decisions-rate").textContent =
+    span > 0 ? `(${(state.decisions.length / span).toFixed(1)} req/s over the last ${span.toFixed(0)} s)` : "";
+}
+
+function canaryCurves(c) {
+  const points = (c.decisions || []).filter((d) => d.numbers && d.numbers.control);
+  const steps = points.map((d, i) => ({ x: i, n: d.numbers }));
+  if (c.current) steps.push({ x: steps.length, n: c.current });
+  const series = (key, scale) => [
+    { name: "control", color: "#2563eb", points: steps.filter((s) => s.n.control?.[key] != null).map((s) => [s.x, scale * s.n.control[key]]) },
+    { name: "candidate", color: "#d62728", points: steps.filter((s) => s.n.candidate?.[key] != null).map((s) => [s.x, scale * s.n.candidate[key]]) },
+  ];
+  return el("div", { class: "charts" },
+    lineChart("TTFT p95 (ms)", series("ttft_p95_s", 1000), { fmt: (v) => v.toFixed(0) }),
+    lineChart("cache hit rate", series("cache_hit_rate", 1), { fmt: (v) => pct(v), minSpan: 0.1 }),
+    lineChart("error rate", series("error_rate", 1), { fmt: (v) => pct(v), minSpan: 0.05 }));
+}
+
+async function renderCanaries() {
+  const list = (await api("/canaries?limit=3")).canaries;
+  const box = document.getElementById("canaries");
+  if (list.length === 0) { box.replaceChildren(el("p", { class: "muted" }, "none")); return; }
+  const parts = [];
+  for (const c of list) {
+    const full = await api(`/canaries/${c.id}`);
+    const reasons = (full.decisions || []).filter((d) => d.action !== "hold");
+    parts.push(el("div", { class: "canary", "data-canary": c.id },
+      el("div", {},
+        el("strong", {}, `${c.control.name}@${c.control.version}`), " (control) vs ",
+        el("strong", {}, `${c.candidate.name}@${c.candidate.version}`), " (candidate) — ",
+        el("span", { class: c.state === "rolled_back" || c.state === "aborted" ? "bad" : "ok" }, c.state),
+        ` at ${(100 * c.fraction).toFixed(0)}% `, el("span", { class: "muted" }, c.reason || "")),
+      canaryCurves(full),
+      reasons.length
+        ? el("ul", { class: "reasons" }, ...reasons.map((d) => el("li", {}, `${d.action}: ${d.reason}`)))
+        : el("p", { class: "muted" }, "no promote / rollback decision yet")));
+  }
+  box.replaceChildren(...parts);
+}
+
+async function renderAlerts() {
+  const [firing, acked] = await Promise.all([
+    api("/alerts?state=firing&limit=100"), api("/alerts?state=acknowledged&limit=100")]);
+  const alerts = [...firing.alerts, ...acked.alerts];
+  const body = document.querySelector("#alerts tbody");
+  const act = (a, what) => async () => {
+    try {
+      await api(`/alerts/${a.id}/${what}`, { method: "POST", body: what === "silence" ? { duration_s: 3600 } : {} });
+      setStatus(`${what} ${a.kind} done`);
+      await refresh();
+    } catch (e) { setStatus(`${what} failed: ${e.message}`, true); }
+  };
+  body.replaceChildren(...alerts.map((a) => el("tr", { "data-alert": a.id },
+    el("td", { class: a.severity }, a.severity), el("td", {}, a.kind), el("td", {}, a.worker_id || "–"),
+    el("td", {}, ago(a.first_seen)), el("td", {}, a.state), el("td", { class: "summary" }, a.summary),
+    el("td", {},
+      a.state === "firing" ? el("button", { onclick: act(a, "ack") }, "ack") : "",
+      el("button", { onclick: act(a, "silence") }, "silence 1 h")))));
+  document.getElementById("alerts-none").hidden = alerts.length > 0;
+}
+
+async function renderPolicy() {
+  const p = await api("/active-policy");
+  const text = p.name ? `policy ${p.name}@${p.version}` : "no managed policy (router default)";
+  const canary = p.canary ? `, canary ${p.canary.candidate}@${p.canary.candidate_version} at ${(100 * p.canary.fraction).toFixed(0)}%` : "";
+  document.getElementById("policy").textContent = text + canary;
+}
+
+// ------------------------------------------------------------------ loop
+function setStatus(text, bad = false) {
+  const s = document.getElementById("status");
+  s.textContent = text;
+  s.className = bad ? "bad" : "muted";
+}
+
+async function refresh() {
+  const got = await api(`/decisions?after=${state.lastSeq}&limit=500`);
+  if (got.last < state.lastSeq) state.decisions = []; // the API restarted: start over
+  state.decisions.push(...got.decisions);
+  state.decisions = state.decisions.slice(-KEEP_DECISIONS);
+  state.lastSeq = got.last;
+  const workers = (await api("/workers")).workers;
+  renderWorkers(workers);
+  renderDecisions();
+  await Promise.all([renderAlerts(), renderCanaries(), renderPolicy()]);
+  setStatus(`updated ${new Date().toLocaleTimeString()}`);
+  document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
+}
+
+async function loop() {
+  if (state.polling) return;
+  state.polling = true;
+  while (state.token) {
+    try { await refresh(); } catch (e) { if (e.message !== "401") setStatus(`API error: ${e.message}`, true); }
+    await new Promise((r) => setTimeout(r, POLL_MS));
+  }
+  state.polling = false;
+}
+
+function showLogin(message) {
+  state.token = "";
+  sessionStorage.removeItem("kvgate-token");
+  document.getElementById("main").hidden = true;
+  document.getElementById("login").hidden = false;
+  setStatus(message || "a token is needed", Boolean(message));
+}
+
+function start(token) {
+  state.token = token;
+  sessionStorage.setItem("kvgate-token", token);
+  document.getElementById("login").hidden = true;
+  document.getElementById("main").hidden = false;
+  loop();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  // #token=... : taken from the fragment (never sent to a server), then removed from the URL
+  const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
+  if (m) history.replaceState(null, "", location.pathname + location.search);
+  const token = m ? decodeURIComponent(m[1]) : sessionStorage.getItem("kvgate-token");
+  document.getElementById("login").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const t = document.getElementById("token").value.trim();
+    if (t) start(t);
+  });
+  if (token) start(token); else showLogin();
+});

@@ -1,0 +1,173 @@
+"""The operator page end to end: `kvgate up`, then a real headless Chromium (Debian's
+`chromium`, driven by Playwright) opens /ui/ with the admin token: the page shows the
+workers, updates after a completion goes through the router, lists an open alert that can be
+acknowledged from the page, and a screenshot is taken."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from services.common.bus import Bus
+from services.common.schemas import Alert
+from services.common.streams import ensure_alert_streams, raise_alert
+from services.common.subjects import Subjects
+from tests.test_up_state import Up
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def _complete(router_port: int, prompt: str, session: str = "") -> str:
+    body = json.dumps({"model": "sim-llama-8b", "prompt": prompt, "max_tokens": 4}).encode()
+    headers = {"Content-Type": "application/json"}
+    if session:
+        headers["x-session-id"] = session
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{router_port}/v1/completions", data=body, headers=headers
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=30) as resp:
+        assert resp.status == 200
+        return resp.headers["x-kvgate-worker"]
+
+
+def _admin(api: str, token: str, method: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(
+        api + path,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+async def _raise(nats_url: str, prefix: str) -> None:
+    bus = Bus(nats_url, "test-operator-page", Subjects(prefix))
+    await bus.connect(max_wait_s=10)
+    try:
+        await ensure_alert_streams(bus)
+        await raise_alert(
+            bus,
+            Alert(
+                fingerprint="kv_starved:page-test",
+                kind="kv_starved",
+                severity="warning",
+                source="telemetry",
+                worker_id="page-test-worker",
+                summary="page-test: 8 active, 1 scheduled",
+            ),
+        )
+    finally:
+        await bus.close()
+
+
+def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    assert shutil.which(CHROMIUM) or os.path.exists(CHROMIUM), (
+        "Debian's chromium is missing: apt-get install chromium (make test installs it)"
+    )
+    up = Up(tmp_path / "state")
+    try:
+        out = up.banner()
+        token = next(ln for ln in out.splitlines() if "admin token" in ln).split(":", 1)[1]
+        token = token.split()[0]
+        stack = json.loads((tmp_path / "state" / "stack.json").read_text())
+        asyncio.run(_raise(stack["nats_url"], stack["subject_prefix"]))
+        api = f"http://127.0.0.1:{up.ports['api']}"
+        stack_worker = _complete(up.ports["router"], "warm up")  # the one simulated worker
+        # a canary that stays running (its criteria ask for more samples than the test sends)
+        _admin(
+            api, token, "POST", "/api/v1/policies", {"name": "ctl", "spec": {"name": "round_robin"}}
+        )
+        _admin(api, token, "POST", "/api/v1/policies/ctl/activate")
+        _admin(
+            api,
+            token,
+            "POST",
+            "/api/v1/policies",
+            {"name": "cand", "spec": {"name": "least_request"}},
+        )
+        canary = _admin(
+            api,
+            token,
+            "POST",
+            "/api/v1/canaries",
+            {"policy": "cand", "steps": [0.5, 1.0], "step_duration_s": 3600,
+             "criteria": {"min_samples": 100000}},
+        )  # fmt: skip
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1100})
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.goto(f"{api}/ui/#token={token}")
+                # the token left the address bar; the workers are listed
+                workers = page.locator("#workers tbody tr")
+                expect(workers).to_have_count(1, timeout=20_000)
+                expect(workers.first.locator("td").nth(1)).to_have_text("healthy")
+                expect(workers.first.locator("td").first).to_have_text(stack_worker)
+                assert "token=" not in page.url
+                # a completion through the router shows up as a routing decision
+                worker = _complete(up.ports["router"], "hello operator page")
+                row = page.locator("#decisions tbody tr").first
+                expect(row).to_contain_text(worker, timeout=15_000)
+                expect(row).to_contain_text("ok")
+                expect(
+                    page.locator(f'#workers tr[data-worker="{worker}"] td.routed')
+                ).not_to_have_text("0")
+                # the canary: both arms' curves and the header's policy line
+                for i in range(12):  # sessions spread over both arms
+                    _complete(up.ports["router"], f"canary traffic {i}", session=f"s{i}")
+                box = page.locator(f'[data-canary="{canary["id"]}"]')
+                expect(box).to_contain_text("ctl@1", timeout=15_000)
+                expect(box).to_contain_text("cand@1")
+                expect(box.locator("svg")).to_have_count(3)
+                # each arm's points (TTFT p95, hit rate, error rate of the current window)
+                expect(box.locator('svg circle[fill="#d62728"]').first).to_be_visible(
+                    timeout=20_000
+                )  # candidate
+                expect(box.locator('svg circle[fill="#2563eb"]').first).to_be_visible()
+                expect(page.locator("#policy")).to_contain_text("policy ctl@1, canary cand@1")
+                # the open alert is listed and can be acknowledged from the page
+                alert = page.locator("#alerts tbody tr", has_text="page-test")
+                expect(alert).to_have_count(1, timeout=15_000)
+                alert.get_by_role("button", name="ack").click()
+                expect(alert.locator("td").nth(4)).to_have_text("acknowledged", timeout=10_000)
+                shot = tmp_path / "operator-page.png"
+                page.screenshot(path=str(shot), full_page=True)
+                assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+                keep = os.environ.get("KVGATE_TEST_SCREENSHOT")
+                if keep:
+                    shutil.copy(shot, keep)
+                assert errors == [], errors
+            finally:
+                browser.close()
+        # the page is a shell: without a token the data endpoints refuse
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                f"{api}/api/v1/decisions", timeout=10
+            )
+        assert denied.value.code == 401
+    finally:
+        up.stop()
