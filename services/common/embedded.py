@@ -199,19 +199,30 @@ class EmbeddedNatsCluster:
             raise ValueError("a NATS cluster needs at least 1 node")
         self.state_dir = Path(state_dir)
         self.host = host
-        route_ports = [free_port(host) for _ in range(size)]
-        routes = [f"nats://{host}:{p}" for p in route_ports]
+        self.size = size
+        self.name = name
+        self.nodes: list[EmbeddedNats] = []
+        self._make_nodes()
+
+    def _make_nodes(self) -> None:
+        """Nodes on fresh, pairwise distinct ports (client, route, monitoring each)."""
+        ports: set[int] = set()
+        while len(ports) < 3 * self.size:
+            ports.add(free_port(self.host))
+        client, route_ports, monitor = (sorted(ports)[i::3] for i in range(3))
+        routes = [f"nats://{self.host}:{p}" for p in route_ports]
         self.nodes = [
             EmbeddedNats(
                 self.state_dir / f"n{i}",
-                host=host,
-                server_name=f"{name}-n{i}",
-                cluster_name=name,
+                port=client[i],
+                host=self.host,
+                server_name=f"{self.name}-n{i}",
+                cluster_name=self.name,
                 cluster_port=route_ports[i],
                 routes=[r for j, r in enumerate(routes) if j != i],
-                monitor_port=free_port(host),
+                monitor_port=monitor[i],
             )
-            for i in range(size)
+            for i in range(self.size)
         ]
 
     @property
@@ -221,8 +232,17 @@ class EmbeddedNatsCluster:
     def start(self, timeout: float = 30.0) -> str:
         """Start every node, then wait until JetStream is ready on each (a meta leader is
         elected and every node has caught up)."""
-        for node in self.nodes:
-            node.start(timeout)
+        for attempt in range(3):
+            try:
+                for node in self.nodes:
+                    node.start(timeout)
+                break
+            except RuntimeError:  # a port was taken between choosing and binding it
+                self.stop()
+                if attempt == 2:
+                    raise
+                log.warning("nats cluster node failed to start; retrying on other ports")
+                self._make_nodes()
         self.wait_healthy(timeout)
         log.info("embedded nats cluster started", url=self.url, nodes=len(self.nodes))
         return self.url
