@@ -135,7 +135,10 @@ def test_stack_survives_losing_one_nats_node(
             lines.append(line)
             if "Press Ctrl-C to stop" in line:
                 break
-        assert "kvgate is up" in "".join(lines), "".join(lines)
+        if "kvgate is up" not in "".join(lines):  # say why: the failing service's log
+            logs = sorted((tmp_path / "state" / "logs").glob("*.log"))
+            tails = "".join(f"\n--- {f.name}\n" + f.read_text()[-2000:] for f in logs)
+            raise AssertionError("".join(lines) + tails)
         loader = threading.Thread(target=load, daemon=True)
         loader.start()
         time.sleep(3)

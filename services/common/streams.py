@@ -13,13 +13,19 @@ idempotent setup functions, so start order does not matter.
 
 from __future__ import annotations
 
+import asyncio
 import os
+
+import nats.errors
+import nats.js.errors
 
 from services.common import settings as S
 from services.common.bus import Bus
+from services.common.logging import get_logger
 from services.common.schemas import Alert, now
 
 HOUR = 3600.0
+log = get_logger("streams")
 
 # JetStream reserves each file stream's max_bytes against the server's storage limit, so the
 # sizes are a budget the operator sets once, split across the streams below (tests use a small
@@ -69,9 +75,26 @@ def stream_replicas(bus: Bus) -> int:
     return 3 if cluster_size(bus) >= 3 else 1
 
 
+ENSURE_TIMEOUT_S = 60.0  # total time to get a stream created, across retries
+
+
 async def _ensure(bus: Bus, name: str, subjects: list[str], **config) -> str:
-    await bus.ensure_stream(name, subjects, num_replicas=stream_replicas(bus), **config)
-    return name
+    """Create/update the stream, retrying while JetStream does not answer in time: on a
+    cluster, a replicated stream needs its Raft group formed, and several services starting
+    together all ask at once (a timeout here is "not yet", not a failure)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ENSURE_TIMEOUT_S
+    delay = 0.25
+    while True:
+        try:
+            await bus.ensure_stream(name, subjects, num_replicas=stream_replicas(bus), **config)
+            return name
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
+            if loop.time() + delay > deadline:
+                raise
+            log.warning("stream setup timed out, retrying", stream=name, error=repr(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 4.0)
 
 
 async def ensure_kv_events_stream(bus: Bus) -> str:
