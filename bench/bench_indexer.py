@@ -224,9 +224,9 @@ def bench_ingest(events, pairs_expected: int) -> tuple[float, float | None, int,
 
 def bench_replica_apply(deltas: list[bytes], blocks: int) -> float:
     """A router replica decoding and applying the indexer's deltas: blocks/s."""
+    from services.common.index_replica import apply_ops
     from services.common.schemas import IndexDelta, decode
     from services.core.index import PrefixIndex
-    from services.kv_indexer.replica import apply_ops
 
     index = PrefixIndex()
     gc.collect()
@@ -469,10 +469,10 @@ async def _bench_nats(events) -> dict[str, Any]:
 
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
+    from services.common.index_replica import IndexReplica
     from services.common.streams import ensure_kv_events_stream
     from services.common.subjects import Subjects
     from services.kv_indexer.app import IndexerService
-    from services.kv_indexer.replica import IndexReplica
 
     tmp = tempfile.mkdtemp(prefix="bench-nats-")
     server = EmbeddedNats(Path(tmp))

@@ -204,4 +204,31 @@ def summarize(
         "per_worker": per_worker,
         "inflight_series": {"bin_s": dur / bins if bins else 0.0, "workers": series},
         "ttft_sorted": sorted(ttft),
+        # per completed request (TTFT s, TPOT s): SLO attainment at any targets, see
+        # :func:`slo_attainment` (requests not completed count as misses)
+        "slo_samples": [[round(t, 5), round(tp, 6)] for t, tp in slo_samples(ok)],
     }
+
+
+def tpot_s(r: RequestResult) -> float:
+    """Time per output token after the first: (e2e - TTFT) / (completion tokens - 1); 0 for a
+    request with at most one token."""
+    if r.ttft_s is None or r.e2e_s is None or r.completion_tokens <= 1:
+        return 0.0
+    return max(0.0, r.e2e_s - r.ttft_s) / (r.completion_tokens - 1)
+
+
+def slo_samples(ok: Sequence[RequestResult]) -> list[tuple[float, float]]:
+    return [(r.ttft_s, tpot_s(r)) for r in ok if r.ttft_s is not None]
+
+
+def slo_attainment(summary: dict[str, Any], ttft_target_s: float, tpot_target_s: float) -> float:
+    """Fraction of *all* requests of a run (``summarize`` output) that completed with TTFT and
+    TPOT within the targets."""
+    n = summary.get("requests") or 0
+    if not n:
+        return 0.0
+    met = sum(
+        1 for t, tp in summary.get("slo_samples", ()) if t <= ttft_target_s and tp <= tpot_target_s
+    )
+    return met / n

@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "services.kv_indexer.cli",
         "kv_indexer: KV events -> global prefix index, deltas and snapshots",
     ),
+    "index": (
+        "services.kv_indexer.index_cli",
+        "operator tools for the global KV index (verify: index vs the workers' own dumps)",
+    ),
     "telemetry": (
         "services.telemetry.cli",
         "telemetry agent: NVML + engine metrics -> bus, capacity detectors",

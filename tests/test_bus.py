@@ -4,9 +4,12 @@ durability across a consumer restart, idempotent stream setup, reconnect after a
 from __future__ import annotations
 
 import asyncio
+import time
 
-from services.common.bus import BUS_DROPPED, Bus
-from services.common.schemas import KvDumpRequest, RouterLoad, WorkerControl
+import pytest
+
+from services.common.bus import BUS_DROPPED, BUS_REPLY_FAILED, Bus, RemoteError
+from services.common.schemas import KvDumpRequest, RouterLoad, WorkerControl, encode
 from services.common.subjects import Subjects
 
 
@@ -62,6 +65,46 @@ async def test_request_reply(bus: Bus) -> None:
         bus.subjects.kv_dump("w1"), KvDumpRequest(worker_id="w1"), WorkerControl, timeout=5
     )
     assert reply.worker_id == "w1" and reply.action == "cordon"
+
+
+async def test_reply_over_max_payload_is_an_explicit_error(bus: Bus) -> None:
+    """A reply bigger than the server's max_payload used to vanish inside serve (the requester
+    only saw its timeout); now the requester gets the reason at once and it is counted."""
+    limit = bus.client.max_payload
+
+    async def responder(req: KvDumpRequest) -> bytes:
+        return b"x" * (limit + 1)
+
+    before = BUS_REPLY_FAILED.labels("KvDumpRequest", "max_payload")._value.get()
+    await bus.serve(bus.subjects.kv_dump("big"), KvDumpRequest, responder)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match="max_payload"):
+        await bus.request(
+            bus.subjects.kv_dump("big"), KvDumpRequest(worker_id="big"), WorkerControl, timeout=10
+        )
+    assert time.monotonic() - t0 < 5  # the error reply, not the timeout
+    assert BUS_REPLY_FAILED.labels("KvDumpRequest", "max_payload")._value.get() == before + 1
+
+
+async def test_responder_error_and_bad_request_get_error_replies(bus: Bus) -> None:
+    async def responder(req: KvDumpRequest) -> WorkerControl:
+        if req.reason == "boom":
+            raise ValueError("no such dump")
+        return WorkerControl(worker_id=req.worker_id, action="drain")
+
+    failed = BUS_REPLY_FAILED.labels("KvDumpRequest", "responder_error")._value.get()
+    invalid = BUS_REPLY_FAILED.labels("KvDumpRequest", "invalid_request")._value.get()
+    subject = bus.subjects.kv_dump("w2")
+    await bus.serve(subject, KvDumpRequest, responder)
+    with pytest.raises(RemoteError, match="no such dump"):
+        await bus.request(subject, KvDumpRequest(worker_id="w2", reason="boom"), WorkerControl)
+    reply = await bus.client.request(subject, encode(RouterLoad(router_id="r", ts=0)), timeout=5)
+    assert "KvDumpRequest" in reply.headers["Kvgate-Error"]  # names what failed to decode
+    # the subscription keeps serving
+    ok = await bus.request(subject, KvDumpRequest(worker_id="w2"), WorkerControl, timeout=5)
+    assert ok.action == "drain"
+    assert BUS_REPLY_FAILED.labels("KvDumpRequest", "responder_error")._value.get() == failed + 1
+    assert BUS_REPLY_FAILED.labels("KvDumpRequest", "invalid_request")._value.get() == invalid + 1
 
 
 async def test_request_without_responder_times_out(bus: Bus) -> None:

@@ -31,7 +31,7 @@ METRIC_MODULES = (
     "services.api.alerting",
     "services.api.canary.runner",
     "services.kv_indexer.app",
-    "services.kv_indexer.replica",
+    "services.common.index_replica",
     "services.kv_indexer.bridges.runtime",
 )
 PROMQL_WORDS = {

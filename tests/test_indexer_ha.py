@@ -24,6 +24,7 @@ import pytest
 
 from services.common.bus import Bus
 from services.common.embedded import free_port
+from services.common.index_replica import IndexReplica
 from services.common.schemas import (
     BlockRemoved,
     BlockStored,
@@ -34,7 +35,6 @@ from services.common.schemas import (
     decode,
 )
 from services.common.streams import ensure_kv_events_stream
-from services.kv_indexer.replica import IndexReplica
 
 pytestmark = pytest.mark.slow
 

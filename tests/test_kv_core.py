@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from services.common.index_replica import apply_ops
 from services.common.schemas import AllBlocksCleared, BlockRemoved
 from services.core.index import PrefixIndex
 from services.kv_indexer.core import IndexerCore
-from services.kv_indexer.replica import apply_ops
 from tests.test_kv_support import batch, chain, hb, stored
 
 

@@ -10,6 +10,7 @@ import msgspec
 
 from services.common.bus import Bus
 from services.common.embedded import free_port
+from services.common.kvdump import KvDumpServer
 from services.common.schemas import (
     AllBlocksCleared,
     BlockRemoved,
@@ -85,7 +86,7 @@ async def test_gap_resyncs_from_worker_dump(bus: Bus, nats_url: str, subjects: S
         dumps.append(req)  # the worker's real cache: a[:10], as of seq 2
         return batch("w1", 2, [AllBlocksCleared(), stored(a[:10])])
 
-    await bus.serve(subjects.kv_dump("w1"), KvDumpRequest, dump)
+    await KvDumpServer(bus, "w1", dump).start()
     async with (
         indexer(nats_url, subjects, tail_grace_s=0.2) as svc,
         replica(nats_url, subjects) as rep,
@@ -255,7 +256,7 @@ async def test_replica_starts_without_indexer_and_catches_up(
         async def dump(req: KvDumpRequest) -> KvEventBatch:
             return batch("w1", 0, [AllBlocksCleared(), stored(a)])
 
-        await bus.serve(subjects.kv_dump("w1"), KvDumpRequest, dump)
+        await KvDumpServer(bus, "w1", dump).start()
         async with indexer(nats_url, subjects, tail_grace_s=0.1) as svc2:
             await bus.publish(subjects.heartbeat("w1"), hb("w1", kv_seq=0))
             await wait_until(lambda: svc2.core.counts["resyncs"] == 1, what="restart resync")

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from services.common.bus import Bus
+from services.common.index_replica import IndexReplica
 from services.common.schemas import (
     BlockStored,
     KvEventBatch,
@@ -17,7 +18,6 @@ from services.common.schemas import (
 from services.common.subjects import Subjects
 from services.core.keys import block_keys
 from services.kv_indexer.app import IndexerService
-from services.kv_indexer.replica import IndexReplica
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
@@ -71,6 +71,9 @@ async def indexer(nats_url: str, subjects: Subjects, **kw) -> AsyncIterator[Inde
         # tests send one heartbeat and then none: on a loaded machine a test can outlive the
         # 3 s default and see its worker expire; the expiry tests set their own timeout
         kw.setdefault("heartbeat_timeout_s", 60.0)
+        # the background verifier asks for dumps on its own: tests that count dumps and
+        # resyncs turn it on themselves
+        kw.setdefault("verify_cpu_share", 0.0)
         svc = IndexerService(b, **kw)
         await svc.start()
         await asyncio.wait_for(svc.consuming.wait(), 10)

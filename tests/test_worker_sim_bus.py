@@ -13,11 +13,11 @@ import pytest
 from services.common import settings as S
 from services.common.bus import Bus
 from services.common.embedded import free_port
+from services.common.kvdump import fetch_kvdump
 from services.common.schemas import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KvDumpRequest,
     KvEventBatch,
     WorkerHeartbeat,
 )
@@ -82,9 +82,7 @@ async def test_kv_events_reach_jetstream_and_kvdump_matches(bus: Bus):
 
         await until(heartbeat_seq, what="publisher caught up")
         assert w.heartbeat().kv_seq == last
-        dump = await bus.request(
-            bus.subjects.kv_dump("kv0"), KvDumpRequest(worker_id="kv0", reason="test"), KvEventBatch
-        )
+        dump = (await fetch_kvdump(bus, "kv0", reason="test")).batch
         assert dump.seq == last and dump.instance_id == w.instance_id  # seq not advanced
         assert w.kv_seq == last
         assert dump.events[0] == AllBlocksCleared()
@@ -282,9 +280,7 @@ async def test_recovers_by_itself_after_nats_restarts(embedded_nats):
             await c.completions.create(model="m", prompt=PROMPTS[2], max_tokens=3)
             b = await asyncio.wait_for(q.get(), 10)
             assert b.seq > gap_seq and b.instance_id == w.instance_id
-            dump = await watcher.request(
-                watcher.subjects.kv_dump("r0"), KvDumpRequest(worker_id="r0"), KvEventBatch
-            )
+            dump = (await fetch_kvdump(watcher, "r0")).batch
             assert dump.seq == w.kv_seq and len(dump.events) > 1
             await c.close()
     finally:

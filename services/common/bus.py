@@ -8,6 +8,11 @@ Invariants:
   ``kvgate_bus_dropped_total{type,reason}`` and logged (rate-limited), and the subscription
   keeps going. A handler that raises is counted the same way (reason="handler_error").
 - Stream setup is idempotent: creating an existing stream updates it to the given config.
+- :meth:`Bus.serve` never fails silently: a request that does not decode, a responder that
+  raises and a reply that cannot be sent (over the server's max_payload, connection lost)
+  are each counted in ``kvgate_bus_reply_failed_total{type,reason}`` and logged, and the
+  requester gets an error reply (header ``Kvgate-Error``) that :meth:`Bus.request` raises
+  as :class:`RemoteError` instead of waiting for its timeout.
 """
 
 from __future__ import annotations
@@ -47,6 +52,19 @@ BUS_DROPPED = Counter(
     ["type", "reason"],
 )
 BUS_RECONNECTS = Counter("kvgate_bus_reconnects_total", "NATS reconnections")
+BUS_REPLY_FAILED = Counter(
+    "kvgate_bus_reply_failed_total",
+    "Requests served without their reply (the requester got an error reply where possible)",
+    ["type", "reason"],
+)
+
+ERROR_HEADER = "Kvgate-Error"
+_ERROR_TEXT_MAX = 1000
+
+
+class RemoteError(RuntimeError):
+    """The responder answered with an explicit error instead of a reply."""
+
 
 Handler = Callable[[T, Msg], Awaitable[None]]
 
@@ -118,7 +136,14 @@ class Bus:
         self.connected.clear()
 
     async def _on_error(self, exc: Exception) -> None:
-        log.warning("bus error", error=str(exc) or type(exc).__name__)
+        # while the server is down nats-py reports every reconnect attempt (2 a second)
+        key = ("error", type(exc).__name__)
+        if self._drop_log.allow(key):
+            log.warning(
+                "bus error",
+                error=str(exc) or type(exc).__name__,
+                suppressed=self._drop_log.take_suppressed(key),
+            )
 
     async def _on_disconnected(self) -> None:
         self.connected.clear()
@@ -198,14 +223,22 @@ class Bus:
     async def request(
         self, subject: str, msg: Struct, reply_type: type[T], timeout: float = 2.0
     ) -> T:
-        """Request/reply; raises TimeoutError (no responder / slow) or SchemaError (bad reply)."""
+        """Request/reply; raises TimeoutError (no responder / slow), RemoteError (the responder
+        answered with an error) or SchemaError (bad reply)."""
+        return decode(reply_type, await self.request_bytes(subject, msg, timeout))
+
+    async def request_bytes(self, subject: str, msg: Struct, timeout: float = 2.0) -> bytes:
+        """Request/reply returning the reply's raw bytes (errors as :meth:`request`)."""
         try:
             reply = await self.client.request(subject, encode(msg), timeout=timeout)
         except nats.errors.NoRespondersError as exc:
             raise TimeoutError(f"no responder on {subject}") from exc
         except nats.errors.TimeoutError as exc:
             raise TimeoutError(f"no reply on {subject} within {timeout}s") from exc
-        return decode(reply_type, reply.data)
+        error = (reply.headers or {}).get(ERROR_HEADER)
+        if error is not None:
+            raise RemoteError(f"{subject}: {error}")
+        return reply.data
 
     async def serve(
         self,
@@ -214,13 +247,63 @@ class Bus:
         responder: Callable[[T], Awaitable[Struct | bytes]],
         queue: str = "",
     ) -> Any:
-        """Answer requests on ``subject``; the responder returns a message (or raw bytes)."""
+        """Answer requests on ``subject``; the responder returns a message (or raw bytes).
 
-        async def handler(obj: T, raw: Msg) -> None:
-            result = await responder(obj)
-            await raw.respond(result if isinstance(result, bytes) else encode(result))
+        Every failure is counted and logged, and answered with an error reply where one can
+        be sent (see the module invariants); a responder raises to refuse a request."""
+        type_name = msg_type.__name__
 
-        return await self.subscribe(subject, msg_type, handler, queue=queue)
+        async def on_msg(raw: Msg) -> None:
+            try:
+                obj = decode(msg_type, raw.data)
+            except SchemaError as exc:
+                await self._reply_failed(raw, type_name, "invalid_request", str(exc))
+                return
+            try:
+                result = await responder(obj)
+                data = result if isinstance(result, bytes) else encode(result)
+            except Exception as exc:  # a bad request or a bug must not kill the subscription
+                await self._reply_failed(raw, type_name, "responder_error", repr(exc))
+                return
+            if not raw.reply:
+                return  # published without a reply subject: nobody to answer
+            try:
+                await self.client.publish(raw.reply, data)
+            except nats.errors.MaxPayloadError:
+                limit = self.client.max_payload
+                await self._reply_failed(
+                    raw,
+                    type_name,
+                    "max_payload",
+                    f"reply of {len(data)} bytes exceeds the server's max_payload of {limit}",
+                )
+            except Exception as exc:
+                await self._reply_failed(raw, type_name, "send_error", repr(exc))
+
+        return await self.client.subscribe(subject, queue=queue, cb=on_msg)
+
+    async def _reply_failed(self, raw: Msg, type_name: str, reason: str, error: str) -> None:
+        """Count and log a request left without its reply; send the requester an error."""
+        BUS_REPLY_FAILED.labels(type_name, reason).inc()
+        sent = False
+        if raw.reply:
+            text = error.replace("\r", " ").replace("\n", " ")[:_ERROR_TEXT_MAX]
+            try:
+                await self.client.publish(raw.reply, b"", headers={ERROR_HEADER: text})
+                sent = True
+            except Exception as exc:  # connection gone: the requester will time out
+                error = f"{error}; error reply failed too: {exc!r}"
+        key = ("reply", type_name, reason)
+        if self._drop_log.allow(key):
+            log.warning(
+                "request not answered",
+                type=type_name,
+                reason=reason,
+                subject=raw.subject,
+                error=error[:_ERROR_TEXT_MAX],
+                error_reply_sent=sent,
+                suppressed=self._drop_log.take_suppressed(key),
+            )
 
     # ------------------------------------------------------------------ JetStream
     async def ensure_stream(

@@ -80,10 +80,37 @@ class KvEventBatch(Message):
 
 
 class KvDumpRequest(Message):
-    """Ask a worker (or its bridge) for its full cache as one batch of BlockStored events."""
+    """Ask a worker (or its bridge) for its full cache, one chunk per request
+    (services.common.kvdump). The first request (no ``dump_id``) freezes the cache as of the
+    worker's latest KV batch and returns chunk 0; each next request names the ``dump_id`` and
+    the ``cursor`` the previous chunk gave as ``next_cursor``. ``max_chunk_bytes``: the
+    requester's max_payload (the responder uses the smaller of it and its own)."""
 
     worker_id: Token
     reason: str = ""
+    dump_id: str | None = None
+    cursor: NonNeg = 0
+    max_chunk_bytes: Pos | None = None
+
+
+class KvDumpChunk(Message):
+    """One chunk of a worker's full cache, frozen right after its KV batch ``kv_seq``.
+
+    The events of chunks ``cursor`` 0, next_cursor, ... in order are the whole cache (the
+    first starts with AllBlocksCleared); ``next_cursor`` None marks the last chunk.
+    ``blocks``: keys in the whole dump, so the requester can tell a complete dump from a
+    truncated one. Named ``kv_seq`` (not ``seq``) so a requester expecting the single-reply
+    KvEventBatch of older builds fails loudly instead of reading a partial dump."""
+
+    worker_id: Token
+    instance_id: Token
+    dump_id: Annotated[str, Meta(min_length=1, max_length=64)]
+    kv_seq: NonNeg
+    cursor: NonNeg
+    next_cursor: NonNeg | None
+    blocks: NonNeg
+    ts: float
+    events: list[KvEvent]
 
 
 # --------------------------------------------------------------------------- workers
@@ -317,6 +344,40 @@ class SnapshotChunk(Message):
     masks: list[bytes]
     tier_keys: bytes = b""
     tier_values: list[bytes] = []
+    error: str | None = None
+
+
+class IndexVerifyRequest(Message):
+    """Ask the indexer to compare its index with each worker's own dump (``kv.index.verify``).
+    ``workers`` empty: every registered worker. ``repair``: resync the divergent ones."""
+
+    workers: list[Token] = []
+    repair: bool = False
+    max_sample: Annotated[int, Meta(ge=0, le=1000)] = 10
+
+
+class WorkerDivergence(Struct, kw_only=True):
+    """The index vs one worker's dump. ``status``: equal | divergent | inconclusive (the
+    worker restarted or was resynced meanwhile, or its batches did not catch up in time) |
+    unreachable (no dump). ``missing``: pairs the worker holds that the index lacks;
+    ``extra``: pairs the index holds that the worker does not (a pair is a key on a tier)."""
+
+    worker_id: str
+    status: Literal["equal", "divergent", "inconclusive", "unreachable"]
+    kv_seq: int = -1
+    worker_blocks: NonNeg = 0
+    index_blocks: NonNeg = 0
+    missing: NonNeg = 0
+    extra: NonNeg = 0
+    missing_sample: list[U64] = []
+    extra_sample: list[U64] = []
+    detail: str = ""
+    repaired: bool = False
+
+
+class IndexVerifyReply(Message):
+    workers: list[WorkerDivergence] = []
+    divergent_blocks: NonNeg = 0
     error: str | None = None
 
 

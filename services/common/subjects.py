@@ -11,12 +11,14 @@ subject                                 message (services.common.schemas)       
 ======================================  =========================================  ===========
 kv.events.<worker>                      KvEventBatch                               JetStream KV_EVENTS
 workers.heartbeat.<worker>              WorkerHeartbeat                            core
-workers.kvdump.<worker>                 KvDumpRequest -> KvEventBatch (req/reply)  core
+workers.kvdump.<worker>                 KvDumpRequest -> KvDumpChunk (req/reply,   core
+                                        one request per chunk: services.common.kvdump)
 workers.control.<worker>                WorkerControl (cordon / drain / uncordon)  core
 telemetry.<worker>                      WorkerLoad                                 core
 kv.index.delta                          IndexDelta (ordered)                       core
 kv.index.snapshot                       SnapshotRequest -> snapshot (req/reply)    core
 kv.query                                KvQuery -> KvQueryReply (req/reply)        core
+kv.index.verify                         IndexVerifyRequest -> IndexVerifyReply     core
 router.load.<router>                    RouterLoad (in-flight per worker)          core
 router.outcomes                         RouterOutcome                              JetStream OUTCOMES
 policy.updated                          PolicyUpdated                              core + JetStream POLICY
@@ -98,6 +100,10 @@ class Subjects:
     @property
     def kv_query(self) -> str:
         return self._s("kv.query")
+
+    @property
+    def kv_index_verify(self) -> str:
+        return self._s("kv.index.verify")
 
     # -- workers ------------------------------------------------------------------------------
     def heartbeat(self, worker_id: str) -> str:

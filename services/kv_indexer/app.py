@@ -5,7 +5,12 @@
   restarted indexer rebuilds each worker's blocks by resyncing (full dump) as heartbeats
   show it.
 - Heartbeats ``workers.heartbeat.*`` register workers; a timer expires them and spots gaps.
-- Resyncs: ``workers.kvdump.<worker>`` request/reply, counted.
+- Resyncs: ``workers.kvdump.<worker>`` chunked request/reply (services.common.kvdump),
+  counted; a dump is applied as its difference with the index (no clear in between).
+- While NATS is down no heartbeat can arrive, so workers are kept (the expiry clock stands
+  still); when it is back, workers whose heartbeat shows lost batches resync at once.
+- Verification (services.kv_indexer.verifier): ``kv.index.verify`` on request, and a
+  background check paced to ``verify_cpu_share`` of a core that repairs what it finds.
 - Deltas: ordered IndexDelta on ``kv.index.delta`` (one publisher task keeps the order);
   snapshots: SnapshotRequest on ``kv.index.snapshot`` answered with SnapshotChunk messages.
 - Queries: ``kv.query`` (KvQuery -> KvQueryReply); HTTP /health, /metrics, /debug/workers,
@@ -31,12 +36,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
+from services.common.kvdump import fetch_kvdump
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
     IndexDelta,
     IndexOp,
-    KvDumpRequest,
-    KvEventBatch,
+    IndexVerifyRequest,
     KvQuery,
     KvQueryReply,
     SchemaError,
@@ -49,8 +54,9 @@ from services.common.schemas import (
     to_builtins,
 )
 from services.common.streams import ensure_kv_events_stream
+from services.core.snapshot import state_to_chunks
 from services.kv_indexer.core import IndexerCore, decode_batch
-from services.kv_indexer.snapshot import state_to_chunks
+from services.kv_indexer.verifier import Verifier
 
 log = get_logger("kv_indexer")
 
@@ -119,6 +125,7 @@ class IndexerService:
         tick_s: float = 0.1,
         durable: str | None = None,
         ack_every: int = 512,  # ack-all every this many messages (and at each burst end)
+        verify_cpu_share: float = 0.01,  # background verifier's share of a core (0: off)
         ha_id: str | None = None,  # join the namespace's HA group (services/kv_indexer/lease.py)
         lease_ttl_s: float = 1.5,
     ) -> None:
@@ -166,6 +173,15 @@ class IndexerService:
         self._since_ack = 0
         self._burst_scheduled = False
         self._burst_t0: float | None = None
+        self._bus_down = False
+        self.verify_cpu_share = verify_cpu_share
+        self.verifier = Verifier(
+            bus,
+            self.core,
+            self._resync,
+            cpu_share=verify_cpu_share or 0.01,
+            chunk_timeout_s=dump_timeout_s,
+        )
 
     # ------------------------------------------------------------------ bad input
     def _on_bad(self, reason: str, worker: str | None, detail: str) -> None:
@@ -189,6 +205,11 @@ class IndexerService:
         self._subs.append(await nc.subscribe(s.heartbeat_all, cb=self._on_heartbeat))
         self._subs.append(await nc.subscribe(s.kv_index_snapshot, cb=self._on_snapshot))
         self._subs.append(await nc.subscribe(s.kv_query, cb=self._on_query))
+        self._subs.append(
+            await self.bus.serve(s.kv_index_verify, IndexVerifyRequest, self.verifier.verify)
+        )
+        if self.verify_cpu_share > 0:
+            self._tasks.append(asyncio.create_task(self.verifier.run(), name="indexer-verify"))
         self._tasks.append(asyncio.create_task(self._consume(), name="indexer-consume"))
         self._tasks.append(asyncio.create_task(self._ticker(), name="indexer-tick"))
         if self.lease is not None:
@@ -353,13 +374,11 @@ class IndexerService:
 
     async def _do_resync(self, worker: str) -> None:
         try:
-            dump = await self.bus.request(
-                self.bus.subjects.kv_dump(worker),
-                KvDumpRequest(worker_id=worker, reason="gap"),
-                KvEventBatch,
-                timeout=self.dump_timeout_s,
+            fetched = await fetch_kvdump(
+                self.bus, worker, reason="gap", chunk_timeout_s=self.dump_timeout_s
             )
-        except (TimeoutError, SchemaError, Exception) as exc:
+            dump = fetched.batch
+        except Exception as exc:  # timeout, refused, incomplete: retried with backoff
             RESYNCS.labels("failed").inc()
             if self._log.allow(("resync", worker)):
                 log.warning("resync failed", worker_id=worker, error=str(exc) or repr(exc))
@@ -367,7 +386,15 @@ class IndexerService:
             self._flush()
             return
         RESYNCS.labels("ok").inc()
-        log.info("worker resynced", worker_id=worker, seq=dump.seq, events=len(dump.events))
+        log.info(
+            "worker resynced",
+            worker_id=worker,
+            seq=dump.seq,
+            blocks=fetched.blocks,
+            chunks=fetched.chunks,
+            bytes=fetched.bytes,
+            seconds=round(fetched.seconds, 3),
+        )
         self._resync(self.core.dump_received(worker, dump))
         self._flush()
 
@@ -376,7 +403,14 @@ class IndexerService:
         while True:
             await asyncio.sleep(self.tick_s)
             try:
-                self._resync(self.core.tick(time.monotonic()))
+                now = time.monotonic()
+                if not self.bus.is_connected:
+                    self._bus_down = True
+                    self.core.keep_alive(now)  # no heartbeat can arrive: nobody expires
+                elif self._bus_down:
+                    self._bus_down = False
+                    self.core.bus_restored(now)
+                self._resync(self.core.tick(now))
                 self.core.index.maintain(65_536)
                 self._flush()
                 self._update_gauges()
@@ -463,6 +497,7 @@ class IndexerService:
                     "max_blocks": self.core.index.max_blocks,
                     "evicted_pairs": self.core.index.evicted_pairs,
                     "counts": dict(self.core.counts),
+                    "verify": self.verifier.status(),
                 }
             )
 

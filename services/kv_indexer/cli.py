@@ -65,8 +65,15 @@ OPTIONS = S.COMMON + (
     S.option(
         "dump_timeout",
         5.0,
-        "seconds to wait for a worker's full dump when resyncing it",
+        "seconds to wait for each chunk of a worker's full dump when resyncing it",
         env="KVGATE_INDEXER_DUMP_TIMEOUT",
+    ),
+    S.option(
+        "verify_cpu_share",
+        0.01,
+        "share of one core the background index-vs-worker check may use (0 = off; it checks "
+        "one worker at a time and repairs what diverges)",
+        env="KVGATE_INDEXER_VERIFY_CPU_SHARE",
     ),
 )
 
@@ -90,6 +97,7 @@ async def serve(st, stop: asyncio.Event) -> None:
         hash_seed=st.hash_seed,
         default_block_size=st.block_size,
         dump_timeout_s=st.dump_timeout,
+        verify_cpu_share=st.verify_cpu_share,
         ha_id=st.ha_id or None,
         lease_ttl_s=st.lease_ttl,
     )

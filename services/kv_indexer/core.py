@@ -13,8 +13,17 @@ Invariants:
   the dump's seq are applied). A heartbeat ``kv_seq`` ahead of the applied seq for longer
   than ``tail_grace_s`` is a tail gap and is resynchronised the same way.
 - A worker is known only through heartbeats. Its blocks go when its heartbeats stop for
-  ``heartbeat_timeout_s``, when it sends AllBlocksCleared, and when a new ``instance_id``
-  (a restart) appears. Batches of unknown workers or of superseded instances are dropped.
+  ``heartbeat_timeout_s`` (the clock of that timeout stands still while the shell reports
+  the bus down, :meth:`keep_alive`: no heartbeat can arrive then), when it sends
+  AllBlocksCleared, and when a new ``instance_id`` (a restart) appears. Batches of unknown
+  workers or of superseded instances are dropped.
+- A resync replaces a worker's blocks by its dump through the *difference* (removed, then
+  stored pairs), never a clear: replicas never see the worker empty in between, and a dump
+  that agrees with the index costs no delta at all.
+- Verification (:meth:`verify_begin` / :meth:`verify_check`) compares the index with a dump
+  taken at batch seq S only once the worker's batches up to S are applied, replaying onto
+  the dump the batches applied after S; anything that replaces the worker's state meanwhile
+  (resync, restart, best-effort apply after a failed dump) makes the check inconclusive.
 - Bad input is counted per reason (``on_bad(reason, worker, detail)``) and never applied
   partially in a way that breaks the invariants above; nothing here raises on bad input.
 """
@@ -42,10 +51,19 @@ from services.common.schemas import (
     KvQuery,
     KvQueryMatch,
     KvQueryReply,
+    WorkerDivergence,
     WorkerHeartbeat,
 )
 from services.core.index import PrefixIndex
 from services.core.keys import block_keys, block_seed
+from services.kv_indexer.divergence import (
+    apply_events,
+    diff_gpu_keys,
+    diff_pairs,
+    gpu_dump_keys,
+    gpu_replay,
+    repair_steps,
+)
 
 BAD_REASONS = (
     "malformed_msgpack",
@@ -109,6 +127,9 @@ class WorkerState:
     batches: int = 0
     resyncs: int = 0
     gaps: int = 0
+    # verification in progress: batches applied since it began (None: none running)
+    verify_log: list[KvEventBatch] | None = None
+    verify_aborted: str = ""
 
 
 def _noop_bad(reason: str, worker: str | None, detail: str) -> None:
@@ -137,6 +158,7 @@ class IndexerCore:
         self.ops: list[IndexOp] = []
         self.counts: collections.Counter[str] = collections.Counter()
         self.now = 0.0  # latest clock reading seen (heartbeat / tick)
+        self.eager_until = float("-inf")  # see bus_restored
 
     # ------------------------------------------------------------------ helpers
     def bad(self, reason: str, worker: str | None, detail: str) -> None:
@@ -151,8 +173,13 @@ class IndexerCore:
         self.index.clear_worker(ws.worker_id)
         self.ops.append(IndexCleared(worker_id=ws.worker_id))
 
+    def _abort_verify(self, ws: WorkerState, why: str) -> None:
+        if ws.verify_log is not None and not ws.verify_aborted:
+            ws.verify_aborted = why
+
     def _restart(self, ws: WorkerState, instance_id: str) -> None:
         """A new instance: the old one's blocks are gone and its seq numbering with it."""
+        self._abort_verify(ws, "the worker restarted")
         self._clear(ws)
         ws.old_instances.append(ws.instance_id)
         ws.instance_id = instance_id
@@ -174,8 +201,22 @@ class IndexerCore:
         return [ws.worker_id]
 
     # ------------------------------------------------------------------ heartbeats
+    def keep_alive(self, now: float) -> None:
+        """The bus is down, so no heartbeat can arrive: keep every known worker (as the
+        routers do) and forget tail gaps (a heartbeat will tell again when the bus is back)."""
+        self.now = max(self.now, now)
+        for ws in self.workers.values():
+            ws.last_hb = max(ws.last_hb, now)  # a full timeout from the bus coming back
+            ws.tail_gap_since = None
+
+    def bus_restored(self, now: float) -> None:
+        """The bus is back: batches published meanwhile are lost, so for the next heartbeat
+        timeout a heartbeat ahead of the applied seq resyncs at once (no tail grace)."""
+        self.eager_until = now + self.heartbeat_timeout_s
+
     def heartbeat(self, hb: WorkerHeartbeat, now: float) -> list[str]:
-        """Register / refresh a worker. Returns workers to resynchronise (none here)."""
+        """Register / refresh a worker. Returns workers to resynchronise (right after the bus
+        came back: those whose heartbeat says batches were lost)."""
         self.now = max(self.now, now)
         ws = self.workers.get(hb.worker_id)
         if ws is None:
@@ -190,6 +231,9 @@ class IndexerCore:
         ws.hb_kv_seq = hb.kv_seq
         ws.block_size = hb.capacity.block_size
         ws.url, ws.model, ws.engine, ws.state = hb.url, hb.model, hb.engine, hb.state
+        if now < self.eager_until and hb.kv_seq > ws.last_seq and ws.retry_at is None:
+            ws.gaps += 1
+            return self._start_resync(ws, "reconnect")
         return []
 
     def tick(self, now: float) -> list[str]:
@@ -245,7 +289,32 @@ class IndexerCore:
             return self._start_resync(ws, "seq_gap")
         self._apply(ws, batch)
         ws.last_seq = batch.seq
+        if ws.verify_log is not None:
+            ws.verify_log.append(batch)
         return []
+
+    def _store(self, w: str, keys: list[int], tier: Any) -> None:
+        index = self.index
+        index.apply_stored(w, keys, tier)
+        self.ops.append(IndexStored(worker_id=w, keys=keys, tier=tier))
+        if index.evicted:
+            self.ops.append(IndexEvicted(keys=index.take_evicted()))
+
+    def _accepts(self, ws: WorkerState, count: bool = True) -> Callable[[BlockStored], bool]:
+        """The rule ``_apply`` stores by (the worker's block size), for dumps and checks."""
+
+        def accept(ev: BlockStored) -> bool:
+            if ws.block_size is not None and ev.block_size != ws.block_size:
+                if count:
+                    self.bad(
+                        "block_size_mismatch",
+                        ws.worker_id,
+                        f"event block_size {ev.block_size} != worker's {ws.block_size}",
+                    )
+                return False
+            return True
+
+        return accept
 
     def _apply(self, ws: WorkerState, batch: KvEventBatch) -> None:
         w = ws.worker_id
@@ -291,8 +360,8 @@ class IndexerCore:
             if dump.instance_id in ws.old_instances:
                 return self.dump_failed(worker_id, None)
             self._restart(ws, dump.instance_id)
-        self._clear(ws)
-        self._apply(ws, dump)
+        self._abort_verify(ws, "the worker was resynced")
+        self._replace(ws, dump)
         ws.last_seq = dump.seq
         ws.resyncs += 1
         ws.retry_backoff_s = 1.0
@@ -304,6 +373,26 @@ class IndexerCore:
                 out += self.batch(b)
         return out
 
+    def _replace(self, ws: WorkerState, dump: KvEventBatch) -> int:
+        """Make the worker's pairs those of ``dump`` by their difference; returns the pairs
+        that changed."""
+        w = ws.worker_id
+        accept = self._accepts(ws)
+        fast = gpu_dump_keys(dump.events, accept)
+        actual = self.index.gpu_keys_of(w) if fast is not None else None
+        if fast is not None and actual is not None:
+            diff = diff_gpu_keys(fast, actual)
+        else:
+            diff = diff_pairs(apply_events({}, dump.events, accept), self.index.pairs_of(w))
+        for kind, tier, keys in repair_steps(diff):
+            if kind == "removed":
+                self.index.apply_removed(w, keys, tier)
+                self.ops.append(IndexRemoved(worker_id=w, keys=keys, tier=tier))  # type: ignore[arg-type]
+            else:
+                self._store(w, keys, tier)
+        ws.batches += 1
+        return diff.blocks
+
     def dump_failed(self, worker_id: str, now: float | None) -> list[str]:
         """No dump came: apply what was held (best effort), retry later with backoff."""
         ws = self.workers.get(worker_id)
@@ -311,6 +400,8 @@ class IndexerCore:
             return []
         ws.resyncing = False
         self.counts["resync_failures"] += 1
+        if ws.pending:
+            self._abort_verify(ws, "batches applied past a gap")
         for b in sorted(ws.pending, key=lambda b: b.seq):
             if b.instance_id == ws.instance_id and b.seq > ws.last_seq:
                 self._apply(ws, b)
@@ -319,6 +410,88 @@ class IndexerCore:
         ws.retry_at = (self.now if now is None else now) + ws.retry_backoff_s
         ws.retry_backoff_s = min(ws.retry_backoff_s * 2, 30.0)
         return []
+
+    # ------------------------------------------------------------------ verification
+    def verify_begin(self, worker_id: str) -> bool:
+        """Start recording the worker's applied batches (before asking it for a dump)."""
+        ws = self.workers.get(worker_id)
+        if ws is None:
+            return False
+        ws.verify_log = []
+        ws.verify_aborted = ""
+        return True
+
+    def verify_end(self, worker_id: str) -> None:
+        ws = self.workers.get(worker_id)
+        if ws is not None:
+            ws.verify_log = None
+            ws.verify_aborted = ""
+
+    def verify_check(
+        self, worker_id: str, dump: KvEventBatch, max_sample: int = 10
+    ) -> WorkerDivergence | None:
+        """The index against ``dump`` (taken after verify_begin), or None when the index has
+        not yet applied the worker's batches up to the dump's seq (check again later)."""
+
+        def inconclusive(why: str) -> WorkerDivergence:
+            return WorkerDivergence(
+                worker_id=worker_id, status="inconclusive", kv_seq=dump.seq, detail=why
+            )
+
+        ws = self.workers.get(worker_id)
+        if ws is None or ws.verify_log is None:
+            return inconclusive("the worker is no longer registered")
+        if dump.instance_id != ws.instance_id:
+            return inconclusive("the dump is of another instance of the worker")
+        if ws.verify_aborted:
+            return inconclusive(ws.verify_aborted)
+        if ws.resyncing:
+            return inconclusive("a resync is in progress")
+        if ws.last_seq < dump.seq:
+            return None
+        accept = self._accepts(ws, count=False)
+        later: list[Any] = []
+        want = dump.seq + 1
+        for b in ws.verify_log:
+            if b.seq <= dump.seq:
+                continue
+            if b.seq != want:
+                return inconclusive(f"batch {want} was not applied in order")
+            later.extend(b.events)
+            want += 1
+        if want != ws.last_seq + 1:
+            return inconclusive("batches applied after the dump were not all recorded")
+        fast = gpu_dump_keys(dump.events, accept)
+        if fast is not None:
+            fast = gpu_replay(fast, later, accept)
+        actual_keys = self.index.gpu_keys_of(worker_id) if fast is not None else None
+        if fast is not None and actual_keys is not None:
+            diff = diff_gpu_keys(fast, actual_keys)
+            worker_blocks, index_blocks = len(fast), len(actual_keys)
+        else:
+            expected = apply_events(apply_events({}, dump.events, accept), later, accept)
+            actual = self.index.pairs_of(worker_id)
+            diff = diff_pairs(expected, actual)
+            worker_blocks, index_blocks = len(expected), len(actual)
+        return WorkerDivergence(
+            worker_id=worker_id,
+            status="divergent" if diff.blocks else "equal",
+            kv_seq=dump.seq,
+            worker_blocks=worker_blocks,
+            index_blocks=index_blocks,
+            missing=len(diff.missing),
+            extra=len(diff.extra),
+            missing_sample=list(diff.missing)[:max_sample],
+            extra_sample=list(diff.extra)[:max_sample],
+        )
+
+    def request_repair(self, worker_id: str) -> list[str]:
+        """Resync a worker the verification found divergent."""
+        ws = self.workers.get(worker_id)
+        if ws is None:
+            return []
+        self.counts["verify_repairs"] += 1
+        return self._start_resync(ws, "verify")
 
     # ------------------------------------------------------------------ queries
     def query(self, q: KvQuery) -> KvQueryReply:

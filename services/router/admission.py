@@ -46,11 +46,26 @@ class Admission:
             while True:
                 td = time.perf_counter()
                 d, ctx.overlaps = self.decider.decide_for(
-                    ctx.parsed, ctx.request_id, ctx.session_id, ctx.arm.policy, ctx.excluded
+                    ctx.parsed,
+                    ctx.request_id,
+                    ctx.session_id,
+                    ctx.arm.policy,
+                    ctx.excluded,
+                    ctx.slo,
                 )
                 M.DECISION.observe(time.perf_counter() - td)
                 if d.worker_id is not None:
                     return d
+                if d.shed:  # the policy predicts no worker meets the request's SLO
+                    ctx.shed = True
+                    return reject(
+                        ctx,
+                        429,
+                        d.reason,
+                        "rate_limit_error",
+                        "rejected",
+                        {"Retry-After": str(self.st.retry_after)},
+                    )
                 if d.never_fits:
                     return reject(ctx, 400, d.never_fits, "invalid_request_error", "rejected")
                 if not d.wait:

@@ -15,6 +15,7 @@ from typing import Any
 from services.core.cluster import ClusterState
 from services.core.lifecycle import RequestLifecycle
 from services.core.policy import Decision, Policy, RequestInfo
+from services.router.slo import NO_TARGETS, SloTargets
 from services.router.tokenize import Parsed, RequestParser
 
 
@@ -63,6 +64,7 @@ class Decider:
         session_id: str | None,
         policy: Policy,
         excluded: set[str],
+        slo_targets: SloTargets = NO_TARGETS,
     ) -> tuple[Decision, dict[str, int]]:
         states = self.state.states
         if excluded:
@@ -82,6 +84,8 @@ class Decider:
             max_tokens=parsed.max_tokens,
             block_keys=keys,
             session_id=session_id,
+            slo_ttft_s=slo_targets.ttft_s,
+            slo_tpot_s=slo_targets.tpot_s,
         )
         now = time.monotonic()  # the policy's clock (prefill progress), as in first_token
         return self.lifecycle.decide(policy, req, overlaps, now, excluded), overlaps

@@ -1,6 +1,6 @@
 """The router's local copy of the global prefix index.
 
-Prefers :class:`services.kv_indexer.replica.IndexReplica` (snapshot + ordered deltas from the
+Prefers :class:`services.common.index_replica.IndexReplica` (snapshot + ordered deltas from the
 indexer). Until that exists in this build, :class:`DirectFeed` keeps a :class:`PrefixIndex`
 from the workers' KV events (core subscription to ``kv.events.*``): correct for events seen
 after the router started, and self-healing as caches churn.
@@ -58,7 +58,7 @@ class DirectFeed:
 def make_index_source(bus: Bus) -> Any:
     """IndexReplica when the indexer package provides it, else DirectFeed."""
     try:
-        from services.kv_indexer.replica import IndexReplica  # type: ignore[import-not-found]
+        from services.common.index_replica import IndexReplica  # type: ignore[import-not-found]
     except ImportError:
         return DirectFeed(bus)
     return IndexReplica(bus)

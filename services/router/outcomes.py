@@ -20,6 +20,7 @@ from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import RouterOutcome, encode
 from services.router import metrics as M
+from services.router import slo
 from services.router.metrics import OUTCOMES_DROPPED
 from services.router.proxy import Ctx
 
@@ -98,6 +99,18 @@ class OutcomeRecorder:
         e2e = time.perf_counter() - ctx.t0
         pol = ctx.arm.policy.name
         M.child(M.REQUESTS, pol, ctx.worker_id or "none", ctx.status).inc()
+        slo.record(
+            pol,
+            slo.result(
+                ctx.slo,
+                ctx.arm.policy.params,
+                ctx.status,
+                ctx.ttft,
+                e2e,
+                ctx.completion_tokens,
+                ctx.shed,
+            ),
+        )
         M.child(M.ARM_REQUESTS, ctx.arm.name, ctx.status).inc()
         if ctx.status == "ok":
             if self.outliers is not None:

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from services.router import sse
 from services.router.canary import Arm
+from services.router.slo import NO_TARGETS, SloTargets
 from services.router.tokenize import Parsed
 
 SESSION_HEADERS = ("x-session-id", "x-kvgate-session")
@@ -73,6 +74,8 @@ class Ctx:
     client_wants_usage: bool = False
     out: web.StreamResponse | None = None
     overlaps: dict[str, int] = field(default_factory=dict)  # of the last decision
+    slo: SloTargets = NO_TARGETS  # x-slo-* headers (services/router/slo.py)
+    shed: bool = False  # the policy refused it (no worker meets its SLO): 429
     sent_at: float = 0.0  # monotonic time the current worker was sent the request (breaker)
     carried_tokens: int = 0  # tokens generated before the last migration (usage)
 

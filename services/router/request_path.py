@@ -20,6 +20,7 @@ from aiohttp import web
 
 from services.common.logging import get_logger
 from services.router import metrics as M
+from services.router import slo
 from services.router.admission import Admission
 from services.router.canary import PolicySet
 from services.router.circuits import Circuits
@@ -64,9 +65,14 @@ class RequestPath:
             )
         except BadRequest as exc:
             return error_response(400, str(exc), "invalid_request_error", param=exc.param)
+        try:
+            targets = slo.parse(request.headers)
+        except slo.BadSloHeader as exc:
+            return error_response(400, str(exc), "invalid_request_error", param=exc.header)
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         session_id = session_of(request)
         ctx = Ctx(rid, parsed, self.policies.arm(rid, session_id), session_id, t0, request.path)
+        ctx.slo = targets
         so = parsed.body.get("stream_options")
         ctx.client_wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
         M.INFLIGHT.inc()

@@ -12,13 +12,13 @@ Invariants:
 - KV batch ``seq`` increases by exactly one per batch per ``instance_id``, starting at 0 with an
   ``AllBlocksCleared`` batch (a restarted worker starts empty); a batch dropped by a fault still
   uses its seq; heartbeats carry ``kv_seq`` = the last seq handled (published or dropped);
-- a kvdump reply carries the latest assigned seq (it does not advance it) and the full cache.
+- a kvdump (services.common.kvdump, chunked: any cache size) carries the latest assigned seq
+  (it does not advance it) and the full cache as of that seq.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
+from services.common.kvdump import KvDumpServer
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
     AllBlocksCleared,
@@ -122,7 +123,7 @@ class SimWorker:
         self.alive = False
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self._dump_sub: Any = None
+        self._dump_sub: KvDumpServer | None = None  # answers kvdump requests (chunked)
         self._restart_task: asyncio.Task[None] | None = None
         self._crash_task: asyncio.Task[None] | None = None
         self._drop_log = RateLimiter(30.0)
@@ -182,15 +183,14 @@ class SimWorker:
             return
         if not self.alive:
             return
-        self._dump_sub = await self.bus.serve(
-            self.bus.subjects.kv_dump(self.worker_id), KvDumpRequest, self._on_kvdump
-        )
+        dumps = KvDumpServer(self.bus, self.worker_id, self._on_kvdump)
+        await dumps.start()
+        self._dump_sub = dumps
 
     async def stop(self) -> None:
         self.alive = False
         if self._dump_sub is not None:
-            with contextlib.suppress(Exception):
-                await self._dump_sub.unsubscribe()
+            await self._dump_sub.stop()
             self._dump_sub = None
         await cancel_and_wait(self._tasks)
         self._tasks = []
@@ -366,13 +366,7 @@ class SimWorker:
 
     async def _on_kvdump(self, req: KvDumpRequest) -> KvEventBatch:
         events: list[KvEvent] = [AllBlocksCleared()]
-        events.extend(self.engine.dump_cache())
-        log.info(
-            "kv dump",
-            worker=self.worker_id,
-            reason=req.reason,
-            blocks=self.engine.num_cached_blocks,
-        )
+        events.extend(self.engine.dump_cache())  # KvDumpServer logs the dump
         return KvEventBatch(
             worker_id=self.worker_id,
             instance_id=self.instance_id,

@@ -58,6 +58,9 @@ class PolicyState:
     # request the current one should wait for (its first token) and for how long at most
     after: str | None = None
     hold_s: float = 0.0
+    # set by ``costs`` to refuse the current request (why): :func:`decide` returns a shed
+    # decision instead of a pick
+    shed: str | None = None
 
 
 class PolicyImpl:
@@ -71,6 +74,13 @@ class PolicyImpl:
     def __init__(self, params: dict[str, Any]) -> None:
         self.p = params
         self.max_inflight: int | None = params.get("max_inflight")
+
+    def wants_block_keys(self) -> bool:
+        """Does this policy need the prompt's whole block-key chain (``RequestInfo.block_keys``)?
+        Policies that remember where they sent a prefix do (``routed_ttl`` > 0, or their own
+        routed-prompt tree); hashing the whole chain costs the live router a pass over the
+        prompt, so the others get none."""
+        return bool(self.p.get("routed_ttl"))
 
     def cap(self, w: WorkerState) -> int:
         c = w.capacity.max_num_seqs
@@ -183,7 +193,14 @@ def decide(
     state.now = snapshot.now
     state.replicate_to = ()
     state.after = None
+    state.shed = None
     costs = impl.costs(request, cands, overlaps, state)
+    if state.shed is not None:
+        reason, state.shed = state.shed, None
+        state.replicate_to = ()
+        return Decision(
+            None, scores=costs, reason=reason, filtered=filtered, policy=policy.name, shed=True
+        )
     wid = impl.pick(costs, state)
     replicas = tuple(w for w in state.replicate_to if w != wid)
     after, hold_s = state.after, state.hold_s

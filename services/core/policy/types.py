@@ -72,6 +72,10 @@ class RequestInfo:
     max_tokens: int = 16
     block_keys: tuple[int, ...] = ()
     session_id: str | None = None
+    # per-request latency targets (headers x-slo-ttft-ms / x-slo-tpot-ms); None: the policy's
+    # defaults. Only SLO-aware policies read them.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -108,6 +112,9 @@ class Decision:
     # a prefix twice when two requests for it start in the same step.
     after: str | None = None
     hold_s: float = 0.0
+    # shed: the policy refuses the request (no worker can meet its SLO and the policy sheds);
+    # the caller answers 429 without queueing it. ``worker_id`` is None.
+    shed: bool = False
 
 
 def replica_id(request_id: str, worker_id: str) -> str:

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
+from services.common.kvdump import KvDumpServer
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
     AllBlocksCleared,
@@ -158,7 +159,7 @@ class BridgeRuntime:
         self._session: aiohttp.ClientSession | None = None
         self._queue: asyncio.Queue[KvEventBatch] = asyncio.Queue()
         self._tasks: list[asyncio.Task[Any]] = []
-        self._sub: Any = None
+        self._sub: KvDumpServer | None = None
         self.dumps_served = 0
 
     # ------------------------------------------------------------------ bad input
@@ -191,9 +192,8 @@ class BridgeRuntime:
     async def start(self) -> None:
         await ensure_kv_events_stream(self.bus)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
-        self._sub = await self.bus.serve(
-            self.bus.subjects.kv_dump(self.worker_id), KvDumpRequest, self._on_dump
-        )
+        self._sub = KvDumpServer(self.bus, self.worker_id, self._on_dump)  # chunked dumps
+        await self._sub.start()
         self.emit([AllBlocksCleared()])  # seq 0: this instance starts empty (dumps need a seq)
         self._tasks.append(asyncio.create_task(self._publisher(), name="bridge-publish"))
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="bridge-heartbeat"))
@@ -203,8 +203,7 @@ class BridgeRuntime:
             await asyncio.wait_for(self._queue.join(), timeout=2.0)
         await cancel_and_wait(self._tasks)
         if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+            await self._sub.stop()
         if self._session is not None:
             await self._session.close()
 

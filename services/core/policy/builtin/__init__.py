@@ -5,13 +5,17 @@ subclass decorated with ``@register`` and import it below.
 """
 
 from services.core.policy.builtin import (  # noqa: F401
+    dynamo_kv,
     gpu_aware,
     kv_aware,
     kv_load,
     least_request,
+    llmd,
     power_of_two,
     prefix,
     random_pick,
     round_robin,
+    sglang_cache_aware,
+    slo_aware,
     weighted,
 )

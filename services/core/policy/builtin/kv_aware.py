@@ -244,6 +244,9 @@ class PrefillClock:
     fifo: dict[str, deque] = field(default_factory=dict)
     own: dict[str, int] = field(default_factory=dict)
     last_done: dict[str, float] = field(default_factory=dict)
+    # when a list: every sample taken is appended as (worker, computed tokens, seconds), for a
+    # caller that calibrates its own model from them (``slo_aware``)
+    samples: list | None = None
 
     MAX_ENTRIES = 512  # per worker: a bound if first tokens are never observed
 
@@ -286,6 +289,8 @@ class PrefillClock:
             self.dur_sum = self.decay * self.dur_sum + (done - start)
             self.tok_sum = self.decay * self.tok_sum + compute
             self.spt = self.dur_sum / self.tok_sum
+            if self.samples is not None:
+                self.samples.append((wid, compute, done - start))
 
     def queued(self, w: WorkerState, now: float) -> float:
         """The worker's queued prefill in computed tokens: what other routers queued (its
@@ -548,9 +553,6 @@ class KvAware(PolicyImpl):
         state: PolicyState,
     ) -> dict[str, float]:
         p = self.p
-        dw = p["decode_weight"]
-        kw = p["kv_pressure_weight"]
-        uw = p["uncached_weight"]
         prompt = req.prompt_tokens
         now = state.now
         # the hot-prefix rule looks at the index (workers that hold the prefix *now*); the costs
@@ -658,5 +660,25 @@ class KvAware(PolicyImpl):
                 usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
             else:
                 usage = w.kv_usage or 0.0
-            out[wid] = queued + uw * uncached + dw * w.inflight + kw * usage - 1e-4 * age
+            out[wid] = self._worker_cost(req, w, queued, uncached, usage, state) - 1e-4 * age
         return out
+
+    def _worker_cost(
+        self,
+        req: RequestInfo,
+        w: WorkerState,
+        queued: float,
+        uncached: int,
+        usage: float,
+        state: PolicyState,
+    ) -> float:
+        """The cost of sending ``req`` to ``w`` (before the tie-break by queue age), given
+        its queued prefill and this prompt's uncached tokens there as the rules above count
+        them. ``slo_aware`` replaces this with its latency model."""
+        p = self.p
+        return (
+            queued
+            + p["uncached_weight"] * uncached
+            + p["decode_weight"] * w.inflight
+            + p["kv_pressure_weight"] * usage
+        )

@@ -42,7 +42,7 @@ from services.common.schemas import (
 )
 from services.core import cindex
 from services.core.index import PrefixIndex
-from services.kv_indexer.snapshot import chunks_to_state
+from services.core.snapshot import chunks_to_state
 
 log = get_logger("kv_replica")
 

@@ -1,0 +1,226 @@
+"""``slo_aware``: minimise predicted TTFT + TPOT-weighted decode cost subject to per-request SLOs.
+
+For each candidate worker the per-worker latency model (:mod:`services.core.latency`) predicts,
+from the worker's queue (prompt tokens still to compute there, sequences decoding, the KV they
+read: decoding x the running mean context of recent requests) and this request's uncached
+tokens and expected output (``max_tokens``): ``ttft``, ``tpot``, ``prefill`` (its own compute)
+and ``imposed``, the extra time each request already decoding there waits because of this one.
+The cost, in seconds, is
+
+    cost(w) = ttft(w) + output x tpot(w)                 # this request's own e2e time
+            + imposed_weight x decoding(w) x imposed(w)   # added to everyone decoding there
+            + compute_weight x prefill(w)                 # its compute, for whoever queues behind
+
+(``imposed_weight`` and ``compute_weight`` 1: the total latency added, to a first order).
+Among the workers predicted to meet the
+request's targets (``ttft <= slo_ttft`` and ``tpot <= slo_tpot``; per request from the
+``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` headers, else this policy's defaults) the lowest cost wins
+(``feasible_pick: "headroom"``: the one with the most headroom, ``min(1 - ttft/slo_ttft,
+1 - tpot/slo_tpot)``); when none meets them, the lowest cost overall wins, or, with ``shed``,
+the request is refused (the router answers 429).
+
+Everything else is ``kv_aware``'s machinery, reused as is and each switchable for the ablation:
+the queued prefill comes from its prefill clock (what is left to compute of what this policy
+sent, by elapsed time), matches include routed-prefix memory (``routed_ttl``), followers of a
+prefix still being computed are held (``hold_followers``), and hot prefixes are replicated
+(``replicate``) or spread by its demand rules. ``kv_aware``'s cost weights
+(``uncached_weight``, ``decode_weight``, ``kv_pressure_weight``) are not used.
+
+Calibration: one :class:`~services.core.latency.LatencyModel` per worker, starting from the
+engine model's default step times (``prior``), fitted from the prefill clock's samples
+(computed tokens, seconds to first token, decoders riding along) on the decision path, live
+and in the simulator alike. Only the per-token prefill cost is fitted from those (a duration
+cannot tell the step terms apart); a caller with inter-token times can feed
+``state.extra["slo_models"][worker].observe_step`` for the rest (the router does not yet).
+
+Invariant: like ``kv_aware``, state lives in :class:`PolicyState` (``extra["slo_*"]`` beside
+``kv_aware``'s) and the same inputs give the same decisions.
+"""
+
+from __future__ import annotations
+
+from services.core.latency import LatencyModel, StepCoefficients, WorkerLoad, predict_fast
+from services.core.policy.base import PolicyState, register
+from services.core.policy.builtin.kv_aware import KvAware
+from services.core.policy.types import RequestInfo, WorkerState
+
+CTX_DECAY = 0.02  # weight of each request in the running mean context
+INFEASIBLE = 1e6  # added to the cost of a worker predicted to miss the SLO (seconds)
+
+
+def _ms(desc: str, default: float) -> dict:
+    return {"type": "number", "exclusiveMinimum": 0, "default": default, "description": desc}
+
+
+@register
+class SloAware(KvAware):
+    name = "slo_aware"
+    description = "minimise predicted TTFT + TPOT-weighted decode cost subject to per-request SLOs"
+    PARAMS = {
+        **KvAware.PARAMS,
+        "slo_ttft_ms": _ms("default TTFT target (header x-slo-ttft-ms overrides)", 2000.0),
+        "slo_tpot_ms": _ms("default TPOT target (header x-slo-tpot-ms overrides)", 50.0),
+        "imposed_weight": {
+            "type": "number",
+            "minimum": 0,
+            "default": 1.0,
+            "description": "weight of the delay this request imposes on each request already "
+            "decoding on the worker (1: minimise the total added latency)",
+        },
+        "compute_weight": {
+            "type": "number",
+            "minimum": 0,
+            "default": 1.0,
+            "description": "weight of this request's own prefill compute time, charged for the "
+            "requests that will queue behind it on the worker (and the hits a copy of a prefix "
+            "splits)",
+        },
+        "feasible_pick": {
+            "type": "string",
+            "enum": ["cost", "headroom"],
+            "default": "cost",
+            "description": "among workers predicted to meet the SLO: lowest cost, or most headroom",
+        },
+        "shed": {
+            "type": "boolean",
+            "default": False,
+            "description": "refuse (429) a request no worker is predicted to serve within its "
+            "SLO, instead of sending it to the best worker",
+        },
+        "step_budget": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 8192,
+            "description": "tokens an engine computes per step (its max_num_batched_tokens)",
+        },
+        "prior": {
+            "type": "object",
+            "default": {},
+            "description": "step-time coefficients before any observation (seconds): "
+            "overhead_s, prefill_token_s, prefill_attn_s, decode_seq_s, decode_kv_token_s; "
+            "missing ones are the engine model's defaults",
+            "properties": {
+                k: {"type": "number", "minimum": 0}
+                for k in (
+                    "overhead_s",
+                    "prefill_token_s",
+                    "prefill_attn_s",
+                    "decode_seq_s",
+                    "decode_kv_token_s",
+                )
+            },
+            "additionalProperties": False,
+        },
+    }
+
+    def __init__(self, params: dict) -> None:
+        super().__init__(params)
+        base = StepCoefficients.from_engine()
+        self.prior = StepCoefficients(**{**_as_dict(base), **params["prior"]})
+
+    def model(self, state: PolicyState, wid: str) -> LatencyModel:
+        models: dict[str, LatencyModel] = state.extra.setdefault("slo_models", {})
+        m = models.get(wid)
+        if m is None:
+            m = models[wid] = LatencyModel(prior=self.prior)
+        return m
+
+    def _decoding(self, w: WorkerState, state: PolicyState) -> int:
+        fifo = self._clock(state).fifo.get(w.worker_id)
+        return max(0, w.inflight - (len(fifo) if fifo else 0))
+
+    def costs(
+        self,
+        req: RequestInfo,
+        cands: list[WorkerState],
+        overlaps: dict[str, int],
+        state: PolicyState,
+    ) -> dict[str, float]:
+        # KV tokens a decoding sequence reads per step: the mean context of recent requests
+        # (the engines' used blocks count cached prefixes too, which no decode reads)
+        ctx = req.prompt_tokens + req.max_tokens / 2.0
+        prev = state.extra.get("slo_ctx")
+        state.extra["slo_ctx"] = ctx if prev is None else prev + CTX_DECAY * (ctx - prev)
+        clock = self._clock(state)
+        if clock.samples is None:
+            clock.samples = []  # the clock hands this policy its samples
+        if clock.samples:  # first tokens seen since the last decision calibrate the models
+            by_id = {w.worker_id: w for w in cands}
+            for wid, tokens, dur in clock.samples:
+                w = by_id.get(wid)
+                d = self._decoding(w, state) if w is not None else 0
+                kv = d * state.extra["slo_ctx"]
+                load = WorkerLoad(0.0, d, kv, self.p["step_budget"])
+                self.model(state, wid).observe_prefill(tokens, dur, load)
+            clock.samples.clear()
+        p = self.p
+        ttft_slo = req.slo_ttft_s if req.slo_ttft_s is not None else p["slo_ttft_ms"] / 1000.0
+        tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else p["slo_tpot_ms"] / 1000.0
+        # per worker, the SLO headroom min(1 - ttft/slo_ttft, 1 - tpot/slo_tpot) (>= 0: meets
+        # both), filled by _worker_cost
+        headroom: dict[str, float] = {}
+        state.extra["slo_x"] = (
+            clock.fifo,
+            state.extra.setdefault("slo_models", {}),
+            state.extra["slo_ctx"],
+            req.max_tokens,
+            p["imposed_weight"],
+            p["compute_weight"],
+            1.0 / ttft_slo,
+            1.0 / tpot_slo,
+            headroom,
+        )
+        out = super().costs(req, cands, overlaps, state)
+        missed = [wid for wid, h in headroom.items() if h < 0.0]
+        if len(missed) == len(out):  # nobody meets the SLO: the best overall, or shed
+            if p["shed"]:
+                state.shed = (
+                    f"no worker predicted to meet the SLO (TTFT {ttft_slo * 1000:.0f} ms, "
+                    f"TPOT {tpot_slo * 1000:.0f} ms)"
+                )
+                for k in ("kv_aware_last", "kv_aware_leaders", "kv_aware_dispatch"):
+                    state.extra.pop(k, None)
+            return out
+        if p["feasible_pick"] == "headroom":
+            out = {wid: -h for wid, h in headroom.items()}
+        for wid in missed:
+            out[wid] += INFEASIBLE
+        return out
+
+    def _worker_cost(
+        self,
+        req: RequestInfo,
+        w: WorkerState,
+        queued: float,
+        uncached: int,
+        usage: float,
+        state: PolicyState,
+    ) -> float:
+        wid = w.worker_id
+        # per decision: prefill FIFOs, models, mean context, output, weights, 1 / SLOs,
+        # headroom (filled here)
+        fifos, models, ctx, out, iw, cw, inv_ttft, inv_tpot, headroom = state.extra["slo_x"]
+        fifo = fifos.get(wid)
+        d = w.inflight - len(fifo) if fifo else w.inflight
+        if d < 0:
+            d = 0
+        m = models.get(wid)
+        if m is None:
+            m = self.model(state, wid)
+        ttft, tpot, imposed, prefill_s = predict_fast(
+            m.theta, queued, d, d * ctx, self.p["step_budget"], uncached, req.prompt_tokens, out
+        )
+        h = 1.0 - ttft * inv_ttft
+        h2 = 1.0 - tpot * inv_tpot
+        headroom[wid] = h if h < h2 else h2
+        return ttft + out * tpot + iw * d * imposed + cw * prefill_s
+
+
+def _as_dict(c: StepCoefficients) -> dict[str, float]:
+    return {
+        "overhead_s": c.overhead_s,
+        "prefill_token_s": c.prefill_token_s,
+        "prefill_attn_s": c.prefill_attn_s,
+        "decode_seq_s": c.decode_seq_s,
+        "decode_kv_token_s": c.decode_kv_token_s,
+    }

@@ -1,0 +1,52 @@
+"""An approximate prefix tree built from routed prompts, as sglang-router's cache_aware and
+llm-d's (approximate) prefix-cache scorer keep one: a prompt is inserted into the chosen
+worker's tree when it is routed, before the engine has computed it; KV events are not used.
+
+Keyed by the request's block keys (a prefix tree at block granularity: a chain of block keys
+determines its prefix, so a key -> workers map is the tree). Bounded: the newest ``max_blocks``
+keys are kept (re-inserting a key makes it newest).
+
+Invariant: ``keys[k]`` is the set of workers whose tree holds block key ``k``, in insertion
+order of ``k``; ``size[w]`` counts the prompt tokens worker ``w``'s tree gained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RoutedTree:
+    max_blocks: int
+    keys: dict[int, dict[str, None]] = field(default_factory=dict)
+    size: dict[str, int] = field(default_factory=dict)
+
+    def match(self, block_keys: tuple[int, ...], workers: set[str]) -> dict[str, int]:
+        """Matched leading blocks per worker (workers with none are absent)."""
+        out: dict[str, int] = {}
+        alive = workers
+        depth = 0
+        tree = self.keys
+        for k in block_keys:
+            holders = tree.get(k)
+            if not holders:
+                break
+            alive = {w for w in alive if w in holders}
+            if not alive:
+                break
+            depth += 1
+            for w in alive:
+                out[w] = depth
+        return out
+
+    def insert(self, worker: str, block_keys: tuple[int, ...], new_tokens: int) -> None:
+        tree = self.keys
+        for k in block_keys:
+            holders = tree.pop(k, None)
+            if holders is None:
+                holders = {}
+            holders[worker] = None
+            tree[k] = holders
+        while len(tree) > self.max_blocks:
+            del tree[next(iter(tree))]
+        self.size[worker] = self.size.get(worker, 0) + new_tokens

@@ -1,0 +1,184 @@
+"""The indexer's convergence checker: its index against each worker's own dump.
+
+Runs inside the indexer, because only there can a dump taken at the worker's batch seq S be
+compared with the index exactly as of S (IndexerCore.verify_check replays the batches the
+index applied after S onto the dump). Two users:
+
+- ``kv.index.verify`` (IndexVerifyRequest -> IndexVerifyReply): ``kvgate index verify``
+  asks for every (or some) worker and prints the difference per worker;
+- a background loop that checks one worker at a time, round robin, repairs (resyncs) a
+  divergent worker and sets ``kvgate_index_divergent_blocks{worker}``. It paces itself to
+  ``cpu_share`` of one core: after a check that cost c CPU seconds it waits c / cpu_share
+  (at least ``min_interval_s``), so a 1 M-block worker is checked about once a minute and a
+  small fleet every few seconds.
+
+Invariant: a check is conclusive only when made at an exact seq (see core); inconclusive and
+unreachable checks are counted, never reported as divergence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from services.common.bus import Bus
+from services.common.kvdump import fetch_kvdump
+from services.common.logging import RateLimiter, get_logger
+from services.common.schemas import IndexVerifyReply, IndexVerifyRequest, WorkerDivergence
+from services.kv_indexer.core import IndexerCore
+
+log = get_logger("kv_verifier")
+
+DIVERGENT = Gauge(
+    "kvgate_index_divergent_blocks",
+    "Pairs (key, tier) where the index differs from the worker's own dump at its last check",
+    ["worker"],
+)
+CHECKS = Counter("kvgate_index_verify_checks_total", "Index-vs-dump checks, by result", ["result"])
+REPAIRS = Counter(
+    "kvgate_index_verify_repairs_total", "Workers resynced because a check found divergence"
+)
+CPU = Counter(
+    "kvgate_index_verify_cpu_seconds_total", "Indexer CPU time spent checking (upper bound)"
+)
+
+
+class Verifier:
+    def __init__(
+        self,
+        bus: Bus,
+        core: IndexerCore,
+        resync: Callable[[list[str]], None],
+        *,
+        cpu_share: float = 0.01,
+        min_interval_s: float = 1.0,
+        chunk_timeout_s: float = 5.0,
+        settle_s: float = 5.0,
+    ) -> None:
+        if not 0 < cpu_share <= 1:
+            raise ValueError("cpu_share must be in (0, 1]")
+        self.bus = bus
+        self.core = core
+        self.resync = resync
+        self.cpu_share = cpu_share
+        self.min_interval_s = min_interval_s
+        self.chunk_timeout_s = chunk_timeout_s
+        self.settle_s = settle_s
+        self.cpu_s = 0.0
+        self.last: dict[str, WorkerDivergence] = {}
+        self._log = RateLimiter(60.0)
+        self._busy: set[str] = set()
+
+    # ------------------------------------------------------------------ one worker
+    async def check(self, worker: str, *, repair: bool, max_sample: int = 10) -> WorkerDivergence:
+        """Fetch the worker's dump and compare; resync it when divergent and ``repair``."""
+        if worker in self._busy:
+            return WorkerDivergence(
+                worker_id=worker, status="inconclusive", detail="a check is already running"
+            )
+        self._busy.add(worker)
+        cpu0 = time.thread_time()
+        try:
+            result = await self._check(worker, max_sample)
+        finally:
+            self._busy.discard(worker)
+            self.core.verify_end(worker)
+            spent = time.thread_time() - cpu0  # includes other tasks run meanwhile: an upper bound
+            self.cpu_s += spent
+            CPU.inc(spent)
+        CHECKS.labels(result.status).inc()
+        if result.status in ("equal", "divergent"):
+            DIVERGENT.labels(worker).set(result.missing + result.extra)
+            self.last[worker] = result
+        if result.status == "divergent":
+            if self._log.allow(("divergent", worker)):
+                log.warning(
+                    "index diverges from the worker",
+                    worker_id=worker,
+                    missing=result.missing,
+                    extra=result.extra,
+                    kv_seq=result.kv_seq,
+                    repair=repair,
+                )
+            if repair and self.core.request_repair(worker):
+                REPAIRS.inc()
+                result.repaired = True
+                self.resync([worker])
+        return result
+
+    async def _check(self, worker: str, max_sample: int) -> WorkerDivergence:
+        if not self.core.verify_begin(worker):
+            return WorkerDivergence(
+                worker_id=worker, status="unreachable", detail="no such worker registered"
+            )
+        try:
+            fetched = await fetch_kvdump(
+                self.bus, worker, reason="verify", chunk_timeout_s=self.chunk_timeout_s
+            )
+        except Exception as exc:  # no responder, refused, incomplete: nothing to compare
+            return WorkerDivergence(
+                worker_id=worker, status="unreachable", detail=str(exc) or repr(exc)
+            )
+        deadline = time.monotonic() + self.settle_s
+        while True:
+            result = self.core.verify_check(worker, fetched.batch, max_sample)
+            if result is not None:
+                return result
+            if time.monotonic() > deadline:
+                return WorkerDivergence(
+                    worker_id=worker,
+                    status="inconclusive",
+                    kv_seq=fetched.batch.seq,
+                    detail=f"the index did not reach the dump's seq within {self.settle_s}s",
+                )
+            await asyncio.sleep(0.02)  # the worker's batches up to the dump are in flight
+
+    # ------------------------------------------------------------------ many workers
+    async def verify(self, req: IndexVerifyRequest) -> IndexVerifyReply:
+        workers = list(req.workers) or sorted(self.core.workers)
+        limit = asyncio.Semaphore(4)  # a few dumps in memory at once, whatever the fleet size
+
+        async def one(w: str) -> WorkerDivergence:
+            async with limit:
+                return await self.check(w, repair=req.repair, max_sample=req.max_sample)
+
+        results = await asyncio.gather(*(one(w) for w in workers))
+        return IndexVerifyReply(
+            workers=list(results),
+            divergent_blocks=sum(r.missing + r.extra for r in results),
+        )
+
+    async def run(self) -> None:
+        """Background loop: one worker per round, paced to ``cpu_share`` of a core."""
+        turn = 0
+        while True:
+            workers = sorted(self.core.workers)
+            for gone in set(self.last) - set(workers):
+                del self.last[gone]
+                DIVERGENT.remove(gone)
+            if not workers:
+                await asyncio.sleep(self.min_interval_s)
+                continue
+            worker = workers[turn % len(workers)]
+            turn += 1
+            before = self.cpu_s
+            try:
+                await self.check(worker, repair=True)
+            except Exception as exc:  # a bug must not end the loop
+                log.exception("verification failed", worker_id=worker, error=repr(exc))
+            spent = self.cpu_s - before
+            await asyncio.sleep(max(self.min_interval_s, spent / self.cpu_share))
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "cpu_share": self.cpu_share,
+            "cpu_seconds": round(self.cpu_s, 3),
+            "workers": {
+                w: {"status": r.status, "missing": r.missing, "extra": r.extra, "kv_seq": r.kv_seq}
+                for w, r in sorted(self.last.items())
+            },
+        }
