@@ -149,6 +149,11 @@ def test_compiled_index_equals_reference(ops: list, cap: int | None, tiers: bool
             )
             _same(ref2, ref, all_keys, workers)
         _same(got, ref, all_keys, workers)
+    for w in workers[:12]:
+        assert got.pairs_of(w) == ref.pairs_of(w)
+        g, r = got.gpu_keys_of(w), ref.gpu_keys_of(w)
+        if r is not None:
+            assert g is not None and g.tolist() == r.tolist()
     if cap is not None:  # the LRU order is part of the contract when a cap is set
         while ref.maintain(1 << 30):
             pass

@@ -117,6 +117,45 @@ class CPrefixIndex:
         tb = _tier_bit()
         return tuple(t for t in tb if cur & tb[t])
 
+    def _held(self, s: int):
+        """The keys slot ``s`` holds, as a numpy uint64 array (export order)."""
+        import numpy as np
+
+        keys_b, words = self._t.export()
+        keys = np.frombuffer(keys_b, dtype=np.uint64)
+        if s >> 6 >= len(words):
+            return keys[:0]
+        word = np.frombuffer(words[s >> 6], dtype=np.uint64)
+        return keys[(word >> np.uint64(s & 63)) & np.uint64(1) == 1]
+
+    def pairs_of(self, worker: str) -> dict[int, int]:
+        """Every key ``worker`` holds -> its tier bits (gpu=1, cpu=2, disk=4). One pass over
+        the table: for resync diffs and convergence checks, not for the request path."""
+        s = self._slot_of.get(worker)
+        if s is None:
+            return {}
+        held = self._held(s).tolist()
+        tiers = self._tiers
+        if not tiers:
+            return dict.fromkeys(held, 1)
+        sh = 3 * s
+        return {k: (tiers.get(k, 0) >> sh & 7 or 1) for k in held}
+
+    def gpu_keys_of(self, worker: str):
+        """The keys ``worker`` holds as a sorted numpy uint64 array when all are on GPU only;
+        None otherwise (use :meth:`pairs_of`)."""
+        import numpy as np
+
+        s = self._slot_of.get(worker)
+        if s is None:
+            return np.empty(0, dtype=np.uint64)
+        sh = 3 * s
+        if any(t >> sh & 7 for t in self._tiers.values()):
+            return None
+        held = self._held(s).copy()
+        held.sort()
+        return held
+
     def tier_of(self, worker: str, key: int) -> str | None:
         tiers = self.tiers_of(worker, key)
         return tiers[0] if tiers else None
