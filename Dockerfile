@@ -19,8 +19,8 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 
-# A C compiler for the "fast" extra (cykhash, the router index's lookup mirror, ships as
-# source only). Only this stage has it: the runtime stage copies the built environment.
+# A C compiler for the index core's C extension (services/core/_cindex.c, built by setup.py).
+# Only this stage has it: the runtime stage copies the built environment.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -28,11 +28,11 @@ RUN apt-get update \
 
 # Dependencies first (their own layer, rebuilt only when pyproject.toml changes).
 COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['fast']))" > requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies']))" > requirements.txt \
     && pip install --no-cache-dir -r requirements.txt
 
 # Then the project itself (non-editable; migrations ship inside the package).
-COPY README.md ./
+COPY README.md setup.py ./
 COPY services ./services
 COPY migrations ./migrations
 COPY bench ./bench

@@ -48,7 +48,7 @@ DEFAULTS = {"heartbeat_s": 1.0, "tail_check_s": 2.0}
 
 def held(svc, worker: str) -> set[int]:
     idx = svc.core.index
-    return {k for k in idx._masks if idx.holds(worker, k)}
+    return {k for k in idx.keys() if idx.holds(worker, k)}
 
 
 async def restart_lost(module, bus, svc, run: int, batches: int) -> float:

@@ -147,9 +147,7 @@ def simulate(
             worker_id=w, instance_id=w, url=f"sim://{w}", model=opts.model, capacity=capacity
         )
         state.on_heartbeat(hb, 0.0)
-    # no lookup mirror: the simulator applies every engine's KV events (writes dominate: the
-    # mirror made the Mooncake run ~25% slower); answers are the same either way
-    index = PrefixIndex(fast=False)
+    index = PrefixIndex()
     busy: dict[str, bool] = dict.fromkeys(names, False)
     telemetry = opts.telemetry_interval_s > 0
     sampled_at = -1e18

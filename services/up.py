@@ -29,6 +29,7 @@ from services.common import settings as S
 from services.common import stackfile
 from services.common.embedded import (
     EmbeddedNats,
+    EmbeddedNatsCluster,
     EmbeddedPostgres,
     env_without_proxy,
     nats_url_reachable,
@@ -76,6 +77,13 @@ OPTIONS = (
         "telemetry_port", 8083, "telemetry HTTP (health, metrics) port", env="KVGATE_TELEMETRY_PORT"
     ),
     S.option("sim_port", 8100, "first simulated worker port", env="KVGATE_SIM_PORT"),
+    S.option(
+        "nats_cluster",
+        1,
+        "embedded NATS nodes: 1 = one server; 3 = a JetStream cluster of three servers"
+        " (streams at 3 replicas, any one node may fail)",
+        env="KVGATE_UP_NATS_CLUSTER",
+    ),
     S.option(
         "bridge",
         "",
@@ -165,7 +173,7 @@ class Stack:
         self.log = get_logger("up")
         self.state_dir = Path(st.state_dir).resolve()
         self.log_dir = self.state_dir / "logs"
-        self.nats: EmbeddedNats | None = None
+        self.nats: EmbeddedNats | EmbeddedNatsCluster | None = None
         self.pg: EmbeddedPostgres | None = None
         self.children: list[Child] = []
         self.stopping = False
@@ -181,6 +189,12 @@ class Stack:
                 self.log.warning(
                     "given NATS is not reachable yet; services will keep retrying", url=nats_url
                 )
+        elif self.st.nats_cluster > 1:
+            authorization = "" if self.st.insecure_nats else self._nats_authorization()
+            self.nats = EmbeddedNatsCluster(
+                self.state_dir / "nats", size=self.st.nats_cluster, authorization=authorization
+            )
+            nats_url = self.nats.start()
         else:
             authorization = "" if self.st.insecure_nats else self._nats_authorization()
             self.nats = EmbeddedNats(
@@ -410,7 +424,11 @@ class Stack:
             ports["sim"] = st.sim_port
         urls = {name: f"http://{host}:{port}" for name, port in ports.items()}
         pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
-        if self.nats is not None and self.nats.proc is not None:
+        if isinstance(self.nats, EmbeddedNatsCluster):
+            for i, node in enumerate(self.nats.nodes):
+                if node.proc is not None:
+                    pids[f"nats-server-{i + 1}"] = node.proc.pid
+        elif self.nats is not None and self.nats.proc is not None:
             pids["nats-server"] = self.nats.proc.pid
         pg_pid = stackfile.postmaster_pid(self.state_dir / "postgres") if self.pg else None
         if pg_pid is not None:

@@ -71,7 +71,7 @@ def chain_events(eng: TinyEngine, first: int, n: int, base: int = 0) -> list[lis
 
 def held(svc, worker: str = "pod-a") -> set[int]:
     idx = svc.core.index
-    return {k for k in idx._masks if idx.holds(worker, k)}
+    return {k for k in idx.keys() if idx.holds(worker, k)}
 
 
 async def test_idle_engine_history_is_replayed_before_the_bridge_is_ready(

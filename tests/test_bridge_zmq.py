@@ -284,7 +284,7 @@ async def test_end_to_end_with_simulated_worker_zmq(
 
         def keys_of(worker: str) -> set[int]:
             idx = svc.core.index
-            return {k for k in idx._masks if idx.holds(worker, k)}
+            return {k for k in idx.keys() if idx.holds(worker, k)}
 
         await wait_until(lambda: zb.expected == w.kv_seq + 1, timeout=15, what="bridge caught up")
         await wait_until(

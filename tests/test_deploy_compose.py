@@ -49,6 +49,7 @@ SERVICES = {
     "api": ("api", "KVGATE_API_PORT", 8081, "/api/v1/health"),
     "sim": ("sim-worker", "KVGATE_SIM_PORT", 8100, "/health"),
 }
+NATS_NODES = ("nats-1", "nats-2", "nats-3")  # the JetStream cluster (3 replicas per stream)
 HOST_VARS = {
     "kv-indexer": "KVGATE_INDEXER_HOST",
     "telemetry": "KVGATE_TELEMETRY_HOST",
@@ -235,29 +236,39 @@ def test_start_order_and_restart_policies(compose: dict) -> None:
     assert api_deps["postgres"]["condition"] == "service_healthy"
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     for name in ("kv-indexer", "telemetry", "router", "api", "sim"):
-        assert services[name]["depends_on"]["nats"]["condition"] == "service_healthy", name
+        for node in NATS_NODES:
+            assert services[name]["depends_on"][node]["condition"] == "service_healthy", name
     assert services["sim"]["profiles"] == ["sim"]
     # every kvgate service talks to the compose NATS and Postgres by service name
     for name, svc in kvgate_services(compose).items():
         env = environment_of(svc)
         if name != "migrate":  # migrations need only the database
-            assert env["KVGATE_NATS_URL"] == "nats://nats:4222", name
+            assert env["KVGATE_NATS_URL"] == ",".join(f"nats://{n}:4222" for n in NATS_NODES)
         if "KVGATE_DATABASE_URL" in env:
             assert "@postgres:5432/" in env["KVGATE_DATABASE_URL"], name
 
 
 def test_infrastructure_health_checks_and_volumes(compose: dict) -> None:
-    nats, pg = compose["services"]["nats"], compose["services"]["postgres"]
-    _, port, path = health_url(nats)
+    pg = compose["services"]["postgres"]
     conf = (ROOT / "deploy" / "nats.conf").read_text()
-    assert re.search(rf"^http_port:\s*{port}\s*$", conf, re.M)
-    assert path.startswith("/healthz") and "js-enabled-only=true" in path
-    store = re.search(r"store_dir:\s*(\S+)", conf).group(1)
-    data_mount = next(str(v) for v in nats["volumes"] if str(v).startswith("nats-data:"))
-    assert store.startswith(data_mount.split(":")[1]), "JetStream must store on the volume"
+    route_port = re.search(r"cluster\s*\{[^}]*port:\s*(\d+)", conf).group(1)
+    for node in NATS_NODES:
+        nats = compose["services"][node]
+        _, port, path = health_url(nats)
+        assert re.search(rf"^http_port:\s*{port}\s*$", conf, re.M)
+        assert path.startswith("/healthz") and "js-enabled-only=true" in path
+        store = re.search(r"store_dir:\s*(\S+)", conf).group(1)
+        data_mount = next(str(v) for v in nats["volumes"] if str(v).startswith(f"{node}-data:"))
+        assert store.startswith(data_mount.split(":")[1]), "JetStream must store on the volume"
+        # a cluster node: its own name, routes to exactly the two others on the route port
+        cmd = nats["command"]
+        assert cmd[cmd.index("--name") + 1] == node
+        routes = cmd[cmd.index("--routes") + 1].split(",")
+        others = [n for n in NATS_NODES if n != node]
+        assert routes == [f"nats://{n}:{route_port}" for n in others], node
     assert pg["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
     assert any(str(v).startswith("pg-data:/var/lib/postgresql/data") for v in pg["volumes"])
-    assert set(compose["volumes"]) >= {"nats-data", "pg-data"}
+    assert set(compose["volumes"]) >= {f"{n}-data" for n in NATS_NODES} | {"pg-data"}
 
 
 def test_raw_file_interpolates_without_a_dotenv_only_for_secrets() -> None:
@@ -268,16 +279,18 @@ def test_raw_file_interpolates_without_a_dotenv_only_for_secrets() -> None:
 
 
 def test_nats_authorization_is_on_by_default_and_generated_from_the_code(compose: dict) -> None:
-    """deploy/nats.conf is `kvgate nats-config`'s output (permissions follow the subjects), the
-    nats service gets every user's password, and every service that talks to NATS logs in as
+    """deploy/nats.conf is `kvgate nats-config`'s output (permissions follow the subjects), each
+    NATS node gets every user's password, and every service that talks to NATS logs in as
     the user of its role."""
     from services.nats_config import password_vars, render
 
     conf = (ROOT / "deploy" / "nats.conf").read_text()
     assert conf == render(), "deploy/nats.conf is stale: kvgate nats-config > deploy/nats.conf"
     assert "authorization {" in conf
-    nats_env = environment_of(compose["services"]["nats"])
-    assert set(password_vars()) <= set(nats_env), "nats-server needs every user's password"
+    node_envs = [environment_of(compose["services"][node]) for node in NATS_NODES]
+    for node, env in zip(NATS_NODES, node_envs, strict=True):
+        assert set(password_vars()) <= set(env), f"{node} needs every user's password"
+    nats_env = node_envs[0]
     users = set(re.findall(r'\{user: "([^"]+)"', conf))
     expected = {"kv-indexer": "indexer", "telemetry": "telemetry", "router": "router"}
     expected |= {"api": "api", "sim": "sim"}

@@ -78,32 +78,64 @@ class NatsServer:
 
 @pytest.fixture(scope="module")
 def compose_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    """nats-server with deploy/nats.conf: store_dir moved to a temp dir, ports free ones."""
+    """The compose NATS cluster as three local processes: each node runs deploy/nats.conf
+    with its compose command's --name and --routes, rewritten to free local ports (client,
+    monitoring, route) and its own store directory. ``url`` is the seed list, as in compose."""
     base = tmp_path_factory.mktemp("compose-nats")
     conf = (ROOT / "deploy" / "nats.conf").read_text()
-    conf, n = re.subn(r"store_dir:\s*\S+", f'store_dir: "{base / "js"}"', conf)
-    assert n == 1
-    (base / "nats.conf").write_text(conf)
-    port, http_port = free_port(), free_port()
+    services = load_compose()["services"]
+    nodes = [n for n in ("nats-1", "nats-2", "nats-3") if n in services]
+    assert len(nodes) == 3
+    ports = {n: (free_port(), free_port(), free_port()) for n in nodes}  # client, http, route
     server = Path(sys.executable).parent / "nats-server"
-    proc = subprocess.Popen(
-        [str(server), "-c", str(base / "nats.conf"), "-p", str(port), "-m", str(http_port)],
-        env={**os.environ, **TEST_SECRETS},  # the users' passwords, as compose passes them
-        stdout=subprocess.DEVNULL,
-        stderr=open(base / "nats.log", "wb"),  # noqa: SIM115 - closed with the process
-    )
+    procs = []
+    for node in nodes:
+        cmd = [str(x) for x in services[node]["command"]]
+        name = cmd[cmd.index("--name") + 1]
+        peers = [r.split("//")[1].split(":")[0] for r in cmd[cmd.index("--routes") + 1].split(",")]
+        client, http, route = ports[node]
+        node_conf, n = re.subn(r"store_dir:\s*\S+", f'store_dir: "{base / node}"', conf)
+        assert n == 1
+        (base / f"{node}.conf").write_text(node_conf)
+        procs.append(
+            subprocess.Popen(
+                [
+                    str(server),
+                    "-c",
+                    str(base / f"{node}.conf"),
+                    "--name",
+                    name,
+                    "-p",
+                    str(client),
+                    "-m",
+                    str(http),
+                    "--cluster",
+                    f"nats://127.0.0.1:{route}",
+                    "--routes",
+                    ",".join(f"nats://127.0.0.1:{ports[p][2]}" for p in peers),
+                ],
+                env={**os.environ, **TEST_SECRETS},  # the users' passwords, as compose passes them
+                stdout=subprocess.DEVNULL,
+                stderr=open(base / f"{node}.log", "wb"),  # noqa: SIM115 - closed with the process
+            )
+        )
     try:
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (base / "nats.log").read_text()
-            with contextlib.suppress(OSError):
-                socket.create_connection(("127.0.0.1", http_port), 0.2).close()
-                break
-            time.sleep(0.05)
-        yield NatsServer(f"nats://127.0.0.1:{port}", http_port)
+        deadline = time.monotonic() + 30
+        for node, proc in zip(nodes, procs, strict=True):
+            while True:
+                assert proc.poll() is None, (base / f"{node}.log").read_text()
+                with contextlib.suppress(OSError):
+                    if _get(f"http://127.0.0.1:{ports[node][1]}/healthz")[0] == 200:
+                        break
+                assert time.monotonic() < deadline, (base / f"{node}.log").read_text()
+                time.sleep(0.1)
+        url = ",".join(f"nats://127.0.0.1:{ports[n][0]}" for n in nodes)
+        yield NatsServer(url, ports[nodes[0]][1])
     finally:
-        proc.terminate()
-        proc.wait(10)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
 
 
 def test_nats_config_is_valid_and_its_health_check_reports_jetstream(
@@ -118,7 +150,7 @@ def test_nats_config_is_valid_and_its_health_check_reports_jetstream(
         timeout=30,
     )
     assert check.returncode == 0, check.stdout + check.stderr
-    _, _, path = health_url(load_compose()["services"]["nats"])
+    _, _, path = health_url(load_compose()["services"]["nats-1"])
     status, body = _get(f"http://127.0.0.1:{compose_nats.http_port}{path}")
     assert status == 200 and json.loads(body)["status"] == "ok", body
     status, body = _get(f"http://127.0.0.1:{compose_nats.http_port}/jsz")

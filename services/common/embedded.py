@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -95,49 +96,82 @@ class EmbeddedNats:
     """A nats-server child process with JetStream, data under ``state_dir``.
 
     ``authorization``: a config block (services.common.permissions.render_authorization) that
-    the server loads from ``state_dir/auth.conf`` (owner-only: it holds passwords)."""
+    the server loads from ``state_dir/auth.conf`` (owner-only: it holds passwords).
+
+    With ``cluster_name`` set it is one node of a JetStream cluster: it listens for routes on
+    ``cluster_port`` and dials ``routes`` (the other nodes), under the unique ``server_name``
+    JetStream clustering needs (see :class:`EmbeddedNatsCluster`)."""
 
     def __init__(
         self,
         state_dir: str | Path,
         port: int = 0,
         host: str = "127.0.0.1",
+        *,
         authorization: str = "",
+        server_name: str | None = None,
+        cluster_name: str | None = None,
+        cluster_port: int = 0,
+        routes: Sequence[str] = (),
+        monitor_port: int = 0,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.host = host
         self.port = port or free_port(host)
         self.authorization = authorization
+        self.server_name = server_name
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port or (free_port(host) if cluster_name else 0)
+        self.routes = list(routes)
+        self.monitor_port = monitor_port
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
+    @property
+    def config_file(self) -> Path:
+        return self.state_dir / "auth.conf"
+
+    def command(self) -> list[str]:
+        # the config file (authorization) first: command-line flags below override the file's
+        config = ["-c", str(self.config_file)] if self.authorization else []
+        cmd = [
+            nats_server_binary(),
+            *config,
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            str(self.state_dir / "jetstream"),
+            "--http_port",
+            str(self.monitor_port),
+        ]
+        if self.server_name:
+            cmd += ["-n", self.server_name]
+        if self.cluster_name:
+            cmd += [
+                "--cluster_name",
+                self.cluster_name,
+                "--cluster",
+                f"nats://{self.host}:{self.cluster_port}",
+            ]
+            if self.routes:
+                cmd += ["--routes", ",".join(self.routes)]
+        return cmd
+
     def start(self, timeout: float = 15.0) -> str:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         logfile = open(self.state_dir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
-        config: list[str] = []
         if self.authorization:
-            conf = self.state_dir / "auth.conf"
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(self.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(self.authorization)
-            config = ["-c", str(conf)]  # command-line flags below override the file's
         self.proc = subprocess.Popen(
-            [
-                nats_server_binary(),
-                *config,
-                "-a",
-                self.host,
-                "-p",
-                str(self.port),
-                "-js",
-                "-sd",
-                str(self.state_dir / "jetstream"),
-                "--http_port",
-                "0",
-            ],
+            self.command(),
             stdout=logfile,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C goes to the supervisor, which stops us in order
@@ -152,6 +186,12 @@ class EmbeddedNats:
         )
         return self.url
 
+    def kill(self) -> None:
+        """SIGKILL (a crash, for fault tests); :meth:`start` brings it back on the same ports."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -162,6 +202,102 @@ class EmbeddedNats:
             self.proc.kill()
             self.proc.wait()
         log.info("embedded nats stopped")
+
+
+class EmbeddedNatsCluster:
+    """``size`` nats-server processes forming one JetStream cluster on this machine.
+
+    Each node has its own client port, route port, monitoring port and data directory
+    (``state_dir/n<i>``); every node lists the others' routes. :attr:`url` is the cluster's
+    seed URLs, comma-separated, as services take them in ``KVGATE_NATS_URL``. With 3 nodes,
+    streams are created at 3 replicas (services/common/streams.py) and the cluster keeps
+    serving, streams included, with any one node down."""
+
+    def __init__(
+        self,
+        state_dir: str | Path,
+        size: int = 3,
+        host: str = "127.0.0.1",
+        name: str = "kvgate",
+        authorization: str = "",
+    ) -> None:
+        if size < 1:
+            raise ValueError("a NATS cluster needs at least 1 node")
+        self.state_dir = Path(state_dir)
+        self.host = host
+        self.size = size
+        self.name = name
+        self.authorization = authorization
+        self.nodes: list[EmbeddedNats] = []
+        self._make_nodes()
+
+    def _make_nodes(self) -> None:
+        """Nodes on fresh, pairwise distinct ports (client, route, monitoring each)."""
+        ports: set[int] = set()
+        while len(ports) < 3 * self.size:
+            ports.add(free_port(self.host))
+        client, route_ports, monitor = (sorted(ports)[i::3] for i in range(3))
+        routes = [f"nats://{self.host}:{p}" for p in route_ports]
+        self.nodes = [
+            EmbeddedNats(
+                self.state_dir / f"n{i}",
+                port=client[i],
+                host=self.host,
+                server_name=f"{self.name}-n{i}",
+                cluster_name=self.name,
+                cluster_port=route_ports[i],
+                routes=[r for j, r in enumerate(routes) if j != i],
+                monitor_port=monitor[i],
+                authorization=self.authorization,
+            )
+            for i in range(self.size)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(n.url for n in self.nodes)
+
+    def start(self, timeout: float = 30.0) -> str:
+        """Start every node, then wait until JetStream is ready on each (a meta leader is
+        elected and every node has caught up)."""
+        for attempt in range(3):
+            try:
+                for node in self.nodes:
+                    node.start(timeout)
+                break
+            except RuntimeError:  # a port was taken between choosing and binding it
+                self.stop()
+                if attempt == 2:
+                    raise
+                log.warning("nats cluster node failed to start; retrying on other ports")
+                self._make_nodes()
+        self.wait_healthy(timeout)
+        log.info("embedded nats cluster started", url=self.url, nodes=len(self.nodes))
+        return self.url
+
+    def wait_healthy(self, timeout: float = 30.0, nodes: Sequence[int] | None = None) -> None:
+        """Wait until each node's ``/healthz`` says JetStream is current."""
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        for i in range(len(self.nodes)) if nodes is None else nodes:
+            node = self.nodes[i]
+            url = f"http://{self.host}:{node.monitor_port}/healthz"
+            while True:
+                try:
+                    with urllib.request.urlopen(url, timeout=1.0) as resp:  # noqa: S310 - loopback
+                        if resp.status == 200:
+                            break
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nats node {node.server_name} not healthy in {timeout}s")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
 
 class EmbeddedPostgres:

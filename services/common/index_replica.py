@@ -40,7 +40,7 @@ from services.common.schemas import (
     decode,
     encode,
 )
-from services.core import fastmask
+from services.core import cindex
 from services.core.index import PrefixIndex
 from services.core.snapshot import chunks_to_state
 
@@ -113,11 +113,10 @@ class IndexReplica:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        if self.index._fast is None:
+        if not isinstance(self.index, cindex.CPrefixIndex):
             log.info(
-                "index lookup mirror off: prefix lookups use the dict alone (about 3x slower);"
-                " install kvgate[fast] (cykhash) for the mirror",
-                installed=fastmask.AVAILABLE,
+                "compiled index core off: prefix lookups use the pure-Python index (slower)",
+                built=cindex.AVAILABLE,
             )
         subj = self.bus.subjects.kv_index_delta
         self._sub = await self.bus.client.subscribe(subj, cb=self._on_delta)

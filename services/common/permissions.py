@@ -69,6 +69,18 @@ def _js_consume(stream: str) -> list[str]:
     ]
 
 
+def _kv_bucket(bucket: str) -> list[str]:
+    """Use one JetStream key-value bucket: create it, put / update / delete keys, get a key."""
+    stream = f"KV_{bucket}"
+    return [
+        *_js_manage(stream),
+        f"$KV.{bucket}.>",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+    ]
+
+
 def _js_read_last(stream: str) -> list[str]:
     return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}"]
 
@@ -111,6 +123,7 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 js_info,
                 *_js_manage(s.kv_events_stream),
                 *_js_consume(s.kv_events_stream),
+                *_kv_bucket(s.indexer_lease_bucket),  # the HA indexers' lease
             ),
             subscribe=(
                 s.heartbeat_all,

@@ -13,13 +13,19 @@ idempotent setup functions, so start order does not matter.
 
 from __future__ import annotations
 
+import asyncio
 import os
+
+import nats.errors
+import nats.js.errors
 
 from services.common import settings as S
 from services.common.bus import Bus
+from services.common.logging import get_logger
 from services.common.schemas import Alert, now
 
 HOUR = 3600.0
+log = get_logger("streams")
 
 # JetStream reserves each file stream's max_bytes against the server's storage limit, so the
 # sizes are a budget the operator sets once, split across the streams below (tests use a small
@@ -33,8 +39,9 @@ STREAM_STORAGE_MB = S.option(
 
 STREAM_REPLICAS = S.option(
     "stream_replicas",
-    1,
-    "replicas of each JetStream stream (3 on a NATS cluster); re-applied at every service start",
+    0,
+    "replicas of each JetStream stream (0: 3 when the NATS cluster has 3 or more nodes, else 1);"
+    " re-applied at every service start",
 )
 
 
@@ -50,9 +57,44 @@ def _budget(fraction: float) -> int:
     return max(1 << 20, int(_env_int(STREAM_STORAGE_MB) * fraction) << 20)
 
 
+def cluster_size(bus: Bus) -> int:
+    """NATS servers this connection knows: the seed URLs plus the ones the cluster gossips
+    (INFO ``connect_urls``), de-duplicated by host:port."""
+    nc = bus.nc
+    if nc is None:
+        return 1
+    return max(1, len({srv.netloc for srv in nc.servers}))  # nats-py: the pool as URLs
+
+
+def stream_replicas(bus: Bus) -> int:
+    """The replica count for kvgate's streams: the setting, or 3 on a cluster of >= 3 nodes
+    (a stream at 3 replicas keeps its quorum with any one node down), else 1."""
+    configured = _env_int(STREAM_REPLICAS)
+    if configured > 0:
+        return configured
+    return 3 if cluster_size(bus) >= 3 else 1
+
+
+ENSURE_TIMEOUT_S = 60.0  # total time to get a stream created, across retries
+
+
 async def _ensure(bus: Bus, name: str, subjects: list[str], **config) -> str:
-    await bus.ensure_stream(name, subjects, num_replicas=_env_int(STREAM_REPLICAS), **config)
-    return name
+    """Create/update the stream, retrying while JetStream does not answer in time: on a
+    cluster, a replicated stream needs its Raft group formed, and several services starting
+    together all ask at once (a timeout here is "not yet", not a failure)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ENSURE_TIMEOUT_S
+    delay = 0.25
+    while True:
+        try:
+            await bus.ensure_stream(name, subjects, num_replicas=stream_replicas(bus), **config)
+            return name
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
+            if loop.time() + delay > deadline:
+                raise
+            log.warning("stream setup timed out, retrying", stream=name, error=repr(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 4.0)
 
 
 async def ensure_kv_events_stream(bus: Bus) -> str:

@@ -77,6 +77,12 @@ class Subjects:
         return self.stream("KV_EVENTS")
 
     @property
+    def indexer_lease_bucket(self) -> str:
+        """The JetStream key-value bucket of the HA indexers' lease (stream ``KV_<bucket>``,
+        subjects ``$KV.<bucket>.>``)."""
+        return self.stream("KV_INDEXER_LEASE")
+
+    @property
     def outcomes_stream(self) -> str:
         return self.stream("OUTCOMES")
 

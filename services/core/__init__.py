@@ -3,7 +3,8 @@
 - :mod:`services.core.keys`: canonical chained block keys (xxh3-64 over a block's token ids,
   chained with the parent key, seeded by LoRA / salt) and block arithmetic.
 - :mod:`services.core.index`: the global prefix index (which worker holds which block key).
-- :mod:`services.core.fastmask`: the optional compiled mirror behind the index's hot lookups.
+- :mod:`services.core.cindex`: the compiled index core (C extension ``_cindex``), same API as
+  the pure-Python index, selected by :data:`services.core.index.PrefixIndex` when built.
 - :mod:`services.core.policy`: routing policies as pure functions of (request, cluster
   snapshot) -> decision; filters, scorers and pickers registered by name.
 - :mod:`services.core.cluster`: the router's view of the cluster (``ClusterState``: worker

@@ -1,5 +1,9 @@
 """PrefixIndex: which worker holds which canonical KV block. Pure, no I/O.
 
+``PrefixIndex`` is the compiled :class:`services.core.cindex.CPrefixIndex` when the C extension
+was built, else :class:`PyPrefixIndex` below: the pure-Python reference, with the same API and
+the same results (tests/test_cindex.py checks them against each other).
+
 Used by the kv_indexer service (global state), by each router (local replica) and by the
 simulator. Keys are canonical chained keys (services.core.keys), so a key identifies a whole
 prefix: if a worker holds key k_i of a prompt it is meant to hold k_0..k_i as well (engines
@@ -46,7 +50,6 @@ from typing import Any
 
 import xxhash
 
-from services.core import fastmask
 from services.core.keys import block_chunks
 
 _xxh3 = xxhash.xxh3_64_intdigest  # the primitive of services.core.keys, bound for the hot loop
@@ -54,8 +57,6 @@ _xxh3 = xxhash.xxh3_64_intdigest  # the primitive of services.core.keys, bound f
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
 TIER_BIT: dict[str, int] = {"gpu": 1, "cpu": 2, "disk": 4}
 _M64 = (1 << 64) - 1
-_SIGN = fastmask.SIGN  # mirror keys: (k ^ _SIGN) - _SIGN; masks >= _SIGN stored as _SPILL
-_SPILL = fastmask.SPILL
 SYNC_SCRUB_KEYS = 50_000  # clear_worker scrubs at once below this many keys
 LAZY_HEAD_BLOCKS = 16  # match_prompt hashes in stretches of 16, 32, 64, ... blocks
 AUTO_SCRUB_KEYS = 2_048  # keys scrubbed per apply_stored while a cleared slot is pending
@@ -137,23 +138,12 @@ def _assign(mask: int, depth: int, names: list, result: dict[str, int]) -> None:
         result[names[slot]] = depth
 
 
-class PrefixIndex:
-    def __init__(
-        self,
-        max_blocks: int | None = None,
-        record_evictions: bool = False,
-        fast: bool | None = None,
-    ) -> None:
-        """``fast``: keep the C mirror for batch lookups (services.core.fastmask);
-        None = when installed and not turned off by KVGATE_INDEX_FASTMAP=0."""
+class PyPrefixIndex:
+    """The pure-Python index (the reference; the fallback when the C extension is absent)."""
+
+    def __init__(self, max_blocks: int | None = None, record_evictions: bool = False) -> None:
         if max_blocks is not None and max_blocks <= 0:
             raise ValueError("max_blocks must be > 0 (or None for no cap)")
-        if fast is None:
-            fast = fastmask.enabled()
-        elif fast and not fastmask.AVAILABLE:
-            raise ImportError("fast=True needs cykhash (pip install 'kvgate[fast]')")
-        self._fast = fastmask.new_map() if fast else None
-        self._lookup = fastmask.BatchLookup() if fast else None
         self.max_blocks = max_blocks
         self.record_evictions = record_evictions
         self._masks: dict[int, int] = {}
@@ -179,6 +169,10 @@ class PrefixIndex:
     def num_keys(self) -> int:
         """Distinct keys in the dict (including ones awaiting scrub)."""
         return len(self._masks)
+
+    def keys(self) -> list[int]:
+        """Every stored key, least recently stored first."""
+        return list(self._masks)
 
     def workers(self) -> set[str]:
         return {w for w, s in self._slot_of.items() if self._counts[s]}
@@ -267,43 +261,22 @@ class PrefixIndex:
         pop = d.pop
         added = 0
         tiers = self._tiers
-        fm = self._fast
         if tier == "gpu":
             if not tiers:
                 # setdefault inserts a new key (at the end: most recent) in one probe; an
                 # existing key is moved to the end (LRU touch) with our bit added
                 setdefault = d.setdefault
                 n = len(d)
-                if fm is None:
-                    for k in keys:
-                        m = setdefault(k, bit)
-                        if len(d) != n:
-                            n += 1
-                            added += 1
-                            continue
-                        del d[k]
-                        d[k] = m | bit
-                        if not m & bit:
-                            added += 1
-                else:
-                    # fastmask.signed_key / stored_mask inlined: this is the hot store path
-                    fput = fm.cput
-                    fbit = bit if bit < _SIGN else _SPILL
-                    for k in keys:
-                        m = setdefault(k, bit)
-                        if len(d) != n:
-                            n += 1
-                            added += 1
-                            fput((k ^ _SIGN) - _SIGN, fbit)
-                            continue
-                        del d[k]
-                        if m & bit:
-                            d[k] = m
-                        else:
-                            m |= bit
-                            d[k] = m
-                            added += 1
-                            fput((k ^ _SIGN) - _SIGN, m if m < _SIGN else _SPILL)
+                for k in keys:
+                    m = setdefault(k, bit)
+                    if len(d) != n:
+                        n += 1
+                        added += 1
+                        continue
+                    del d[k]
+                    d[k] = m | bit
+                    if not m & bit:
+                        added += 1
             else:
                 sh = 3 * s
                 for k in keys:
@@ -311,8 +284,6 @@ class PrefixIndex:
                     if not m & bit:
                         added += 1
                         m |= bit
-                        if fm is not None:
-                            fm.cput(fastmask.signed_key(k), fastmask.stored_mask(m))
                         t = tiers.get(k)
                         if t is not None and t >> sh & 7:  # stale bits: new pair is gpu only
                             t &= ~(7 << sh)
@@ -337,8 +308,6 @@ class PrefixIndex:
                 if not m & bit:
                     added += 1
                     m |= bit
-                    if fm is not None:
-                        fm.cput(fastmask.signed_key(k), fastmask.stored_mask(m))
                     t = (t & clear) | (tb << sh)
                 else:
                     cur = t >> sh & 7 or 1
@@ -354,16 +323,11 @@ class PrefixIndex:
         return added
 
     def _set_mask(self, k: int, m: int) -> None:
-        """Replace an existing key's mask (dropping the key when ``m`` is 0), in the dict and
-        in the mirror. (apply_stored inlines this: it is the ingest hot path.)"""
+        """Replace an existing key's mask (dropping the key when ``m`` is 0)."""
         if m:
             self._masks[k] = m
-            if self._fast is not None:
-                self._fast.cput(fastmask.signed_key(k), fastmask.stored_mask(m))
         else:
             del self._masks[k]
-            if self._fast is not None:
-                self._fast.discard(fastmask.signed_key(k))
 
     def apply_removed(self, worker: str, keys: Iterable[int], tier: str | None = None) -> int:
         """Record that ``worker`` dropped ``keys`` (from ``tier`` only, or from every tier)."""
@@ -415,14 +379,11 @@ class PrefixIndex:
         tiers = self._tiers
         live = self._live
         counts = self._counts
-        fm = self._fast
         removed = 0
         for k in keys:
             m = d.pop(k, None)
             if m is None:
                 continue
-            if fm is not None:
-                fm.discard(fastmask.signed_key(k))
             if tiers:
                 tiers.pop(k, None)
             m &= live
@@ -522,14 +483,6 @@ class PrefixIndex:
         if not active:
             return {}
         result: dict[str, int] = {}
-        if self._fast is not None:
-            if not isinstance(keys, (list, tuple)):
-                keys = list(keys)
-            masks = self._lookup(self._fast, keys)
-            active, depth = self._fold(masks, keys, 0, active, result)
-            if active and depth:
-                _assign(active, depth, self._names, result)
-            return result
         get = self._masks.get
         names = self._names
         depth = 0
@@ -545,43 +498,6 @@ class PrefixIndex:
         if depth:
             _assign(active, depth, names, result)
         return result
-
-    def _fold(
-        self, masks: list[int], keys: list[int], base: int, active: int, result: dict[str, int]
-    ) -> tuple[int, int]:
-        """Walk a run of mirror masks (``masks[i]`` for ``keys[i]``, at depth ``base + i``),
-        recording in ``result`` the depth of every worker whose run ends inside it; returns
-        (workers still matching, depth reached). Only a change of the stored mask costs more
-        than a comparison, so a long run held by the same workers is cheap."""
-        if not masks:
-            return active, base
-        first = masks[0]
-        if first >= 0 and masks.count(first) == len(masks):  # one C pass: a uniform run
-            m = first & active
-            if m != active:
-                if base:
-                    _assign(active ^ m, base, self._names, result)
-                if not m:
-                    return 0, base
-            return m, base + len(masks)
-        names = self._names
-        depth = base
-        prev = -1  # never stored: masks are >= 0, SPILL is -2**63
-        for m in masks:
-            if m != prev:
-                prev = m
-                if m < 0:  # SPILL: a mask wider than 63 bits lives in the dict only
-                    m = self._masks.get(keys[depth - base], 0)
-                    prev = -1
-                m &= active
-                if m != active:
-                    if depth:
-                        _assign(active ^ m, depth, names, result)
-                    active = m
-                    if not m:
-                        return 0, depth
-            depth += 1
-        return active, depth
 
     def match_prompt(
         self, token_ids: Sequence[int], block_size: int, seed: int = 0
@@ -603,24 +519,6 @@ class PrefixIndex:
         h = seed
         depth = 0
         xxh3 = _xxh3
-        fm = self._fast
-        if fm is not None:
-            lookup = self._lookup
-            for chunks in _stretch_chunks(token_ids, block_size, n):
-                keys = []
-                add = keys.append
-                for chunk in chunks:
-                    h = xxh3(chunk, h)
-                    add(h)
-                masks = lookup(fm, keys)
-                active, depth = self._fold(masks, keys, depth, active, result)
-                if not active:
-                    return result
-                if len(masks) < len(keys):  # nobody holds the next block
-                    break
-            if depth:
-                _assign(active, depth, names, result)
-            return result
         get = self._masks.get
         for chunks in _stretch_chunks(token_ids, block_size, n):
             for chunk in chunks:
@@ -686,7 +584,7 @@ class PrefixIndex:
     @classmethod
     def from_state(
         cls, state: IndexState, max_blocks: int | None = None, record_evictions: bool = False
-    ) -> PrefixIndex:
+    ) -> PyPrefixIndex:
         """A new index holding :meth:`export_state` output (slot numbers are kept)."""
         idx = cls(max_blocks=max_blocks, record_evictions=record_evictions)
         idx.load_state(state)
@@ -703,8 +601,6 @@ class PrefixIndex:
                 sum(ws[i] << (64 * i) for i in range(len(ws))) for ws in zip(*words, strict=True)
             ]
         self._masks = dict(zip(keys, masks, strict=True))
-        if self._fast is not None:
-            self._fast = fastmask.from_arrays(state.keys, state.masks)
         self._tiers = {}
         if state.tier_keys is not None and len(state.tier_values):
             tk = state.tier_keys
@@ -727,3 +623,11 @@ class PrefixIndex:
                 self._counts[s] = 0
                 self._free.append(s)
         self._pairs = sum(self._counts)
+
+
+from services.core import cindex as _cindex_mod  # noqa: E402  (imports nothing from here at load)
+
+PrefixIndex: type[PyPrefixIndex] | type[_cindex_mod.CPrefixIndex] = (
+    _cindex_mod.CPrefixIndex if _cindex_mod.enabled() else PyPrefixIndex
+)
+"""The index class to use: compiled when built (and not turned off), else the reference."""

@@ -23,7 +23,10 @@ from collections.abc import Sequence
 
 import xxhash
 
+from services.core import cindex
+
 _xxh3 = xxhash.xxh3_64_intdigest
+_chain = cindex.chain_keys if cindex.AVAILABLE else None  # the same loop in C
 
 
 def block_seed(cluster_seed: int = 0, lora: str | None = None, salt: str | None = None) -> int:
@@ -102,6 +105,8 @@ def block_keys(
     if n_blocks <= 0:
         return []
     h = seed if parent_key is None else parent_key
+    if _chain is not None and 0 <= h <= 0xFFFFFFFFFFFFFFFF:
+        return _chain(token_ids, block_size, h, n_blocks)
     keys = [0] * n_blocks
     xxh3 = _xxh3
     for i, chunk in enumerate(block_chunks(token_ids, block_size, n_blocks)):

@@ -126,6 +126,8 @@ class IndexerService:
         durable: str | None = None,
         ack_every: int = 512,  # ack-all every this many messages (and at each burst end)
         verify_cpu_share: float = 0.01,  # background verifier's share of a core (0: off)
+        ha_id: str | None = None,  # join the namespace's HA group (services/kv_indexer/lease.py)
+        lease_ttl_s: float = 1.5,
     ) -> None:
         self.bus = bus
         self.ack_every = ack_every
@@ -142,7 +144,25 @@ class IndexerService:
         self.delta_seq = -1
         self.dump_timeout_s = dump_timeout_s
         self.tick_s = tick_s
-        self.durable = durable or bus.subjects.durable("KV_INDEXER_PUSH")
+        self.durable = durable or bus.subjects.durable(
+            f"KV_INDEXER_PUSH_{ha_id}" if ha_id else "KV_INDEXER_PUSH"  # HA: one consumer each
+        )
+        # HA: a standby applies every event (a warm index) but publishes no delta and serves
+        # no snapshot until it holds the lease; a lone indexer is always active
+        self.active = ha_id is None
+        self.lease = None
+        if ha_id:
+            from services.common.streams import stream_replicas
+            from services.kv_indexer.lease import IndexerLease
+
+            self.lease = IndexerLease(
+                bus,
+                ha_id,
+                on_acquired=self._promote,
+                on_lost=self._demote,
+                ttl_s=lease_ttl_s,
+                replicas=stream_replicas(bus),
+            )
         self._out: asyncio.Queue[tuple[str, bytes, str | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[Any]] = []
         self._subs: list[Any] = []
@@ -192,9 +212,13 @@ class IndexerService:
             self._tasks.append(asyncio.create_task(self.verifier.run(), name="indexer-verify"))
         self._tasks.append(asyncio.create_task(self._consume(), name="indexer-consume"))
         self._tasks.append(asyncio.create_task(self._ticker(), name="indexer-tick"))
-        log.info("indexer started", epoch=self.epoch, durable=self.durable)
+        if self.lease is not None:
+            await self.lease.start()
+        log.info("indexer started", epoch=self.epoch, durable=self.durable, active=self.active)
 
     async def stop(self) -> None:
+        if self.lease is not None:
+            await self.lease.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -213,7 +237,7 @@ class IndexerService:
     def _flush(self) -> None:
         """Journal -> numbered deltas, queued in order (no await between take and enqueue)."""
         ops = self.core.take_ops()
-        if not ops:
+        if not ops or not self.active:
             return
         subject = self.bus.subjects.kv_index_delta
         ts = now()
@@ -221,6 +245,21 @@ class IndexerService:
             self.delta_seq += 1
             delta = IndexDelta(epoch=self.epoch, seq=self.delta_seq, ts=ts, ops=group)
             self._out.put_nowait((subject, encode(delta), None))
+
+    def _promote(self) -> None:
+        """Lease won: a new epoch, announced at once by an empty delta, so every replica
+        re-snapshots from this indexer (ops journaled before now are in that snapshot)."""
+        self.core.take_ops()
+        self.epoch = uuid.uuid4().hex[:12]
+        self.delta_seq = 0
+        self.active = True
+        announce = IndexDelta(epoch=self.epoch, seq=0, ts=now(), ops=[])
+        self._out.put_nowait((self.bus.subjects.kv_index_delta, encode(announce), None))
+        log.info("indexer active", epoch=self.epoch)
+
+    def _demote(self) -> None:
+        self.active = False
+        log.info("indexer standby", epoch=self.epoch)
 
     async def _publisher(self) -> None:
         nc = self.bus.client
@@ -407,7 +446,7 @@ class IndexerService:
         )
 
     async def _on_snapshot(self, msg: Any) -> None:
-        if not msg.reply:
+        if not msg.reply or not self.active:
             return
         try:
             req = decode(SnapshotRequest, msg.data)
@@ -440,6 +479,7 @@ class IndexerService:
             return web.json_response(
                 {
                     "status": "ok",
+                    "active": self.active,
                     "consuming": self.consuming.is_set(),
                     "epoch": self.epoch,
                     "delta_seq": self.delta_seq,

@@ -48,6 +48,21 @@ OPTIONS = S.COMMON + (
         env="KVGATE_INDEXER_BLOCK_SIZE",
     ),
     S.option(
+        "ha_id",
+        "",
+        "high availability: this indexer's id in its namespace's group (unique per indexer);"
+        " one member, elected by a JetStream KV lease, publishes deltas, the others stand by"
+        " with a warm index (empty: a single indexer, always active)",
+        env="KVGATE_INDEXER_HA_ID",
+    ),
+    S.option(
+        "lease_ttl",
+        1.5,
+        "high availability: seconds a lease lives without renewal (a standby takes over"
+        " within about this long after the active indexer dies)",
+        env="KVGATE_INDEXER_LEASE_TTL",
+    ),
+    S.option(
         "dump_timeout",
         5.0,
         "seconds to wait for each chunk of a worker's full dump when resyncing it",
@@ -89,6 +104,8 @@ async def serve(st, stop: asyncio.Event) -> None:
         default_block_size=st.block_size,
         dump_timeout_s=st.dump_timeout,
         verify_cpu_share=st.verify_cpu_share,
+        ha_id=st.ha_id or None,
+        lease_ttl_s=st.lease_ttl,
     )
     await svc.start()
     runner = await start_http(svc.make_app(), st.host, st.port)

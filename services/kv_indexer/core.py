@@ -147,9 +147,7 @@ class IndexerCore:
         on_bad: Callable[[str, str | None, str], None] = _noop_bad,
         max_pending: int = 10_000,
     ) -> None:
-        # no lookup mirror: the indexer is the write-heavy side (every event of the fleet); its
-        # kv.query is an operator path. Routers, which decide per request, keep the mirror.
-        self.index = PrefixIndex(max_blocks=max_blocks, record_evictions=True, fast=False)
+        self.index = PrefixIndex(max_blocks=max_blocks, record_evictions=True)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.tail_grace_s = tail_grace_s
         self.hash_seed = hash_seed

@@ -690,7 +690,7 @@ async def run_case(
 
         def held() -> set[int]:
             idx = svc.core.index
-            return {k for k in idx._masks if idx.holds(worker, k)}
+            return {k for k in idx.keys() if idx.holds(worker, k)}
 
         try:
             await wait_for(lambda: held() == truth, 15, "index == truth")
