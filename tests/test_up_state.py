@@ -89,7 +89,9 @@ class Up:
 
     def __init__(self, state: Path) -> None:
         self.state = state
-        self.ports = {k: free_port() for k in ("router", "api", "indexer", "telemetry", "sim")}
+        # every port a free one, the operator port too (8084 may be another stack's here)
+        names = ("router", "router-operator", "api", "indexer", "telemetry", "sim")
+        self.ports = {k: free_port() for k in names}
         argv = [sys.executable, "-m", "services.cli", "up", "--workers", "1"]
         argv += ["--state-dir", str(state)]
         for k, p in self.ports.items():
