@@ -12,6 +12,10 @@
     python -m bench.bench_router                 # everything
     python -m bench.bench_router decision        # only the decision path
     python -m bench.bench_router proxy --seconds 10 --requests 2000
+    python -m bench.bench_router proxy --tls --no-sglang   # + the same router over https
+
+With ``--tls`` the proxy bench adds the router serving https itself (``--tls-cert``, a
+self-signed P-256 certificate): the same load, plain and TLS side by side.
 
 All traffic goes to 127.0.0.1. NATS for our router is a private embedded server.
 """
@@ -24,6 +28,7 @@ import contextlib
 import json
 import os
 import random
+import ssl
 import statistics
 import subprocess
 import sys
@@ -232,7 +237,8 @@ async def _wait_http(url: str, timeout: float, pred=None) -> None:
     import aiohttp
 
     deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
+    conn = aiohttp.TCPConnector(ssl=_client_tls(url))
+    async with aiohttp.ClientSession(connector=conn) as s:
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
                 async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
@@ -260,12 +266,36 @@ def _headers(url: str) -> dict[str, str]:
     return h
 
 
+def _client_tls(url: str) -> ssl.SSLContext | bool:
+    """For an https target: a context trusting the bench's own certificate."""
+    return TLS_TRUST.get("ctx", True) if url.startswith("https://") else True
+
+
+# the https router's certificate, trusted by the load generator (set by bench_proxy)
+TLS_TRUST: dict[str, ssl.SSLContext] = {}
+
+
+def _self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (openssl, P-256), as an operator would make one."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "router.crt", directory / "router.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+        + ["-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    return cert, key
+
+
 async def _latency(url: str, n: int) -> list[float]:
     import aiohttp
 
     data = json.dumps(BODY).encode()
     lat = []
-    conn = aiohttp.TCPConnector(limit=1)
+    conn = aiohttp.TCPConnector(limit=1, ssl=_client_tls(url))
     async with aiohttp.ClientSession(connector=conn) as s:
         for i in range(n + 100):
             t0 = time.perf_counter()
@@ -295,7 +325,7 @@ async def _throughput(url: str, conns: int, seconds: float) -> tuple[float, int]
                 else:
                     errors += 1
 
-    conn = aiohttp.TCPConnector(limit=conns)
+    conn = aiohttp.TCPConnector(limit=conns, ssl=_client_tls(url))
     async with aiohttp.ClientSession(connector=conn) as s:
 
         async def warm() -> None:
@@ -325,6 +355,7 @@ async def bench_proxy(
     conns: int,
     with_sglang: bool,
     processes: tuple[int, ...] = (1, 2),
+    with_tls: bool = False,
 ) -> dict[str, Any]:
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
@@ -376,6 +407,10 @@ async def bench_proxy(
         # (name, processes, extra flags): the same router with client API keys checked
         variants = [("kvgate" if n == 1 else f"kvgate-{n}proc", n, []) for n in processes]
         variants.append(("kvgate-keys", 1, ["--api-keys", f"other-key,{CLIENT_KEY}"]))
+        if with_tls:  # the same router serving https itself (--tls-cert / --tls-key)
+            cert, key = _self_signed_cert(state / "tls")
+            TLS_TRUST["ctx"] = ssl.create_default_context(cafile=str(cert))
+            variants.append(("kvgate-tls", 1, ["--tls-cert", str(cert), "--tls-key", str(key)]))
         for name, n, extra in variants:
             rport = _free_port()
             procs.append(
@@ -402,9 +437,10 @@ async def bench_proxy(
                     env=env,
                 )
             )
-            rurl = f"http://127.0.0.1:{rport}"
+            tls = "--tls-cert" in extra
+            rurl = f"{'https' if tls else 'http'}://127.0.0.1:{rport}"
             await _wait_http(rurl + "/health", 30, lambda j: j.get("workers", 0) >= 1)
-            targets[name] = rurl + ("#key" if extra else "")
+            targets[name] = rurl + ("#key" if "--api-keys" in extra else "")
         if with_sglang:
             try:
                 import sglang_router  # noqa: F401
@@ -460,6 +496,17 @@ async def bench_proxy(
                 f"client API key check: p50 {kk['p50_ms'] - k['p50_ms']:+.3f} ms, throughput "
                 f"{kk['throughput_rps'] / k['throughput_rps']:.2f}x the router without keys"
             )
+        if "kvgate-tls" in results:
+            kt = results["kvgate-tls"]
+            results["tls_added_p50_ms"] = kt["p50_ms"] - k["p50_ms"]
+            results["tls_added_p99_ms"] = kt["p99_ms"] - k["p99_ms"]
+            print(
+                f"TLS on the OpenAI port (kept-alive connections): p50 {kt['p50_ms']:.3f} vs "
+                f"{k['p50_ms']:.3f} ms ({kt['p50_ms'] - k['p50_ms']:+.3f}), p99 "
+                f"{kt['p99_ms']:.3f} vs {k['p99_ms']:.3f} ms; throughput "
+                f"{kt['throughput_rps']:,.0f} vs {k['throughput_rps']:,.0f} req/s "
+                f"({kt['throughput_rps'] / k['throughput_rps']:.2f}x)"
+            )
         line = f"kvgate added p50 {k['p50_ms'] - d:.3f} ms (target <= 1 ms: {'PASS' if k['p50_ms'] - d <= 1 else 'FAIL'})"
         if "sglang-router" in results:
             sg = results["sglang-router"]
@@ -511,6 +558,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kvgate-processes", default="1", help="router process counts to measure (--processes)"
     )
+    ap.add_argument(
+        "--tls",
+        action="store_true",
+        help="(proxy) also run the router over https (--tls-cert/--tls-key, a self-signed "
+        "certificate) and print plain vs TLS side by side",
+    )
     ap.add_argument("--port", type=int, default=0, help="(worker) port")
     ap.add_argument("--out", default=str(RESULTS), help="directory for the JSON result")
     a = ap.parse_args(argv)
@@ -526,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.what in ("all", "proxy"):
         procs = tuple(int(x) for x in a.kvgate_processes.split(",") if x.strip())
         res["proxy"] = asyncio.run(
-            bench_proxy(a.requests, a.seconds, a.conns, not a.no_sglang, procs)
+            bench_proxy(a.requests, a.seconds, a.conns, not a.no_sglang, procs, a.tls)
         )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

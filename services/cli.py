@@ -45,6 +45,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "services.nats_config",
         "print the NATS server config with kvgate's per-role authorization",
     ),
+    "signing-key": (
+        "services.signing_key",
+        "print a new api signing key (seed + public key) as .env lines for compose",
+    ),
     "bench": ("bench.cli", "benchmark policies and routers with real processes and HTTP"),
     "simulate": (
         "bench.simulate",

@@ -3,8 +3,7 @@
 The shipped deploy/nats.conf (what compose runs) is this command's output; a test keeps the two
 equal, so the permissions always follow services.common.subjects. Passwords are not in the
 file: each user's password is an environment variable of the nats-server process
-(``NATS_PASSWORD_<USER>``). ``kvgate keys`` is not needed for this: for decentralised
-JWT auth instead, see docs/deploy.md (nsc).
+(``NATS_PASSWORD_<USER>``). For decentralised JWT auth instead, see docs/deploy.md (nsc).
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ class Stack:
     def _nats_authorization(self) -> str:
         """One NATS user per role with a random password, kept (owner-only) in the state dir
         so a restart reuses them; the server config is generated from the same grants."""
-        path = self.state_dir / "nats" / "passwords.json"
+        path = stackfile.nats_passwords_path(self.state_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             stored = json.loads(path.read_text())
@@ -516,7 +516,9 @@ class Stack:
             return ""
         if not self.nats_passwords:
             return " (no authorization: --insecure-nats)"
-        return f" (one user per role; credentials in {self.state_dir / 'nats' / 'passwords.json'})"
+        return (
+            f" (one user per role; credentials in {stackfile.nats_passwords_path(self.state_dir)})"
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -334,7 +334,7 @@ def test_postgres_password_reaches_containers_only_as_a_secret_file(compose: dic
     assert compose["secrets"]["postgres_password"] == {"environment": "POSTGRES_PASSWORD"}
     for name in ("postgres", "migrate", "api"):
         svc = compose["services"][name]
-        assert svc["secrets"] == ["postgres_password"], name
+        assert "postgres_password" in svc["secrets"], name
         env = environment_of(svc)
         assert TEST_SECRETS["POSTGRES_PASSWORD"] not in " ".join(map(str, env.values())), name
     assert environment_of(compose["services"]["postgres"])["POSTGRES_PASSWORD_FILE"] == (
@@ -343,3 +343,41 @@ def test_postgres_password_reaches_containers_only_as_a_secret_file(compose: dic
     for name in ("migrate", "api"):
         env = environment_of(compose["services"][name])
         assert env["KVGATE_DATABASE_PASSWORD_FILE"] == "/run/secrets/postgres_password"
+
+
+def test_the_api_signs_and_every_router_trusts_only_its_key(compose: dict) -> None:
+    """Signing is on by default: the api gets its seed as a secret file (only the api), and
+    every router service trusts exactly the matching public key, so an unsigned or foreign
+    policy.updated / workers.control is rejected even from a credential allowed to publish it."""
+    from services.common.signing import Signer, Verifier
+
+    assert compose["secrets"]["api_signing_seed"] == {"environment": "API_SIGNING_SEED"}
+    api = compose["services"]["api"]
+    assert "api_signing_seed" in api["secrets"]
+    assert environment_of(api)["KVGATE_SIGNING_SEED"] == "/run/secrets/api_signing_seed"
+    for name, svc in compose["services"].items():
+        if name != "api":
+            assert "api_signing_seed" not in (svc.get("secrets") or []), name
+            assert "KVGATE_SIGNING_SEED" not in environment_of(svc), name
+    # the seed compose writes into the secret file signs what the routers verify
+    signer = Signer(TEST_SECRETS["API_SIGNING_SEED"].encode())
+    routers = 0
+    for project in compose_projects():
+        for name, svc in kvgate_services(project.load()).items():
+            if command_of(svc)[0] != "router":
+                continue
+            routers += 1
+            trusted = environment_of(svc).get("KVGATE_TRUSTED_SIGNERS", "")
+            assert trusted == signer.public_key, f"{project.label}:{name} trusts {trusted!r}"
+            verifier = Verifier(trusted.split(","))
+            data = b'{"revision": 1}'
+            assert verifier.reject_reason("policy.updated", data, None) == "unsigned"
+            good = signer.headers("policy.updated", data)
+            assert verifier.reject_reason("policy.updated", data, good) == ""
+    assert routers >= 1
+    # compose refuses to start without either half of the key
+    example = read_env_file(ENV_EXAMPLE)
+    for var in ("API_SIGNING_SEED", "API_SIGNING_PUBLIC_KEY"):
+        env = {**example, **{k: v for k, v in TEST_SECRETS.items() if k != var}}
+        with pytest.raises(InterpolationError, match=var):
+            load_compose(env=env)

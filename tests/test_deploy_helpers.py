@@ -15,15 +15,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nkeys
 import pytest
 import yaml
+
+from services.common.signing import Signer
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
 ENV_EXAMPLE = ROOT / ".env.example"
 
+# A fixed throwaway signing key for the api (the routers trust its public key).
+TEST_SIGNING_SEED = nkeys.encode_seed(bytes(range(32)), nkeys.PREFIX_BYTE_ACCOUNT)
+
 # Secrets .env.example leaves empty on purpose; tests supply throwaway values.
 TEST_SECRETS = {
+    "API_SIGNING_SEED": TEST_SIGNING_SEED.decode(),
+    "API_SIGNING_PUBLIC_KEY": Signer(TEST_SIGNING_SEED).public_key,
     "POSTGRES_PASSWORD": "pw0123456789abcdef",
     "KVGATE_API_ADMIN_TOKEN": "tok-" + "a" * 32,
     **{

@@ -217,6 +217,8 @@ def test_compose_services_come_up_route_and_stop_cleanly(
     # a private server: no subject prefix, so deploy/nats.conf's per-role permissions apply as
     # shipped (each service logs in as its compose user)
     common = {"KVGATE_NATS_URL": compose_nats.url, "KVGATE_SUBJECT_PREFIX": ""}
+    seed_file = tmp_path / "api_signing_seed"
+    seed_file.write_text(TEST_SECRETS["API_SIGNING_SEED"])
 
     def overrides(name: str, port: int) -> dict[str, str]:
         svc = services[name]
@@ -224,6 +226,8 @@ def test_compose_services_come_up_route_and_stop_cleanly(
         if "KVGATE_DATABASE_URL" in environment_of(svc):
             out["KVGATE_DATABASE_URL"] = fresh_database_url
             out["KVGATE_DATABASE_PASSWORD_FILE"] = ""  # the test database trusts local users
+        if "KVGATE_SIGNING_SEED" in environment_of(svc):  # compose's secret file, written here
+            out["KVGATE_SIGNING_SEED"] = str(seed_file)
         if "KVGATE_ROUTER_OPERATOR_PORT" in environment_of(svc):  # replicas share this host
             out["KVGATE_ROUTER_OPERATOR_PORT"] = str(free_port())
             out["KVGATE_ROUTER_OPERATOR_HOST"] = "127.0.0.1"

@@ -135,3 +135,75 @@ async def test_operator_endpoints_only_on_the_operator_port(stack: RouterProc, b
                     assert "Pw0rdInUrl" not in await r.text(), path
     finally:
         await runner.cleanup()
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 made by openssl, as an operator would make one."""
+    import subprocess
+
+    cert, key = tmp_path / "router.crt", tmp_path / "router.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+        + [
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ]
+        + ["-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    return cert, key
+
+
+async def test_tls_on_the_openai_port(nats_url, subjects, bus: Bus, tmp_path: Path) -> None:
+    """With --tls-cert / --tls-key the OpenAI port speaks https only: a client trusting the
+    certificate gets its completion proxied; a plain-http client gets no answer."""
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    workers = [await FakeWorker("w0").start(bus)]
+    beats = Beats(bus, workers).start()
+    router = await RouterProc(nats_url, subjects, tls_cert=str(cert), tls_key=str(key)).start()
+    try:
+        await router.wait_workers(1)
+        assert router.url.startswith("https://")
+        trust = ssl.create_default_context(cafile=str(cert))
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=trust)) as s:
+            async with s.post(router.url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["x-kvgate-worker"] == "w0"
+        plain = f"http://127.0.0.1:{router.port}/health"
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.ClientError):
+                async with s.get(plain, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    await r.read()
+    finally:
+        await router.stop()
+        await beats.stop()
+        for w in workers:
+            await w.stop()
+
+
+def test_tls_settings_refuse_half_or_unreadable_config(tmp_path: Path) -> None:
+    from services.router.public_surface import server_ssl_context
+
+    cert, key = _self_signed(tmp_path)
+    (tmp_path / "other").mkdir()
+    _, other_key = _self_signed(tmp_path / "other")
+    assert server_ssl_context("", "") is None
+    with pytest.raises(SystemExit, match="go together"):
+        server_ssl_context(str(cert), "")
+    with pytest.raises(SystemExit, match="go together"):
+        server_ssl_context("", str(key))
+    for bad in (tmp_path / "missing.key", other_key):  # absent; a key of another certificate
+        with pytest.raises(SystemExit, match="cannot load") as exc:
+            server_ssl_context(str(cert), str(bad))
+        assert "PRIVATE KEY" not in str(exc.value)
+    assert server_ssl_context(str(cert), str(key)) is not None

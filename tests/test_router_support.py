@@ -33,6 +33,7 @@ from services.common.tokenizer import ByteTokenizer, prompt_from_request
 from services.core.keys import block_keys
 from services.router.app import Router, start_router_http
 from services.router.cli import settings
+from services.router.public_surface import server_ssl_context
 
 BS = 16
 
@@ -319,7 +320,8 @@ class RouterProc:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.overrides.get("tls_cert") else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     async def start(self) -> RouterProc:
         st = settings(
@@ -332,7 +334,13 @@ class RouterProc:
         await self.bus.connect(max_wait_s=10)
         self.router = Router(st, self.bus)
         await self.router.start()
-        self._runner = await start_router_http(self.router, "127.0.0.1", self.port, shutdown_s=0.5)
+        self._runner = await start_router_http(
+            self.router,
+            "127.0.0.1",
+            self.port,
+            shutdown_s=0.5,
+            ssl_context=server_ssl_context(st.tls_cert, st.tls_key),
+        )
         return self
 
     async def stop(self) -> None:

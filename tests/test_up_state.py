@@ -89,7 +89,9 @@ class Up:
 
     def __init__(self, state: Path) -> None:
         self.state = state
-        self.ports = {k: free_port() for k in ("router", "api", "indexer", "telemetry", "sim")}
+        # every port a free one, the operator port too (8084 may be another stack's here)
+        names = ("router", "router-operator", "api", "indexer", "telemetry", "sim")
+        self.ports = {k: free_port() for k in names}
         argv = [sys.executable, "-m", "services.cli", "up", "--workers", "1"]
         argv += ["--state-dir", str(state)]
         for k, p in self.ports.items():
@@ -174,6 +176,12 @@ def test_state_file_token_status_second_up_and_sighup(tmp_path: Path) -> None:
         tail = _cli("alerts", "tail", "--since", "10m", "--count", "1", state=state)
         assert tail.returncode == 0, tail.stderr
         assert "FIRING" in tail.stdout and "up-state-test" in tail.stdout
+        # `kvgate index verify` too, logging in with the stack's operator credential
+        # (<state>/nats/passwords.json): NATS authorization is on under `kvgate up`
+        verify = _cli("index", "verify", "--json", state=state)
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        workers = json.loads(verify.stdout)["workers"]
+        assert [(w["worker_id"], w["status"]) for w in workers] == [("sim", "equal")], workers
 
         # a second `kvgate up` on the same state dir refuses
         second = subprocess.run(

@@ -169,21 +169,6 @@ async def tail(args: argparse.Namespace, nats_url: str, prefix: str, auth: Any =
     return 0
 
 
-def _stack_operator_auth(state_dir: str) -> Any:
-    """The operator credential `kvgate up` generated for its embedded NATS (none: no auth)."""
-    from pathlib import Path
-
-    from services.common.bus import NatsAuth
-
-    try:
-        passwords = json.loads((Path(state_dir) / "nats" / "passwords.json").read_text())
-    except (OSError, ValueError):
-        return NatsAuth()
-    if "operator" not in passwords:
-        return NatsAuth()
-    return NatsAuth(user="operator", password=str(passwords["operator"]))
-
-
 def main(args: argparse.Namespace) -> int:
     from services.common.logging import configure_logging
 
@@ -214,7 +199,7 @@ def main(args: argparse.Namespace) -> int:
 
             auth = NatsAuth.from_settings(st)
             if stack_found and auth.method == "none":
-                auth = _stack_operator_auth(st.state_dir)
+                auth = stackfile.operator_auth(st.state_dir)
             return asyncio.run(tail(args, nats_url, prefix, auth))
         except ConnectionError as exc:
             print(f"kvgate alerts tail: {exc}", file=sys.stderr)

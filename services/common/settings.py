@@ -135,7 +135,7 @@ NATS_AUTH: tuple[Option, ...] = (
 # The api signs policy notices and worker control (services.common.signing); routers accept them
 # only signed by a trusted key.
 SIGNING_SEED = option(
-    "signing_seed", "", "file holding the api's signing nkey seed (kvgate keys generate)"
+    "signing_seed", "", "file holding the api's signing nkey seed (kvgate signing-key)"
 )
 TRUSTED_SIGNERS = option(
     "trusted_signers",

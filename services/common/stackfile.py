@@ -3,8 +3,9 @@
 ``<state_dir>/stack.json`` records where the stack started by ``kvgate up`` listens (URLs,
 ports) and which processes it runs (pids); ``<state_dir>/admin-token`` holds the admin token
 ``kvgate up`` creates on its first start (mode 0600, kept across restarts). Commands such as
-``kvgate status``, ``kvgate alerts tail`` and ``kvgate api token`` read the stack file to find
-the stack when they are given no URL.
+``kvgate status``, ``kvgate alerts tail``, ``kvgate index verify`` and ``kvgate api token`` read
+the stack file to find the stack when they are given no URL; the operator tools also log in to
+its NATS with the ``operator`` password from ``<state_dir>/nats/passwords.json`` (owner-only).
 
 Invariants:
 - While a ``kvgate up`` supervises a state dir it holds an exclusive ``flock`` on
@@ -25,12 +26,16 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.common.bus import NatsAuth
 
 STACK_FILE = "stack.json"
 LOCK_FILE = "up.lock"
 TOKEN_FILE = "admin-token"
 TOKEN_PREFIX = "kvg_"
+NATS_PASSWORDS_FILE = "nats/passwords.json"  # role -> password of the embedded NATS's users
 
 
 @dataclass
@@ -124,6 +129,24 @@ def running_stack(state_dir: str | Path) -> StackState | None:
     if state is None or not is_running(state_dir):
         return None
     return state
+
+
+def nats_passwords_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / NATS_PASSWORDS_FILE
+
+
+def operator_auth(state_dir: str | Path) -> NatsAuth:
+    """The operator credential ``kvgate up`` generated for its embedded NATS (none when it runs
+    without authorization). The operator role may read alerts and ask the indexer, no more."""
+    from services.common.bus import NatsAuth
+
+    try:
+        passwords = json.loads(nats_passwords_path(state_dir).read_text())
+    except (OSError, ValueError):
+        return NatsAuth()
+    if not isinstance(passwords, dict) or "operator" not in passwords:
+        return NatsAuth()
+    return NatsAuth(user="operator", password=str(passwords["operator"]))
 
 
 # ---------------------------------------------------------------------- stale runs

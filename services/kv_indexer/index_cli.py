@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 from services.common import settings as S
 
 if TYPE_CHECKING:
+    from services.common.bus import NatsAuth
     from services.common.schemas import IndexVerifyReply
 
-OPTIONS = (S.NATS_URL, S.SUBJECT_PREFIX, S.STATE_DIR)
+OPTIONS = (S.NATS_URL, *S.NATS_AUTH, S.SUBJECT_PREFIX, S.STATE_DIR)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,14 +94,16 @@ def exit_code(reply: IndexVerifyReply) -> int:
     return 0
 
 
-async def verify(args: argparse.Namespace, nats_url: str, prefix: str) -> int:
+async def verify(
+    args: argparse.Namespace, nats_url: str, prefix: str, auth: NatsAuth | None = None
+) -> int:
     from services.common.bus import Bus, RemoteError
     from services.common.schemas import IndexVerifyReply, IndexVerifyRequest, to_builtins
     from services.common.subjects import Subjects, check_token
 
     for w in args.worker:
         check_token(w, "worker id")
-    bus = Bus(nats_url, "index-verify", Subjects(prefix))
+    bus = Bus(nats_url, "index-verify", Subjects(prefix), auth=auth, role="operator")
     await bus.connect(max_wait_s=10)
     try:
         req = IndexVerifyRequest(
@@ -130,10 +133,17 @@ def main(args: argparse.Namespace) -> int:
     st = S.resolve(args, OPTIONS)
     configure_logging("index", "warning", "console")  # logs to stderr; stdout is the result
     if args.action == "verify":
+        from services.common.bus import NatsAuth
+
         nats_url, prefix, source = st.nats_url, st.subject_prefix, "the default"
+        auth = NatsAuth.from_settings(st)
         if not stackfile.given(args, "nats_url", S.NATS_URL.env_var):
             stack = stackfile.running_stack(st.state_dir)
-            if stack is not None:  # the embedded stack of `kvgate up`, found by itself
+            if stack is not None:
+                if auth.method == "none":  # the stack's operator credential, found by itself
+                    auth = stackfile.operator_auth(
+                        st.state_dir
+                    )  # the embedded stack of `kvgate up`, found by itself
                 nats_url, source = stack.nats_url, str(stackfile.stack_path(st.state_dir))
                 if not stackfile.given(args, "subject_prefix", S.SUBJECT_PREFIX.env_var):
                     prefix = stack.subject_prefix
@@ -147,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
             )
             return 3
         try:
-            return asyncio.run(verify(args, nats_url, prefix))
+            return asyncio.run(verify(args, nats_url, prefix, auth))
         except (ConnectionError, ValueError) as exc:
             print(f"kvgate index verify: {exc}", file=sys.stderr)
             return 3

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import uuid
 from typing import Any
 
@@ -64,6 +65,7 @@ from services.router.policy_reload import PolicyReload
 from services.router.public_surface import (
     operator_on_public_port,
     public_app,
+    server_ssl_context,
     start_operator_http,
 )
 from services.router.request_path import RequestPath
@@ -284,20 +286,35 @@ class Router:
 
 
 async def start_router_http(
-    router: Router, host: str, port: int, shutdown_s: float = 5.0, reuse_port: bool = False
+    router: Router,
+    host: str,
+    port: int,
+    shutdown_s: float = 5.0,
+    reuse_port: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> web.AppRunner:
-    """Serve the router's app; on stop, in-flight requests get ``shutdown_s`` to finish."""
+    """Serve the router's app (https with ``ssl_context``); on stop, in-flight requests get
+    ``shutdown_s`` to finish."""
     runner = web.AppRunner(
         router.make_app(), access_log=None, handle_signals=False, shutdown_timeout=shutdown_s
     )
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None).start()
+    site = web.TCPSite(
+        runner,
+        host,
+        port,
+        reuse_address=True,
+        reuse_port=reuse_port or None,
+        ssl_context=ssl_context,
+    )
+    await site.start()
     return runner
 
 
 async def serve(st: Any, stop: asyncio.Event) -> None:
     from services.common.subjects import Subjects
 
+    tls = server_ssl_context(getattr(st, "tls_cert", ""), getattr(st, "tls_key", ""))
     bus = Bus(
         st.nats_url,
         f"router-{st.router_id or 'r'}",
@@ -309,13 +326,14 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     router = Router(st, bus)
     await router.start()
     runner = await start_router_http(
-        router, st.host, st.port, reuse_port=getattr(st, "reuse_port", False)
+        router, st.host, st.port, reuse_port=getattr(st, "reuse_port", False), ssl_context=tls
     )
     operator = await start_operator_http(st, router.operator_routes())
     log.info(
         "router listening",
         host=st.host,
         port=st.port,
+        tls=tls is not None,
         router_id=router.router_id,
         policy=router.policies.control.spec,
     )

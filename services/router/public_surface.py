@@ -8,6 +8,8 @@
 - **Body limit**: a request body above ``--max-body-bytes`` is refused from its Content-Length
   before anything is read, and while reading when no length was sent (chunked); the prompt's
   text is measured (``--max-prompt-chars``) before the tokenizer sees it.
+- **TLS** (optional): with ``--tls-cert`` and ``--tls-key`` the OpenAI port serves https
+  itself (for a router without a TLS-terminating gateway in front).
 - **Errors in OpenAI's shape**: every error the public port returns, aiohttp's own 404, 405
   and 413 included, is ``{"error": {"message", "type", "param", "code"}}``.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -68,7 +71,39 @@ OPTIONS = (
         "address of the operator port",
         env="KVGATE_ROUTER_OPERATOR_HOST",
     ),
+    S.option(
+        "tls_cert",
+        "",
+        "PEM certificate (chain) of the OpenAI port: serve https; needs --tls-key",
+        env="KVGATE_ROUTER_TLS_CERT",
+    ),
+    S.option(
+        "tls_key",
+        "",
+        "PEM private key of --tls-cert",
+        env="KVGATE_ROUTER_TLS_KEY",
+    ),
 )
+
+
+def server_ssl_context(cert: str, key: str) -> ssl.SSLContext | None:
+    """The OpenAI port's TLS context (None: plain http). Both files or neither; a file that
+    cannot be loaded stops the router with the reason (never the key's contents)."""
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise SystemExit("router: --tls-cert and --tls-key go together (give both or neither)")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(
+            f"router: cannot load the TLS certificate {cert} / key {key}: "
+            f"{type(exc).__name__}: {getattr(exc, 'strerror', None) or exc.args[-1]}"
+        ) from None
+    return ctx
+
 
 REFUSED = Counter(
     "kvgate_router_refused_total",
