@@ -29,6 +29,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from services.core.index_common import TIER_BIT, IndexQueries
+
 try:
     from services.core import _cindex
 
@@ -57,13 +59,7 @@ def chain_keys(token_ids, block_size: int, seed: int, max_blocks: int = -1) -> l
     return _cindex.chain_keys(token_ids, block_size, seed, max_blocks)
 
 
-def _tier_bit() -> dict[str, int]:
-    from services.core.index import TIER_BIT
-
-    return TIER_BIT
-
-
-class CPrefixIndex:
+class CPrefixIndex(IndexQueries):
     """See :class:`services.core.index.PyPrefixIndex` for the contract (identical)."""
 
     def __init__(self, max_blocks: int | None = None, record_evictions: bool = False) -> None:
@@ -114,7 +110,7 @@ class CPrefixIndex:
         if s is None or not self._t.get(key) >> s & 1:
             return ()
         cur = self._tiers.get(key, 0) >> (3 * s) & 7 or 1
-        tb = _tier_bit()
+        tb = TIER_BIT
         return tuple(t for t in tb if cur & tb[t])
 
     def _held(self, s: int):
@@ -155,10 +151,6 @@ class CPrefixIndex:
         held = self._held(s).copy()
         held.sort()
         return held
-
-    def tier_of(self, worker: str, key: int) -> str | None:
-        tiers = self.tiers_of(worker, key)
-        return tiers[0] if tiers else None
 
     # ------------------------------------------------------------------ slots
     def _slot(self, worker: str) -> int:
@@ -215,7 +207,7 @@ class CPrefixIndex:
                             tiers[k] = t | (1 << sh)
                 t_.put(k, m, True)
         else:
-            tb = _tier_bit()[tier]
+            tb = TIER_BIT[tier]
             clear = ~(7 << sh)
             for k in keys:
                 m = t_.get(k)
@@ -243,7 +235,7 @@ class CPrefixIndex:
         bit = 1 << s
         sh = 3 * s
         clear = ~(7 << sh)
-        tb = _tier_bit()[tier] if tier is not None else 7
+        tb = TIER_BIT[tier] if tier is not None else 7
         removed = 0
         for k in keys:
             m = t_.get(k)
@@ -318,10 +310,6 @@ class CPrefixIndex:
         if self.record_evictions:
             self.evicted.extend(victims)
 
-    def take_evicted(self) -> list[int]:
-        out, self.evicted = self.evicted, []
-        return out
-
     # ------------------------------------------------------------------ queries
     def find_matches(self, keys: Sequence[int]) -> dict[str, int]:
         return self._t.find(keys, self._names)
@@ -330,23 +318,6 @@ class CPrefixIndex:
         self, token_ids: Sequence[int], block_size: int, seed: int = 0
     ) -> dict[str, int]:
         return self._t.match(token_ids, block_size, seed, self._names)
-
-    def find_matches_by_tier(self, keys: Sequence[int]) -> dict[str, tuple[int, int, int, int]]:
-        out: dict[str, tuple[int, int, int, int]] = {}
-        tiers = self._tiers
-        for w, n in self.find_matches(keys).items():
-            sh = 3 * self._slot_of[w]
-            g = c = dk = 0
-            for k in keys[:n]:
-                cur = tiers.get(k, 0) >> sh & 7 or 1 if tiers else 1
-                if cur & 1:
-                    g += 1
-                elif cur & 2:
-                    c += 1
-                else:
-                    dk += 1
-            out[w] = (n, g, c, dk)
-        return out
 
     # ------------------------------------------------------------------ snapshots
     def export_state(self) -> IndexState:

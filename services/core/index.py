@@ -50,12 +50,12 @@ from typing import Any
 
 import xxhash
 
+from services.core.index_common import TIER_BIT, IndexQueries
 from services.core.keys import block_chunks
 
 _xxh3 = xxhash.xxh3_64_intdigest  # the primitive of services.core.keys, bound for the hot loop
 
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk")
-TIER_BIT: dict[str, int] = {"gpu": 1, "cpu": 2, "disk": 4}
 _M64 = (1 << 64) - 1
 SYNC_SCRUB_KEYS = 50_000  # clear_worker scrubs at once below this many keys
 LAZY_HEAD_BLOCKS = 16  # match_prompt hashes in stretches of 16, 32, 64, ... blocks
@@ -138,7 +138,7 @@ def _assign(mask: int, depth: int, names: list, result: dict[str, int]) -> None:
         result[names[slot]] = depth
 
 
-class PyPrefixIndex:
+class PyPrefixIndex(IndexQueries):
     """The pure-Python index (the reference; the fallback when the C extension is absent)."""
 
     def __init__(self, max_blocks: int | None = None, record_evictions: bool = False) -> None:
@@ -228,11 +228,6 @@ class PyPrefixIndex:
         held = keys[(masks >> np.uint64(s)) & np.uint64(1) == 1]
         held.sort()
         return held
-
-    def tier_of(self, worker: str, key: int) -> str | None:
-        """The fastest tier ``worker`` holds ``key`` on (gpu > cpu > disk), or None."""
-        tiers = self.tiers_of(worker, key)
-        return tiers[0] if tiers else None
 
     # ------------------------------------------------------------------ slots
     def _slot(self, worker: str) -> int:
@@ -472,10 +467,6 @@ class PyPrefixIndex:
         if self.record_evictions:
             self.evicted.extend(victims)
 
-    def take_evicted(self) -> list[int]:
-        out, self.evicted = self.evicted, []
-        return out
-
     # ------------------------------------------------------------------ queries
     def find_matches(self, keys: Sequence[int]) -> dict[str, int]:
         """Per worker, how many leading keys of ``keys`` it holds (workers with 0 omitted)."""
@@ -533,25 +524,6 @@ class PyPrefixIndex:
                 depth += 1
         _assign(active, depth, names, result)
         return result
-
-    def find_matches_by_tier(self, keys: Sequence[int]) -> dict[str, tuple[int, int, int, int]]:
-        """Per worker: (matched blocks, of which on gpu, on cpu, on disk) — a block on several
-        tiers counts once, on its fastest tier."""
-        out: dict[str, tuple[int, int, int, int]] = {}
-        tiers = self._tiers
-        for w, n in self.find_matches(keys).items():
-            sh = 3 * self._slot_of[w]
-            g = c = dk = 0
-            for k in keys[:n]:
-                cur = tiers.get(k, 0) >> sh & 7 or 1 if tiers else 1
-                if cur & 1:
-                    g += 1
-                elif cur & 2:
-                    c += 1
-                else:
-                    dk += 1
-            out[w] = (n, g, c, dk)
-        return out
 
     # ------------------------------------------------------------------ snapshots
     def export_state(self) -> IndexState:
