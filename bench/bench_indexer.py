@@ -23,7 +23,13 @@ Measures, on one core (the process pins itself to one CPU unless --no-pin):
 5. a new router replica (IndexReplica over a real NATS) holding all N blocks: seconds.
 
 Prints a table with our figure, the peer's, the ratio and the target; writes JSON under
-bench/results/indexer/. If ``ai-dynamo-runtime`` is not installed it says so and prints ours.
+bench/results/indexer/. If ``ai-dynamo-runtime`` is not installed it says so and prints ours (it need not be in the
+project's venv: ``pip install --target DIR ai-dynamo-runtime==1.6.1`` and put DIR on
+PYTHONPATH). Memory is measured at 8, 100, 200 and 1,000 workers (``--mem-workers``).
+
+    python -m bench.bench_indexer --scale 1000x10M     # 1,000 workers, 10 M blocks, 3 runs
+
+runs only the scale mode (bench/bench_index_scale.py): replica bootstrap and decision p50.
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ class Workload:
         return len(self.suffixes)
 
 
-def make_workload(pairs: int, seed: int = 1) -> Workload:
+def make_workload(pairs: int, seed: int = 1, workers: int = WORKERS) -> Workload:
     rng = np.random.default_rng(seed)
     own = PROMPT_BLOCKS - PREFIX_BLOCKS
     n_seq = max(8, pairs // own)
@@ -88,7 +94,7 @@ def make_workload(pairs: int, seed: int = 1) -> Workload:
         prefixes=rng.integers(0, 50_000, size=(N_PREFIXES, PREFIX_BLOCKS * BLOCK), dtype=np.int64),
         suffixes=rng.integers(0, 50_000, size=(n_seq, own * BLOCK), dtype=np.int64),
         prefix_of=rng.integers(0, N_PREFIXES, size=n_seq),
-        worker_of=rng.integers(0, WORKERS, size=n_seq),
+        worker_of=rng.integers(0, workers, size=n_seq),
     )
 
 
@@ -359,9 +365,9 @@ def bench_queries(w: Workload, events, n_queries: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- 4. memory
 
 
-def _memory_child(side: str, pairs: int, cap: int) -> None:
+def _memory_child(side: str, pairs: int, cap: int, workers: int) -> None:
     """Run in a fresh process: build the index, print JSON with the RSS delta."""
-    w = make_workload(pairs)
+    w = make_workload(pairs, workers=workers)
     events = our_events(w)
     if side == "peer":
         feed = []
@@ -427,7 +433,7 @@ def _memory_child(side: str, pairs: int, cap: int) -> None:
     )
 
 
-def bench_memory(pairs: int, cap: int) -> dict[str, Any]:
+def bench_memory(pairs: int, cap: int, workers: int = WORKERS, capped: bool = True) -> dict:
     def child(side: str, c: int) -> dict[str, Any]:
         cmd = [
             sys.executable,
@@ -439,6 +445,8 @@ def bench_memory(pairs: int, cap: int) -> dict[str, Any]:
             str(pairs),
             "--cap",
             str(c),
+            "--workers",
+            str(workers),
         ]
         out = subprocess.run(
             cmd,
@@ -451,7 +459,9 @@ def bench_memory(pairs: int, cap: int) -> dict[str, Any]:
             raise RuntimeError(out.stderr[-2000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    res = {"ours": child("ours", 0), "ours_capped": child("ours", cap)}
+    res = {"ours": child("ours", 0), "workers": workers}
+    if capped:
+        res["ours_capped"] = child("ours", cap)
     res["replica"] = child("replica", 0)
     if PEER:
         res["peer"] = child("peer", 0)
@@ -559,18 +569,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queries", type=int, default=0, help="queries per kind")
     ap.add_argument("--cap", type=int, default=0, help="memory cap for the capped run")
     ap.add_argument("--no-pin", action="store_true", help="do not pin to one CPU")
+    ap.add_argument(
+        "--mem-workers",
+        default="8,100,200,1000",
+        help="worker counts the memory per pair is measured at (comma-separated)",
+    )
+    ap.add_argument("--workers", type=int, default=WORKERS, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--scale",
+        default="",
+        metavar="WORKERSxBLOCKS",
+        help="only the scale mode, e.g. 1000x10M: replica bootstrap and decision p50 at that "
+        "size (targets: bootstrap <= 5 s, decision p50 <= 200 us)",
+    )
+    ap.add_argument("--runs", type=int, default=3, help="scale mode: runs")
     ap.add_argument("--skip", default="", help="comma-separated: ingest,vllm,query,memory,nats")
     ap.add_argument("--out", default="bench/results/indexer", help="results directory")
     ap.add_argument("--_memory-child", dest="memory_child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     pairs = args.pairs or (250_000 if args.quick else 1_000_000)
     if args.memory_child:
-        _memory_child(args.memory_child, pairs, args.cap)
+        _memory_child(args.memory_child, pairs, args.cap, args.workers)
         return 0
     if not args.no_pin and hasattr(os, "sched_setaffinity"):
         cpu = sorted(os.sched_getaffinity(0))[-1]
         os.sched_setaffinity(0, {cpu})
+    if args.scale:
+        from bench.bench_index_scale import main_scale
+
+        return main_scale(args.scale, args.runs, args.queries or 2000, args.out)
     skip = set(filter(None, args.skip.split(",")))
+    mem_workers = [int(x) for x in args.mem_workers.split(",") if x]
     n_queries = args.queries or (300 if args.quick else 1000)
     cap = args.cap or pairs // 2
     if not PEER:
@@ -649,69 +678,73 @@ def main(argv: list[str] | None = None) -> int:
                 )
         print("  queries done", flush=True)
     if "memory" not in skip:
-        m = bench_memory(pairs, cap)
-        extra["memory"] = m
-        o = m["ours"]
-        per = o["rss_delta"] / o["pairs"]
-        peer_per = m["peer"]["rss_delta"] / o["pairs"] if "peer" in m else None
-        rows.append(
-            row(
-                "memory per stored pair, indexer (RSS)",
-                per,
-                peer_per,
-                "B/pair",
-                "<= 71 B",
-                per <= 71,
-                better="lower",
-            )
-        )
-        rows.append(
-            row(
-                "memory per stored pair, indexer (tracemalloc)",
-                o["traced"] / o["pairs"],
-                None,
-                "B/pair",
-                "<= 71 B",
-                o["traced"] / o["pairs"] <= 71,
-                better="lower",
-            )
-        )
-        if "replica" in m:
-            r = m["replica"]
+        extra["memory"] = {}
+        for n_w in mem_workers:
+            m = bench_memory(pairs, cap, n_w, capped=n_w == mem_workers[0])
+            extra["memory"][n_w] = m
+            o = m["ours"]
+            per = o["rss_delta"] / o["pairs"]
+            peer_per = m["peer"]["rss_delta"] / o["pairs"] if "peer" in m else None
+            tr = o["traced"] / o["pairs"]
             rows.append(
                 row(
-                    "memory per stored pair, router replica (RSS)",
-                    r["rss_delta"] / r["pairs"],
+                    f"memory per pair, indexer, {n_w} workers (RSS)",
+                    per,
+                    peer_per,
+                    "B/pair",
+                    "<= 71 B",
+                    per <= 71,
+                    better="lower",
+                )
+            )
+            rows.append(
+                row(
+                    f"memory per pair, indexer, {n_w} workers (tracemalloc)",
+                    tr,
+                    None,
+                    "B/pair",
+                    "<= 71 B",
+                    tr <= 71,
+                    better="lower",
+                )
+            )
+            r = m["replica"]
+            rr, rt = r["rss_delta"] / r["pairs"], r["traced"] / r["pairs"]
+            rows.append(
+                row(
+                    f"memory per pair, router replica, {n_w} workers (RSS)",
+                    rr,
                     peer_per,
                     "B/pair",
                     "<= 100 B",
-                    r["rss_delta"] / r["pairs"] <= 100,
+                    rr <= 100,
                     better="lower",
                 )
             )
             rows.append(
                 row(
-                    "memory per stored pair, router replica (tracemalloc)",
-                    r["traced"] / r["pairs"],
+                    f"memory per pair, router replica, {n_w} workers (tracemalloc)",
+                    rt,
                     None,
                     "B/pair",
                     "<= 100 B",
-                    r["traced"] / r["pairs"] <= 100,
+                    rt <= 100,
                     better="lower",
                 )
             )
-        c = m["ours_capped"]
-        rows.append(
-            row(
-                f"pairs kept with cap {cap:,} (evicted {c['evicted']:,})",
-                c["pairs"],
-                None,
-                "pairs",
-                f"<= {cap:,}",
-                c["pairs"] <= cap,
-            )
-        )
-        print("  memory done", flush=True)
+            if "ours_capped" in m:
+                c = m["ours_capped"]
+                rows.append(
+                    row(
+                        f"pairs kept with cap {cap:,} (evicted {c['evicted']:,})",
+                        c["pairs"],
+                        None,
+                        "pairs",
+                        f"<= {cap:,}",
+                        c["pairs"] <= cap,
+                    )
+                )
+            print(f"  memory at {n_w} workers done", flush=True)
     if "nats" not in skip:
         r = asyncio.run(_bench_nats(events))
         extra["nats"] = r

@@ -111,13 +111,71 @@ def _same(a, b, keys: list[int], workers: list[str]) -> None:
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS, cap=st.sampled_from([None, None, 12, 40]), tiers=st.booleans())
 def test_compiled_index_equals_reference(ops: list, cap: int | None, tiers: bool) -> None:
+    _run_both(ops, cap, tiers, preload=0, n_workers=70)
+
+
+WIDE_WORKER = st.integers(0, 299)
+WIDE_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("store"), WIDE_WORKER, st.lists(KEYS, max_size=12), TIER),
+        st.tuples(
+            st.just("remove"),
+            WIDE_WORKER,
+            st.lists(KEYS, max_size=12),
+            st.sampled_from([None, None, "gpu", "cpu", "disk"]),
+        ),
+        st.tuples(st.just("clear"), WIDE_WORKER),
+        st.tuples(st.just("drop"), st.lists(KEYS, max_size=6)),
+        st.tuples(st.just("find"), st.lists(KEYS, max_size=12)),
+        st.tuples(st.just("snapshot")),
+        # one key gets 1..6 holders in a row: crosses the inline (<= 3) / pooled threshold
+        st.tuples(st.just("spread"), KEYS, WIDE_WORKER, st.integers(1, 6)),
+        st.tuples(st.just("unspread"), KEYS, WIDE_WORKER, st.integers(1, 6)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=WIDE_OPS,
+    cap=st.sampled_from([None, None, 60, 400]),
+    tiers=st.booleans(),
+    preload=st.sampled_from([0, 65, 130, 300]),
+)
+def test_compiled_index_equals_reference_wide(
+    ops: list, cap: int | None, tiers: bool, preload: int
+) -> None:
+    """Up to 300 workers: holder sets inline (<= 3 slots) and pooled (more), the switch from
+    the one-word bitmask when slot 64 is first used (preload), and back and forth across the
+    inline threshold as holders come and go."""
+    _run_both(ops, cap, tiers, preload=preload, n_workers=300)
+
+
+def _run_both(ops: list, cap: int | None, tiers: bool, preload: int, n_workers: int) -> None:
     ref = PyPrefixIndex(max_blocks=cap, record_evictions=True)
     got = cindex.CPrefixIndex(max_blocks=cap, record_evictions=True)
     all_keys = [_key(k) for k in range(41)]
-    workers = [f"w{i}" for i in range(70)]
+    workers = [f"w{i}" for i in range(n_workers)]
+    for i in range(preload):  # slots 0..preload-1, each key with ~preload/41 holders
+        for idx in (ref, got):
+            idx.apply_stored(workers[i], [_key(i * 7 % 41)])
+        assert got.take_evicted() == ref.take_evicted()
+    for i in range(0, preload, 3):  # free every third slot (reused by later stores)
+        assert got.clear_worker(workers[i]) == ref.clear_worker(workers[i])
+    if preload:
+        _same(got, ref, all_keys, workers)
     for op in ops:
         kind = op[0]
-        if kind == "store":
+        if kind in ("spread", "unspread"):
+            k, first, n = _key(op[1]), op[2], op[3]
+            for w in workers[first : first + n]:
+                if kind == "spread":
+                    assert got.apply_stored(w, [k]) == ref.apply_stored(w, [k])
+                    assert got.take_evicted() == ref.take_evicted()
+                else:
+                    assert got.apply_removed(w, [k]) == ref.apply_removed(w, [k])
+        elif kind == "store":
             ks = [_key(k) for k in op[2]]
             tier = op[3] if tiers else "gpu"
             assert got.apply_stored(workers[op[1]], ks, tier) == ref.apply_stored(
@@ -149,7 +207,9 @@ def test_compiled_index_equals_reference(ops: list, cap: int | None, tiers: bool
             )
             _same(ref2, ref, all_keys, workers)
         _same(got, ref, all_keys, workers)
-    for w in workers[:12]:
+        if got._t.width > 1:  # wide: a pool entry for exactly the keys with > 3 holders
+            assert got._t.pooled == sum(m.bit_count() > 3 for m in ref._masks.values())
+    for w in workers[:12] + workers[60:70] + workers[-5:]:
         assert got.pairs_of(w) == ref.pairs_of(w)
         g, r = got.gpu_keys_of(w), ref.gpu_keys_of(w)
         if r is not None:

@@ -26,7 +26,16 @@ from services.common.schemas import (
 from services.common.service import start_http
 from services.common.streams import ensure_kv_events_stream
 from services.common.subjects import Subjects
-from tests.test_kv_support import batch, chain, hb, indexer, replica, stored, wait_until
+from tests.test_kv_support import (
+    batch,
+    caught_up,
+    chain,
+    hb,
+    indexer,
+    replica,
+    stored,
+    wait_until,
+)
 
 
 async def test_events_reach_index_and_replicas(bus: Bus, nats_url: str, subjects: Subjects) -> None:
@@ -49,7 +58,7 @@ async def test_events_reach_index_and_replicas(bus: Bus, nats_url: str, subjects
                 batch("w2", 1, [BlockRemoved(keys=b[3:]), stored(a[:2], tier="cpu")]),
             )
             await wait_until(lambda: svc.core.workers["w2"].last_seq == 1)
-            await wait_until(lambda: rep.delta_seq == svc.delta_seq)
+            await wait_until(lambda: caught_up(svc, rep))
             for q in (a, b):
                 assert rep.index.find_matches(q) == svc.core.index.find_matches(q)
             assert rep.index.find_matches(a) == {"w1": 8, "w2": 2}
@@ -107,7 +116,7 @@ async def test_gap_resyncs_from_worker_dump(bus: Bus, nats_url: str, subjects: S
         await bus.js_publish(subjects.kv_events("w1"), batch("w1", 4, [BlockRemoved(keys=a[5:])]))
         await wait_until(lambda: svc.core.workers["w1"].last_seq == 4)
         assert svc.core.counts["duplicates"] == 1
-        await wait_until(lambda: rep.delta_seq == svc.delta_seq)
+        await wait_until(lambda: caught_up(svc, rep))
         assert rep.index.find_matches(a) == svc.core.index.find_matches(a) == {"w1": 5}
         # a tail gap: the heartbeat says seq 6 was published, nothing arrives -> resync
         await bus.publish(subjects.heartbeat("w1"), hb("w1", kv_seq=6))
@@ -146,7 +155,7 @@ async def test_worker_lifecycle_expiry_and_restart(
         # heartbeats stop: w2 (and w1) are dropped with their blocks; the replica follows
         await wait_until(lambda: not svc.core.workers, timeout=5, what="expiry")
         assert len(svc.core.index) == 0
-        await wait_until(lambda: rep.delta_seq == svc.delta_seq)
+        await wait_until(lambda: caught_up(svc, rep))
         assert len(rep.index) == 0 and rep.index.find_matches(a) == {}
 
 
@@ -274,7 +283,7 @@ async def test_replica_resnapshots_on_a_delta_gap(
         await bus.publish(subjects.heartbeat("w1"), hb("w1"))
         await wait_until(lambda: "w1" in svc.core.workers)
         await bus.js_publish(subjects.kv_events("w1"), batch("w1", 0, [stored(a[:2])]))
-        await wait_until(lambda: rep.delta_seq == svc.delta_seq >= 0)
+        await wait_until(lambda: caught_up(svc, rep) and svc.delta_seq >= 0)
         assert rep.snapshots == 1
         # a delta that skips ahead (the ones in between were lost): the replica must not
         # apply it, but re-snapshot, and converge once the indexer moves past it
@@ -291,7 +300,7 @@ async def test_replica_resnapshots_on_a_delta_gap(
                 subjects.kv_events("w1"), batch("w1", i, [stored(a[i + 1 : i + 2], a[i])])
             )
         await wait_until(lambda: svc.core.workers["w1"].last_seq == 5)
-        await wait_until(lambda: rep.delta_seq == svc.delta_seq and not rep._want.is_set())
+        await wait_until(lambda: caught_up(svc, rep) and not rep._want.is_set())
         assert rep.index.find_matches(a) == svc.core.index.find_matches(a) == {"w1": 7}
         assert "ghost" not in rep.index.workers()
         assert rep.resyncs >= 1

@@ -356,6 +356,9 @@ class SnapshotChunk(Message):
     tier_keys: bytes = b""
     tier_values: list[bytes] = []
     error: str | None = None
+    # past 64 slots: one row per (key, slot) pair, ``keys`` repeated per holder and the slot of
+    # each row here (uint32 LE); ``masks`` is then empty. None: the mask form above.
+    pair_slots: bytes | None = None
 
 
 class IndexVerifyRequest(Message):

@@ -7,14 +7,18 @@
  *    Tested bit for bit against the `xxhash` package on random inputs (tests/test_cindex.py).
  *
  * 2. KeyTable: an open-addressing hash table (linear probing, backward-shift deletion, no
- *    tombstones) from a uint64 block key to a bitmask of worker slots, W 64-bit words per key
- *    (W grows when a slot >= 64*W is used), with per-slot pair counts and a live-slot mask.
+ *    tombstones) from a uint64 block key to the set of worker slots holding it, kept in one
+ *    holder word per key (a bitmask up to 64 slots; past 64, up to 3 slot ids inline or a
+ *    pooled bitmask of W words: see "KeyTable" below), with per-slot pair counts and a
+ *    live-slot mask.
  *    With LRU tracking on, each touch of a key appends it to a log and stamps the entry with
  *    the log position; the least-recently-stored keys are the log entries whose stamp is still
  *    current, oldest first (stale log entries are skipped and compacted away).
  *
  * Invariants (checked by the property tests against the pure-Python PrefixIndex):
- * - a key is in the table iff its mask is non-zero;
+ * - a key is in the table iff its holder word is non-zero;
+ * - wide mode: a key's holders are inline iff there are at most 3 of them; every pool entry
+ *   in use is referenced by exactly one key;
  * - counts[s] = number of keys whose mask has bit s, for every live slot s; pairs = the sum of
  *   counts over live slots; bits of dead slots are scrubbed by clear_slot before it returns;
  * - with tracking, the current log entries are exactly the table's keys, in LRU order.
@@ -330,17 +334,28 @@ static const uint8_t *tokens_block(TokenSource *ts, Py_ssize_t b, Py_ssize_t blo
 
 /* ------------------------------------------------------------------------------------------
  * KeyTable
+ *
+ * One entry = two words: the key and its holder word H. H = 0: empty entry.
+ * - narrow mode (W == 1: every slot < 64): H is the bitmask of the slots holding the key;
+ * - wide mode (W > 1): H is tagged. Bit 0 set: an inline list of 1..3 slot ids (count in
+ *   bits 1-2, ids of 20 bits at bits 4, 24, 44). Bit 0 clear: (p + 1) << 1 for pool entry p,
+ *   a W-word bitmask, used iff the key has more than INL_MAX holders (canonical form).
+ * So a key held by few workers costs 16 bytes whatever the namespace's size, and only keys
+ * held by many pay W words (shared among those many pairs).
  * ---------------------------------------------------------------------------------------- */
+
+#define INL_MAX 3
+#define INL_BITS 20
+#define MAX_SLOTS (1 << INL_BITS)
 
 typedef struct {
     PyObject_HEAD
-    uint64_t *ent;      /* cap entries of W + 1 words: the key, then its mask words (one
-                           cache line per probe for W = 1); an all-zero mask = empty entry */
+    uint64_t *ent;      /* cap entries of 2 words: key, holder word (0 = empty) */
     uint64_t *stamps;   /* cap, only with tracking: log position of the key's last touch */
     Py_ssize_t cap;     /* power of two */
     int shift;          /* 64 - log2(cap) */
     Py_ssize_t used;    /* keys */
-    Py_ssize_t W;       /* mask words per key */
+    Py_ssize_t W;       /* words of a slot bitmask (live, counts, pool entries) */
     uint64_t *live;     /* W words */
     uint64_t *scratch;  /* 2 * W words for queries */
     int64_t *counts;    /* 64 * W */
@@ -349,40 +364,232 @@ typedef struct {
     uint64_t *log;      /* keys by touch order */
     Py_ssize_t log_len, log_cap, log_head;
     uint64_t log_base;  /* stamp of log[0] */
+    uint64_t *pool;     /* wide mode: pool_cap entries of W words */
+    Py_ssize_t pool_len, pool_cap, pool_used, pool_free; /* pool_free: free-list head or -1 */
 } KeyTable;
 
-#define KEY(t, i) ((t)->ent[(size_t)(i) * (size_t)((t)->W + 1)])
-#define MASK(t, i) ((t)->ent + (size_t)(i) * (size_t)((t)->W + 1) + 1)
+#define KEY(t, i) ((t)->ent[2 * (size_t)(i)])
+#define H(t, i) ((t)->ent[2 * (size_t)(i) + 1])
+#define HINL(h) ((h) & 1)
+#define INL_N(h) ((int)(((h) >> 1) & 3))
+#define INL_ID(h, j) ((Py_ssize_t)(((h) >> (4 + INL_BITS * (j))) & (MAX_SLOTS - 1)))
+#define HREF(p) (((uint64_t)(p) + 1) << 1)
+#define HPOOL(h) ((Py_ssize_t)((h) >> 1) - 1)
+#define POOLM(t, h) ((t)->pool + (size_t)HPOOL(h) * (size_t)(t)->W)
+
+static inline uint64_t inl_make(const Py_ssize_t *ids, int n) {
+    uint64_t h = 1 | ((uint64_t)n << 1);
+    for (int j = 0; j < n; j++) h |= (uint64_t)ids[j] << (4 + INL_BITS * j);
+    return h;
+}
 
 static inline Py_ssize_t home(const KeyTable *t, uint64_t k) {
     return (Py_ssize_t)((k * 0x9E3779B97F4A7C15ULL) >> t->shift);
 }
 
-static inline int empty_at(const KeyTable *t, Py_ssize_t i) {
-    const uint64_t *m = MASK(t, i);
-    for (Py_ssize_t w = 0; w < t->W; w++)
-        if (m[w]) return 0;
-    return 1;
-}
-
 static inline Py_ssize_t find(const KeyTable *t, uint64_t k) {
     Py_ssize_t mask = t->cap - 1, i = home(t, k);
-    if (t->W == 1) {
-        for (;;) {
-            if (!t->ent[2 * i + 1]) return -1;
-            if (t->ent[2 * i] == k) return i;
-            i = (i + 1) & mask;
-        }
-    }
     for (;;) {
-        if (empty_at(t, i)) return -1;
-        if (KEY(t, i) == k) return i;
+        if (!t->ent[2 * i + 1]) return -1;
+        if (t->ent[2 * i] == k) return i;
         i = (i + 1) & mask;
     }
 }
 
-static int alloc_arrays(KeyTable *t, Py_ssize_t cap, Py_ssize_t W) {
-    uint64_t *ent = (uint64_t *)PyMem_Calloc((size_t)(cap * (W + 1)), 8);
+/* ---- the pool of wide bitmasks */
+
+static Py_ssize_t pool_alloc(KeyTable *t) {
+    Py_ssize_t p, W = t->W;
+    if (t->pool_free >= 0) {
+        p = t->pool_free;
+        t->pool_free = (Py_ssize_t)(int64_t)t->pool[(size_t)p * W];
+    } else {
+        if (t->pool_len == t->pool_cap) {
+            Py_ssize_t nc = t->pool_cap ? t->pool_cap * 2 : 64;
+            uint64_t *np_ = (uint64_t *)PyMem_Realloc(t->pool, (size_t)nc * (size_t)W * 8);
+            if (!np_) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            t->pool = np_;
+            t->pool_cap = nc;
+        }
+        p = t->pool_len++;
+    }
+    memset(t->pool + (size_t)p * W, 0, (size_t)W * 8);
+    t->pool_used++;
+    return p;
+}
+
+static void pool_release(KeyTable *t, Py_ssize_t p) {
+    t->pool[(size_t)p * t->W] = (uint64_t)(int64_t)t->pool_free;
+    t->pool_free = p;
+    t->pool_used--;
+}
+
+/* ---- holder sets, both modes */
+
+static inline int h_has(const KeyTable *t, uint64_t h, Py_ssize_t s) {
+    if (t->W == 1) return s < 64 && ((h >> s) & 1);
+    if (!h) return 0;
+    if (HINL(h)) {
+        int n = INL_N(h);
+        for (int j = 0; j < n; j++)
+            if (INL_ID(h, j) == s) return 1;
+        return 0;
+    }
+    if (s >= 64 * t->W) return 0;
+    return (POOLM(t, h)[s >> 6] >> (s & 63)) & 1;
+}
+
+/* Add slot s (< 64 * W) to entry i's holders: 1 added, 0 already held, -1 error. */
+static int h_add(KeyTable *t, Py_ssize_t i, Py_ssize_t s) {
+    uint64_t h = H(t, i);
+    if (t->W == 1) {
+        uint64_t b = 1ULL << s;
+        if (h & b) return 0;
+        H(t, i) = h | b;
+        return 1;
+    }
+    if (!h) {
+        H(t, i) = inl_make(&s, 1);
+        return 1;
+    }
+    if (HINL(h)) {
+        int n = INL_N(h);
+        Py_ssize_t ids[INL_MAX + 1];
+        for (int j = 0; j < n; j++) {
+            ids[j] = INL_ID(h, j);
+            if (ids[j] == s) return 0;
+        }
+        if (n < INL_MAX) {
+            ids[n] = s;
+            H(t, i) = inl_make(ids, n + 1);
+            return 1;
+        }
+        Py_ssize_t p = pool_alloc(t);
+        if (p < 0) return -1;
+        uint64_t *pm = t->pool + (size_t)p * t->W;
+        ids[n] = s;
+        for (int j = 0; j <= n; j++) pm[ids[j] >> 6] |= 1ULL << (ids[j] & 63);
+        H(t, i) = HREF(p);
+        return 1;
+    }
+    uint64_t *pm = POOLM(t, h);
+    uint64_t b = 1ULL << (s & 63);
+    if (pm[s >> 6] & b) return 0;
+    pm[s >> 6] |= b;
+    return 1;
+}
+
+/* Remove slot s from entry i's holders: 1 removed, 0 not held. Leaves H = 0 when no holder
+ * is left (the caller deletes the entry). */
+static int h_del(KeyTable *t, Py_ssize_t i, Py_ssize_t s) {
+    uint64_t h = H(t, i);
+    if (t->W == 1) {
+        if (s >= 64) return 0;
+        uint64_t b = 1ULL << s;
+        if (!(h & b)) return 0;
+        H(t, i) = h & ~b;
+        return 1;
+    }
+    if (!h) return 0;
+    if (HINL(h)) {
+        int n = INL_N(h), k = 0, hit = 0;
+        Py_ssize_t ids[INL_MAX];
+        for (int j = 0; j < n; j++) {
+            Py_ssize_t x = INL_ID(h, j);
+            if (x == s)
+                hit = 1;
+            else
+                ids[k++] = x;
+        }
+        if (!hit) return 0;
+        H(t, i) = k ? inl_make(ids, k) : 0;
+        return 1;
+    }
+    if (s >= 64 * t->W) return 0;
+    uint64_t *pm = POOLM(t, h);
+    uint64_t b = 1ULL << (s & 63);
+    if (!(pm[s >> 6] & b)) return 0;
+    pm[s >> 6] &= ~b;
+    Py_ssize_t W = t->W, cnt = 0;
+    for (Py_ssize_t w = 0; w < W && cnt <= INL_MAX; w++) cnt += __builtin_popcountll(pm[w]);
+    if (cnt <= INL_MAX) { /* back to the inline form */
+        Py_ssize_t ids[INL_MAX];
+        int k = 0;
+        for (Py_ssize_t w = 0; w < W; w++) {
+            uint64_t x = pm[w];
+            while (x) {
+                ids[k++] = w * 64 + __builtin_ctzll(x);
+                x &= x - 1;
+            }
+        }
+        pool_release(t, HPOOL(h));
+        H(t, i) = inl_make(ids, k);
+    }
+    return 1;
+}
+
+/* Release what entry i's holder word owns (before the entry is deleted). */
+static inline void h_free(KeyTable *t, Py_ssize_t i) {
+    uint64_t h = H(t, i);
+    if (t->W > 1 && h && !HINL(h)) pool_release(t, HPOOL(h));
+}
+
+/* The holder set of h as W words in out. */
+static void h_to_mask(const KeyTable *t, uint64_t h, uint64_t *out) {
+    Py_ssize_t W = t->W;
+    if (W == 1) {
+        out[0] = h;
+        return;
+    }
+    if (h && !HINL(h)) {
+        memcpy(out, POOLM(t, h), (size_t)W * 8);
+        return;
+    }
+    memset(out, 0, (size_t)W * 8);
+    if (!h) return;
+    int n = INL_N(h);
+    for (int j = 0; j < n; j++) {
+        Py_ssize_t s = INL_ID(h, j);
+        out[s >> 6] |= 1ULL << (s & 63);
+    }
+}
+
+/* The holder word for the W-word set m (not all zero): inline or a new pool entry. */
+static int h_from_mask(KeyTable *t, const uint64_t *m, uint64_t *out) {
+    Py_ssize_t W = t->W;
+    if (W == 1) {
+        *out = m[0];
+        return 0;
+    }
+    Py_ssize_t cnt = 0;
+    for (Py_ssize_t w = 0; w < W && cnt <= INL_MAX; w++) cnt += __builtin_popcountll(m[w]);
+    if (cnt <= INL_MAX) {
+        Py_ssize_t ids[INL_MAX];
+        int k = 0;
+        for (Py_ssize_t w = 0; w < W; w++) {
+            uint64_t x = m[w];
+            while (x) {
+                ids[k++] = w * 64 + __builtin_ctzll(x);
+                x &= x - 1;
+            }
+        }
+        *out = inl_make(ids, k);
+        return 0;
+    }
+    Py_ssize_t p = pool_alloc(t);
+    if (p < 0) return -1;
+    memcpy(t->pool + (size_t)p * W, m, (size_t)W * 8);
+    *out = HREF(p);
+    return 0;
+}
+
+/* ---- table storage */
+
+static int alloc_arrays(KeyTable *t, Py_ssize_t cap) {
+    uint64_t *ent = (uint64_t *)PyMem_Calloc((size_t)cap * 2, 8);
     uint64_t *stamps = t->track ? (uint64_t *)PyMem_Calloc((size_t)cap, 8) : NULL;
     if (!ent || (t->track && !stamps)) {
         PyMem_Free(ent);
@@ -393,29 +600,30 @@ static int alloc_arrays(KeyTable *t, Py_ssize_t cap, Py_ssize_t W) {
     t->ent = ent;
     t->stamps = stamps;
     t->cap = cap;
-    t->W = W;
     int lg = 0;
     while (((Py_ssize_t)1 << lg) < cap) lg++;
     t->shift = 64 - lg;
     return 0;
 }
 
-/* Rehash into ``cap`` entries of ``W`` words (W >= the current width). */
-static int rebuild(KeyTable *t, Py_ssize_t cap, Py_ssize_t W) {
+/* Rehash into ``cap`` entries. */
+static int rebuild(KeyTable *t, Py_ssize_t cap) {
     uint64_t *oent = t->ent, *ostamps = t->stamps;
-    Py_ssize_t ocap = t->cap, oW = t->W;
-    if (alloc_arrays(t, cap, W) < 0) return -1;
+    Py_ssize_t ocap = t->cap;
+    if (alloc_arrays(t, cap) < 0) {
+        t->ent = oent;
+        t->stamps = ostamps;
+        return -1;
+    }
     Py_ssize_t m = cap - 1;
     for (Py_ssize_t j = 0; j < ocap; j++) {
-        const uint64_t *om = oent + (size_t)j * (oW + 1) + 1;
-        int nz = 0;
-        for (Py_ssize_t w = 0; w < oW; w++) nz |= om[w] != 0;
-        if (!nz) continue;
-        uint64_t k = oent[(size_t)j * (oW + 1)];
+        uint64_t h = oent[2 * j + 1];
+        if (!h) continue;
+        uint64_t k = oent[2 * j];
         Py_ssize_t i = home(t, k);
-        while (!empty_at(t, i)) i = (i + 1) & m;
+        while (H(t, i)) i = (i + 1) & m;
         KEY(t, i) = k;
-        memcpy(MASK(t, i), om, (size_t)oW * 8);
+        H(t, i) = h;
         if (t->track) t->stamps[i] = ostamps[j];
     }
     PyMem_Free(oent);
@@ -426,47 +634,83 @@ static int rebuild(KeyTable *t, Py_ssize_t cap, Py_ssize_t W) {
 static int ensure_room(KeyTable *t, Py_ssize_t extra) {
     Py_ssize_t need = t->used + extra, cap = t->cap;
     while (need * 4 > cap * 3) cap *= 2;
-    return cap == t->cap ? 0 : rebuild(t, cap, t->W);
+    return cap == t->cap ? 0 : rebuild(t, cap);
 }
 
+/* Make slot ``slot`` representable: grow W (and the per-slot arrays); the first slot >= 64
+ * turns the table wide (every bitmask holder word is re-encoded). */
 static int ensure_width(KeyTable *t, Py_ssize_t slot) {
     if (slot < 64 * t->W) return 0;
-    Py_ssize_t W = slot / 64 + 1;
+    Py_ssize_t W = slot / 64 + 1, oW = t->W;
     uint64_t *live = (uint64_t *)PyMem_Calloc((size_t)W, 8);
     uint64_t *scratch = (uint64_t *)PyMem_Calloc((size_t)(2 * W), 8);
     int64_t *counts = (int64_t *)PyMem_Calloc((size_t)(64 * W), 8);
-    if (!live || !scratch || !counts) {
+    uint64_t *pool = NULL;
+    Py_ssize_t pool_cap = 0;
+    if (oW == 1) { /* narrow -> wide: a pool entry for every key held by more than INL_MAX */
+        for (Py_ssize_t i = 0; i < t->cap; i++)
+            if (__builtin_popcountll(H(t, i)) > INL_MAX) pool_cap++;
+    } else {
+        pool_cap = t->pool_cap;
+    }
+    if (pool_cap < 64) pool_cap = 64;
+    pool = (uint64_t *)PyMem_Calloc((size_t)pool_cap * (size_t)W, 8);
+    if (!live || !scratch || !counts || !pool) {
         PyMem_Free(live);
         PyMem_Free(scratch);
         PyMem_Free(counts);
+        PyMem_Free(pool);
         PyErr_NoMemory();
         return -1;
     }
-    memcpy(live, t->live, (size_t)t->W * 8);
-    memcpy(counts, t->counts, (size_t)(64 * t->W) * 8);
-    if (rebuild(t, t->cap, W) < 0) {
-        PyMem_Free(live);
-        PyMem_Free(scratch);
-        PyMem_Free(counts);
-        return -1;
+    memcpy(live, t->live, (size_t)oW * 8);
+    memcpy(counts, t->counts, (size_t)(64 * oW) * 8);
+    if (oW == 1) {
+        Py_ssize_t p = 0;
+        for (Py_ssize_t i = 0; i < t->cap; i++) {
+            uint64_t h = H(t, i);
+            if (!h) continue;
+            if (__builtin_popcountll(h) > INL_MAX) {
+                pool[(size_t)p * W] = h;
+                H(t, i) = HREF(p);
+                p++;
+            } else {
+                Py_ssize_t ids[INL_MAX];
+                int k = 0;
+                while (h) {
+                    ids[k++] = __builtin_ctzll(h);
+                    h &= h - 1;
+                }
+                H(t, i) = inl_make(ids, k);
+            }
+        }
+        t->pool_len = t->pool_used = p;
+        t->pool_free = -1;
+    } else {
+        for (Py_ssize_t p = 0; p < t->pool_len; p++)
+            memcpy(pool + (size_t)p * W, t->pool + (size_t)p * oW, (size_t)oW * 8);
     }
+    PyMem_Free(t->pool);
+    t->pool = pool;
+    t->pool_cap = pool_cap;
     PyMem_Free(t->live);
     PyMem_Free(t->scratch);
     PyMem_Free(t->counts);
     t->live = live;
     t->scratch = scratch;
     t->counts = counts;
+    t->W = W;
     return 0;
 }
 
 static int log_touch(KeyTable *t, Py_ssize_t i);
 
-/* Position of ``k``, inserting an empty-mask entry if absent (the caller sets a bit at once:
- * an entry with a zero mask reads as empty). Needs room (ensure_room). */
+/* Position of ``k``, inserting an empty entry if absent (the caller gives it a holder at
+ * once: an entry with H = 0 reads as empty). Needs room (ensure_room). */
 static inline Py_ssize_t find_or_slot(KeyTable *t, uint64_t k, int *is_new) {
     Py_ssize_t m = t->cap - 1, i = home(t, k);
     for (;;) {
-        if (empty_at(t, i)) {
+        if (!H(t, i)) {
             KEY(t, i) = k;
             *is_new = 1;
             return i;
@@ -479,21 +723,21 @@ static inline Py_ssize_t find_or_slot(KeyTable *t, uint64_t k, int *is_new) {
     }
 }
 
-/* Remove entry ``i`` (backward-shift deletion). */
+/* Remove entry ``i`` (backward-shift deletion). Its holder word must own nothing (h_free). */
 static void delete_at(KeyTable *t, Py_ssize_t i) {
-    Py_ssize_t m = t->cap - 1, j = i, W = t->W;
+    Py_ssize_t m = t->cap - 1, j = i;
     for (;;) {
         j = (j + 1) & m;
-        if (empty_at(t, j)) break;
+        if (!H(t, j)) break;
         Py_ssize_t h = home(t, KEY(t, j));
         int stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
         if (stays) continue;
         KEY(t, i) = KEY(t, j);
-        memcpy(MASK(t, i), MASK(t, j), (size_t)W * 8);
+        H(t, i) = H(t, j);
         if (t->track) t->stamps[i] = t->stamps[j];
         i = j;
     }
-    memset(MASK(t, i), 0, (size_t)W * 8);
+    H(t, i) = 0;
     t->used--;
 }
 
@@ -549,6 +793,8 @@ static int KeyTable_init(KeyTable *t, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p", kwlist, &track)) return -1;
     if (t->ent) return 0;
     t->track = track;
+    t->W = 1;
+    t->pool_free = -1;
     t->live = (uint64_t *)PyMem_Calloc(1, 8);
     t->scratch = (uint64_t *)PyMem_Calloc(2, 8);
     t->counts = (int64_t *)PyMem_Calloc(64, 8);
@@ -556,7 +802,7 @@ static int KeyTable_init(KeyTable *t, PyObject *args, PyObject *kwds) {
         PyErr_NoMemory();
         return -1;
     }
-    return alloc_arrays(t, 8, 1);
+    return alloc_arrays(t, 8);
 }
 
 static void KeyTable_dealloc(KeyTable *t) {
@@ -566,6 +812,7 @@ static void KeyTable_dealloc(KeyTable *t) {
     PyMem_Free(t->scratch);
     PyMem_Free(t->counts);
     PyMem_Free(t->log);
+    PyMem_Free(t->pool);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -596,7 +843,7 @@ static int lookup_key(PyObject *o, uint64_t *k) {
 static Py_ssize_t parse_slot(KeyTable *t, PyObject *o) {
     Py_ssize_t s = PyLong_AsSsize_t(o);
     if (s == -1 && PyErr_Occurred()) return -1;
-    if (s < 0 || s >= (1 << 20)) {
+    if (s < 0 || s >= MAX_SLOTS) {
         PyErr_SetString(PyExc_ValueError, "slot out of range");
         return -1;
     }
@@ -604,7 +851,11 @@ static Py_ssize_t parse_slot(KeyTable *t, PyObject *o) {
     return s;
 }
 
-/* store(keys, slot) -> pairs added. Sets the slot's bit on every key, touching each (LRU). */
+static inline int slot_live(const KeyTable *t, Py_ssize_t s) {
+    return (t->live[s >> 6] >> (s & 63)) & 1;
+}
+
+/* store(keys, slot) -> pairs added. Adds the slot to every key, touching each (LRU). */
 static PyObject *KeyTable_store(KeyTable *t, PyObject *args) {
     PyObject *keys, *slot_o;
     if (!PyArg_ParseTuple(args, "OO", &keys, &slot_o)) return NULL;
@@ -618,30 +869,39 @@ static PyObject *KeyTable_store(KeyTable *t, PyObject *args) {
         Py_DECREF(fast);
         return NULL;
     }
-    Py_ssize_t word = s >> 6;
-    uint64_t bit = 1ULL << (s & 63);
     int64_t added = 0;
+    int narrow = t->W == 1;
+    uint64_t bit = 1ULL << (s & 63);
     for (Py_ssize_t j = 0; j < n; j++) {
         uint64_t k;
         if (as_key(items[j], &k) < 0) goto fail;
         int is_new;
         Py_ssize_t i = find_or_slot(t, k, &is_new);
-        uint64_t *mw = MASK(t, i) + word;
         if (is_new) t->used++;
-        if (!(*mw & bit)) {
-            *mw |= bit;
+        if (narrow) {
+            uint64_t *hw = &H(t, i);
+            if (!(*hw & bit)) {
+                *hw |= bit;
+                added++;
+            }
+        } else if (is_new) {
+            H(t, i) = inl_make(&s, 1);
             added++;
+        } else {
+            int r = h_add(t, i, s);
+            if (r < 0) goto fail;
+            added += r;
         }
         if (t->track && log_touch(t, i) < 0) goto fail;
     }
     Py_DECREF(fast);
     t->counts[s] += added;
-    if (t->live[word] & bit) t->pairs += added;
+    if (slot_live(t, s)) t->pairs += added;
     return PyLong_FromLongLong(added);
 fail:
     Py_DECREF(fast);
     t->counts[s] += added;
-    if (t->live[word] & bit) t->pairs += added;
+    if (slot_live(t, s)) t->pairs += added;
     return NULL;
 }
 
@@ -655,8 +915,6 @@ static PyObject *KeyTable_remove(KeyTable *t, PyObject *args) {
     if (!fast) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t word = s >> 6;
-    uint64_t bit = 1ULL << (s & 63);
     int64_t removed = 0;
     int err = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
@@ -668,32 +926,39 @@ static PyObject *KeyTable_remove(KeyTable *t, PyObject *args) {
         }
         if (!r) continue;
         Py_ssize_t i = find(t, k);
-        if (i < 0) continue;
-        uint64_t *mw = MASK(t, i) + word;
-        if (!(*mw & bit)) continue;
-        *mw &= ~bit;
+        if (i < 0 || !h_del(t, i, s)) continue;
         removed++;
-        if (empty_at(t, i)) delete_at(t, i);
+        if (!H(t, i)) delete_at(t, i);
     }
     Py_DECREF(fast);
     t->counts[s] -= removed;
-    if (t->live[word] & bit) t->pairs -= removed;
+    if (slot_live(t, s)) t->pairs -= removed;
     if (err) return NULL;
     return PyLong_FromLongLong(removed);
 }
 
-/* Subtract a deleted entry's live pairs from the counts. */
+/* Subtract a (to be deleted) entry's pairs from the counts; returns its live pairs. */
 static int64_t uncount(KeyTable *t, Py_ssize_t i) {
     int64_t n = 0;
-    const uint64_t *m = MASK(t, i);
-    for (Py_ssize_t w = 0; w < t->W; w++) {
-        uint64_t x = m[w];
-        while (x) {
-            int b = __builtin_ctzll(x);
-            x &= x - 1;
-            t->counts[w * 64 + b]--;
+    uint64_t h = H(t, i);
+    if (t->W > 1 && HINL(h)) {
+        int c = INL_N(h);
+        for (int j = 0; j < c; j++) {
+            Py_ssize_t s = INL_ID(h, j);
+            t->counts[s]--;
+            n += slot_live(t, s);
         }
-        n += __builtin_popcountll(m[w] & t->live[w]);
+    } else {
+        const uint64_t *m = t->W == 1 ? &H(t, i) : POOLM(t, h);
+        for (Py_ssize_t w = 0; w < t->W; w++) {
+            uint64_t x = m[w];
+            while (x) {
+                int b = __builtin_ctzll(x);
+                x &= x - 1;
+                t->counts[w * 64 + b]--;
+            }
+            n += __builtin_popcountll(m[w] & t->live[w]);
+        }
     }
     t->pairs -= n;
     return n;
@@ -717,6 +982,7 @@ static PyObject *KeyTable_drop(KeyTable *t, PyObject *keys) {
         Py_ssize_t i = find(t, k);
         if (i < 0) continue;
         removed += uncount(t, i);
+        h_free(t, i);
         delete_at(t, i);
     }
     Py_DECREF(fast);
@@ -737,7 +1003,8 @@ static PyObject *KeyTable_get(KeyTable *t, PyObject *key) {
     if (r < 0) return NULL;
     Py_ssize_t i = r ? find(t, k) : -1;
     if (i < 0) return PyLong_FromLong(0);
-    return mask_to_int(MASK(t, i), t->W);
+    h_to_mask(t, H(t, i), t->scratch);
+    return mask_to_int(t->scratch, t->W);
 }
 
 /* put(key, mask, touch) : set a key's mask as is (0 deletes it). Counts are the caller's
@@ -753,6 +1020,10 @@ static PyObject *KeyTable_put(KeyTable *t, PyObject *args) {
         return NULL;
     }
     size_t bits = _PyLong_NumBits(mask_o);
+    if (bits > (size_t)MAX_SLOTS) {
+        PyErr_SetString(PyExc_ValueError, "slot out of range");
+        return NULL;
+    }
     if (bits > 0 && ensure_width(t, (Py_ssize_t)bits - 1) < 0) return NULL;
     Py_ssize_t W = t->W;
     uint64_t *tmp = t->scratch;
@@ -768,17 +1039,27 @@ static PyObject *KeyTable_put(KeyTable *t, PyObject *args) {
     for (Py_ssize_t w = 0; w < W; w++) zero &= tmp[w] == 0;
     Py_ssize_t i = find(t, k);
     if (zero) {
-        if (i >= 0) delete_at(t, i);
+        if (i >= 0) {
+            h_free(t, i);
+            delete_at(t, i);
+        }
         Py_RETURN_NONE;
     }
+    uint64_t h;
+    if (h_from_mask(t, tmp, &h) < 0) return NULL;
     if (i < 0) {
-        if (ensure_room(t, 1) < 0) return NULL;
+        if (ensure_room(t, 1) < 0) {
+            if (W > 1 && !HINL(h)) pool_release(t, HPOOL(h)); /* give the pool entry back */
+            return NULL;
+        }
         int is_new;
         i = find_or_slot(t, k, &is_new);
         t->used++;
         touch = 1;
+    } else {
+        h_free(t, i);
     }
-    memcpy(MASK(t, i), tmp, (size_t)W * 8);
+    H(t, i) = h;
     if (touch && t->track && log_touch(t, i) < 0) return NULL;
     Py_RETURN_NONE;
 }
@@ -791,7 +1072,7 @@ static PyObject *KeyTable_adjust(KeyTable *t, PyObject *args) {
     Py_ssize_t s = parse_slot(t, slot_o);
     if (s < 0) return NULL;
     t->counts[s] += delta;
-    if (t->live[s >> 6] >> (s & 63) & 1) t->pairs += delta;
+    if (slot_live(t, s)) t->pairs += delta;
     Py_RETURN_NONE;
 }
 
@@ -814,26 +1095,20 @@ static PyObject *KeyTable_set_live(KeyTable *t, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* clear_slot(slot) -> pairs it had: the slot leaves the live set and its bit is scrubbed from
- * every key now (one pass over the table), so the slot can be reused at once. */
+/* clear_slot(slot) -> pairs it had: the slot leaves the live set and is scrubbed from every
+ * key now (one pass over the table), so the slot can be reused at once. */
 static PyObject *KeyTable_clear_slot(KeyTable *t, PyObject *slot_o) {
     Py_ssize_t s = parse_slot(t, slot_o);
     if (s < 0) return NULL;
-    Py_ssize_t word = s >> 6;
-    uint64_t bit = 1ULL << (s & 63);
     int64_t n = t->counts[s];
-    if (t->live[word] & bit) t->pairs -= n;
-    t->live[word] &= ~bit;
+    if (slot_live(t, s)) t->pairs -= n;
+    t->live[s >> 6] &= ~(1ULL << (s & 63));
     t->counts[s] = 0;
     Py_ssize_t i = 0;
     while (i < t->cap) {
-        uint64_t *mw = MASK(t, i) + word;
-        if (*mw & bit) {
-            *mw &= ~bit;
-            if (empty_at(t, i)) {
-                delete_at(t, i);
-                continue; /* an entry may have shifted into i: look again */
-            }
+        if (H(t, i) && h_del(t, i, s) && !H(t, i)) {
+            delete_at(t, i);
+            continue; /* an entry may have shifted into i: look again */
         }
         i++;
     }
@@ -868,35 +1143,62 @@ static int assign(Assign *as, const uint64_t *a, const uint64_t *b, Py_ssize_t W
     return 0;
 }
 
-/* The fold of find/match: active &= mask(key); record workers whose run ended. Returns 1 to
- * continue, 0 when no worker matches any more, -1 on error. */
+/* The fold of find/match: active &= holders(key); record workers whose run ended. Returns 1
+ * to continue, 0 when no worker matches any more, -1 on error. ``acount`` = |active| (wide). */
 static inline int step(KeyTable *t, Assign *as, uint64_t *active, uint64_t *m, Py_ssize_t i,
-                       Py_ssize_t depth) {
+                       Py_ssize_t depth, Py_ssize_t *acount) {
     Py_ssize_t W = t->W;
+    uint64_t h = i >= 0 ? t->ent[2 * i + 1] : 0;
     if (W == 1) {
-        uint64_t x = (i >= 0 ? t->ent[2 * i + 1] : 0) & active[0];
+        uint64_t x = h & active[0];
         if (x == active[0]) return 1;
         m[0] = x;
         if (depth && assign(as, active, m, 1, depth) < 0) return -1;
         active[0] = x;
         return x != 0;
     }
-    int same = 1, any = 0;
-    for (Py_ssize_t w = 0; w < W; w++) {
-        m[w] = (i >= 0 ? MASK(t, i)[w] : 0) & active[w];
-        same &= m[w] == active[w];
-        any |= m[w] != 0;
+    Py_ssize_t cnt = 0;
+    if (h && HINL(h)) {
+        int n = INL_N(h);
+        if (n >= *acount) { /* every active worker may be among the ids */
+            for (int j = 0; j < n; j++) {
+                Py_ssize_t s = INL_ID(h, j);
+                cnt += (active[s >> 6] >> (s & 63)) & 1;
+            }
+            if (cnt == *acount) return 1;
+        }
+        memset(m, 0, (size_t)W * 8);
+        cnt = 0;
+        for (int j = 0; j < n; j++) {
+            Py_ssize_t s = INL_ID(h, j);
+            uint64_t b = 1ULL << (s & 63);
+            if (active[s >> 6] & b) {
+                m[s >> 6] |= b;
+                cnt++;
+            }
+        }
+    } else if (h) {
+        const uint64_t *pm = POOLM(t, h);
+        int same = 1;
+        for (Py_ssize_t w = 0; w < W; w++) {
+            m[w] = pm[w] & active[w];
+            same &= m[w] == active[w];
+            cnt += __builtin_popcountll(m[w]);
+        }
+        if (same) return 1;
+    } else {
+        memset(m, 0, (size_t)W * 8);
     }
-    if (same) return 1;
     if (depth && assign(as, active, m, W, depth) < 0) return -1;
     memcpy(active, m, (size_t)W * 8);
-    return any;
+    *acount = cnt;
+    return cnt != 0;
 }
 
-static int live_any(KeyTable *t) {
-    for (Py_ssize_t w = 0; w < t->W; w++)
-        if (t->live[w]) return 1;
-    return 0;
+static Py_ssize_t live_count(KeyTable *t) {
+    Py_ssize_t n = 0;
+    for (Py_ssize_t w = 0; w < t->W; w++) n += __builtin_popcountll(t->live[w]);
+    return n;
 }
 
 /* find(keys, names) -> {names[slot]: leading keys held} (live slots, 0 omitted). */
@@ -904,7 +1206,8 @@ static PyObject *KeyTable_find(KeyTable *t, PyObject *args) {
     PyObject *keys, *names;
     if (!PyArg_ParseTuple(args, "OO!", &keys, &PyList_Type, &names)) return NULL;
     PyObject *result = PyDict_New();
-    if (!result || !live_any(t)) return result;
+    Py_ssize_t acount = live_count(t);
+    if (!result || !acount) return result;
     PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
     if (!fast) goto fail;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), W = t->W, depth = 0;
@@ -916,7 +1219,7 @@ static PyObject *KeyTable_find(KeyTable *t, PyObject *args) {
         uint64_t k;
         int r = lookup_key(items[j], &k);
         if (r < 0) goto fail2;
-        int c = step(t, &as, active, m, r ? find(t, k) : -1, depth);
+        int c = step(t, &as, active, m, r ? find(t, k) : -1, depth, &acount);
         if (c < 0) goto fail2;
         if (!c) {
             Py_DECREF(fast);
@@ -942,7 +1245,8 @@ static PyObject *KeyTable_match(KeyTable *t, PyObject *args) {
     unsigned long long seed;
     if (!PyArg_ParseTuple(args, "OnKO!", &tokens, &bs, &seed, &PyList_Type, &names)) return NULL;
     PyObject *result = PyDict_New();
-    if (!result || !live_any(t) || bs <= 0) return result;
+    Py_ssize_t acount = live_count(t);
+    if (!result || !acount || bs <= 0) return result;
     TokenSource ts;
     if (tokens_open(&ts, tokens, bs) < 0) goto fail;
     Py_ssize_t n = ts.n_tokens / bs, W = t->W, depth = 0;
@@ -963,7 +1267,7 @@ static PyObject *KeyTable_match(KeyTable *t, PyObject *args) {
             __builtin_prefetch(&KEY(t, home(t, h)));
         }
         for (Py_ssize_t j = 0; j < g; j++) {
-            int c = step(t, &as, active, m, find(t, hs[j]), depth);
+            int c = step(t, &as, active, m, find(t, hs[j]), depth, &acount);
             if (c < 0) goto fail2;
             if (!c) {
                 tokens_close(&ts);
@@ -998,6 +1302,7 @@ static PyObject *KeyTable_prune(KeyTable *t, PyObject *arg) {
         Py_ssize_t i = find(t, k);
         if (i < 0 || t->stamps[i] != t->log_base + (uint64_t)p) continue;
         uncount(t, i);
+        h_free(t, i);
         delete_at(t, i);
         PyObject *ko = PyLong_FromUnsignedLongLong(k);
         if (!ko || PyList_Append(victims, ko) < 0) {
@@ -1010,68 +1315,219 @@ static PyObject *KeyTable_prune(KeyTable *t, PyObject *arg) {
     return victims;
 }
 
-/* Keys in LRU order (tracking) or table order. */
-static Py_ssize_t ordered_positions(KeyTable *t, Py_ssize_t *pos) {
-    Py_ssize_t n = 0;
+/* The entries (key, holder word) in LRU order (tracking) or table order, as a new array of
+ * 2 * used words (PyMem_Free it); NULL on NoMemory. Sets *n to the number of entries.
+ * LRU order without a probe per log entry: every key's stamp is its current log position
+ * (>= log_head), so one sequential pass over the table scatters each entry to its position
+ * and a sequential pass gathers them in order (no dependent cache misses). */
+static uint64_t *ordered_entries(KeyTable *t, Py_ssize_t *n) {
+    Py_ssize_t c = 0;
+    uint64_t *out = (uint64_t *)PyMem_Malloc((size_t)(t->used + 1) * 16);
+    if (!out) {
+        PyErr_NoMemory();
+        return NULL;
+    }
     if (t->track) {
-        for (Py_ssize_t p = t->log_head; p < t->log_len; p++) {
-            Py_ssize_t i = find(t, t->log[p]);
-            if (i >= 0 && t->stamps[i] == t->log_base + (uint64_t)p) pos[n++] = i;
+        Py_ssize_t span = t->log_len - t->log_head;
+        uint64_t first = t->log_base + (uint64_t)t->log_head;
+        uint64_t *at = (uint64_t *)PyMem_Calloc((size_t)(span + 1), 16);
+        if (!at) {
+            PyMem_Free(out);
+            PyErr_NoMemory();
+            return NULL;
         }
+        for (Py_ssize_t i = 0; i < t->cap; i++) {
+            uint64_t h = H(t, i);
+            if (!h) continue;
+            uint64_t *e = at + 2 * (t->stamps[i] - first);
+            e[0] = KEY(t, i);
+            e[1] = h;
+        }
+        for (Py_ssize_t p = 0; p < span; p++)
+            if (at[2 * p + 1]) {
+                out[2 * c] = at[2 * p];
+                out[2 * c + 1] = at[2 * p + 1];
+                c++;
+            }
+        PyMem_Free(at);
     } else {
         for (Py_ssize_t i = 0; i < t->cap; i++)
-            if (!empty_at(t, i)) pos[n++] = i;
+            if (H(t, i)) {
+                out[2 * c] = KEY(t, i);
+                out[2 * c + 1] = H(t, i);
+                c++;
+            }
     }
-    return n;
+    *n = c;
+    return out;
 }
 
 /* export() -> (keys as uint64 bytes, [mask word w as uint64 bytes for w < W]). */
 static PyObject *KeyTable_export(KeyTable *t, PyObject *unused) {
-    Py_ssize_t *pos = (Py_ssize_t *)PyMem_Malloc((size_t)(t->used + 1) * sizeof(Py_ssize_t));
-    if (!pos) return PyErr_NoMemory();
-    Py_ssize_t n = ordered_positions(t, pos), W = t->W;
+    Py_ssize_t n, W = t->W;
+    uint64_t *ents = ordered_entries(t, &n);
+    if (!ents) return NULL;
     PyObject *kb = PyBytes_FromStringAndSize(NULL, n * 8);
     PyObject *words = PyList_New(W);
-    if (!kb || !words) goto fail;
+    uint64_t **wp = (uint64_t **)PyMem_Calloc((size_t)W, sizeof(uint64_t *));
+    if (!kb || !words || !wp) goto fail;
     uint64_t *kp = (uint64_t *)PyBytes_AS_STRING(kb);
-    for (Py_ssize_t j = 0; j < n; j++) kp[j] = KEY(t, pos[j]);
     for (Py_ssize_t w = 0; w < W; w++) {
         PyObject *wb = PyBytes_FromStringAndSize(NULL, n * 8);
         if (!wb) goto fail;
-        uint64_t *wp = (uint64_t *)PyBytes_AS_STRING(wb);
-        for (Py_ssize_t j = 0; j < n; j++) wp[j] = MASK(t, pos[j])[w];
+        wp[w] = (uint64_t *)PyBytes_AS_STRING(wb);
         PyList_SET_ITEM(words, w, wb);
     }
-    PyMem_Free(pos);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        kp[j] = ents[2 * j];
+        h_to_mask(t, ents[2 * j + 1], t->scratch);
+        for (Py_ssize_t w = 0; w < W; w++) wp[w][j] = t->scratch[w];
+    }
+    PyMem_Free(wp);
+    PyMem_Free(ents);
     return Py_BuildValue("(NN)", kb, words);
 fail:
-    PyMem_Free(pos);
+    PyMem_Free(wp);
+    PyMem_Free(ents);
     Py_XDECREF(kb);
     Py_XDECREF(words);
+    if (!PyErr_Occurred()) PyErr_NoMemory();
     return NULL;
+}
+
+/* export_pairs() -> (keys, slots): one row per (key, holder) pair, as uint64 and uint32 bytes;
+ * a key's rows are consecutive, keys in LRU order (tracking) or table order. */
+static PyObject *KeyTable_export_pairs(KeyTable *t, PyObject *unused) {
+    Py_ssize_t n, W = t->W, rows = 0;
+    uint64_t *ents = ordered_entries(t, &n);
+    if (!ents) return NULL;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        uint64_t h = ents[2 * j + 1];
+        if (W > 1 && HINL(h)) {
+            rows += INL_N(h);
+        } else {
+            const uint64_t *m = W == 1 ? &ents[2 * j + 1] : POOLM(t, h);
+            for (Py_ssize_t w = 0; w < W; w++) rows += __builtin_popcountll(m[w]);
+        }
+    }
+    PyObject *kb = PyBytes_FromStringAndSize(NULL, rows * 8);
+    PyObject *sb = PyBytes_FromStringAndSize(NULL, rows * 4);
+    if (!kb || !sb) {
+        PyMem_Free(ents);
+        Py_XDECREF(kb);
+        Py_XDECREF(sb);
+        return NULL;
+    }
+    uint64_t *kp = (uint64_t *)PyBytes_AS_STRING(kb);
+    uint32_t *sp = (uint32_t *)PyBytes_AS_STRING(sb);
+    Py_ssize_t r = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        uint64_t k = ents[2 * j], h = ents[2 * j + 1];
+        if (W > 1 && HINL(h)) {
+            int c = INL_N(h);
+            for (int q = 0; q < c; q++) {
+                kp[r] = k;
+                sp[r++] = (uint32_t)INL_ID(h, q);
+            }
+        } else {
+            const uint64_t *m = W == 1 ? &ents[2 * j + 1] : POOLM(t, h);
+            for (Py_ssize_t w = 0; w < W; w++) {
+                uint64_t x = m[w];
+                while (x) {
+                    kp[r] = k;
+                    sp[r++] = (uint32_t)(w * 64 + __builtin_ctzll(x));
+                    x &= x - 1;
+                }
+            }
+        }
+    }
+    PyMem_Free(ents);
+    return Py_BuildValue("(NN)", kb, sb);
+}
+
+/* held(slot) -> uint64 bytes of the keys the slot holds (table order: one pass, no copy of
+ * the table; resync diffs and checks sort or hash them anyway). */
+static PyObject *KeyTable_held(KeyTable *t, PyObject *slot_o) {
+    Py_ssize_t s = parse_slot(t, slot_o);
+    if (s < 0) return NULL;
+    PyObject *kb = PyBytes_FromStringAndSize(NULL, t->counts[s] * 8);
+    if (!kb) return NULL;
+    uint64_t *kp = (uint64_t *)PyBytes_AS_STRING(kb);
+    Py_ssize_t c = 0, n = t->counts[s];
+    for (Py_ssize_t i = 0; i < t->cap && c < n; i++)
+        if (h_has(t, H(t, i), s)) kp[c++] = KEY(t, i);
+    if (c != n) { /* counts and table disagree: a bug, never a silent short answer */
+        Py_DECREF(kb);
+        PyErr_SetString(PyExc_RuntimeError, "slot count differs from the table");
+        return NULL;
+    }
+    return kb;
 }
 
 /* keys() -> list of keys (LRU order with tracking). */
 static PyObject *KeyTable_keys(KeyTable *t, PyObject *unused) {
-    Py_ssize_t *pos = (Py_ssize_t *)PyMem_Malloc((size_t)(t->used + 1) * sizeof(Py_ssize_t));
-    if (!pos) return PyErr_NoMemory();
-    Py_ssize_t n = ordered_positions(t, pos);
+    Py_ssize_t n;
+    uint64_t *ents = ordered_entries(t, &n);
+    if (!ents) return NULL;
     PyObject *out = PyList_New(n);
     if (!out) {
-        PyMem_Free(pos);
+        PyMem_Free(ents);
         return NULL;
     }
     for (Py_ssize_t j = 0; j < n; j++) {
-        PyObject *k = PyLong_FromUnsignedLongLong(KEY(t, pos[j]));
+        PyObject *k = PyLong_FromUnsignedLongLong(ents[2 * j]);
         if (!k) {
-            PyMem_Free(pos);
+            PyMem_Free(ents);
             Py_DECREF(out);
             return NULL;
         }
         PyList_SET_ITEM(out, j, k);
     }
-    PyMem_Free(pos);
+    PyMem_Free(ents);
     return out;
+}
+
+/* Empty the table for ``keys`` keys with slots below 64 * W: fresh arrays, nothing live. */
+static int reset_for(KeyTable *t, Py_ssize_t keys, Py_ssize_t W) {
+    Py_ssize_t cap = 8;
+    while (keys * 4 > cap * 3) cap *= 2;
+    uint64_t *live = (uint64_t *)PyMem_Calloc((size_t)W, 8);
+    uint64_t *scratch = (uint64_t *)PyMem_Calloc((size_t)(2 * W), 8);
+    int64_t *counts = (int64_t *)PyMem_Calloc((size_t)(64 * W), 8);
+    if (!live || !scratch || !counts) {
+        PyMem_Free(live);
+        PyMem_Free(scratch);
+        PyMem_Free(counts);
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t *oent = t->ent, *ostamps = t->stamps;
+    if (alloc_arrays(t, cap) < 0) {
+        t->ent = oent;
+        t->stamps = ostamps;
+        PyMem_Free(live);
+        PyMem_Free(scratch);
+        PyMem_Free(counts);
+        return -1;
+    }
+    PyMem_Free(oent);
+    PyMem_Free(ostamps);
+    PyMem_Free(t->live);
+    PyMem_Free(t->scratch);
+    PyMem_Free(t->counts);
+    PyMem_Free(t->pool);
+    t->pool = NULL;
+    t->pool_len = t->pool_cap = t->pool_used = 0;
+    t->pool_free = -1;
+    t->live = live;
+    t->scratch = scratch;
+    t->counts = counts;
+    t->W = W;
+    t->used = 0;
+    t->pairs = 0;
+    t->log_len = t->log_head = 0;
+    t->log_base = 0;
+    return 0;
 }
 
 /* load(keys, words): replace the content with uint64 buffers as export() gives them (keys
@@ -1096,6 +1552,10 @@ static PyObject *KeyTable_load(KeyTable *t, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
+    if (nw > MAX_SLOTS / 64) {
+        PyErr_SetString(PyExc_ValueError, "too many mask words");
+        goto done;
+    }
     for (; got < nw; got++) {
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(wfast, got), &wv[got], PyBUF_SIMPLE) < 0)
             goto done;
@@ -1106,53 +1566,45 @@ static PyObject *KeyTable_load(KeyTable *t, PyObject *args) {
         }
     }
     {
-        Py_ssize_t W = nw > 0 ? nw : 1, cap = 8;
-        while (n * 4 > cap * 3) cap *= 2;
-        uint64_t *live = (uint64_t *)PyMem_Calloc((size_t)W, 8);
-        uint64_t *scratch = (uint64_t *)PyMem_Calloc((size_t)(2 * W), 8);
-        int64_t *counts = (int64_t *)PyMem_Calloc((size_t)(64 * W), 8);
-        if (!live || !scratch || !counts) {
-            PyMem_Free(live);
-            PyMem_Free(scratch);
-            PyMem_Free(counts);
-            PyErr_NoMemory();
-            goto done;
-        }
-        PyMem_Free(t->ent);
-        PyMem_Free(t->stamps);
-        t->ent = t->stamps = NULL;
-        if (alloc_arrays(t, cap, W) < 0) {
-            PyMem_Free(live);
-            PyMem_Free(scratch);
-            PyMem_Free(counts);
-            alloc_arrays(t, 8, 1);
-            goto done;
-        }
-        PyMem_Free(t->live);
-        PyMem_Free(t->scratch);
-        PyMem_Free(t->counts);
-        t->live = live;
-        t->scratch = scratch;
-        t->counts = counts;
-        t->used = 0;
-        t->pairs = 0;
-        t->log_len = t->log_head = 0;
-        t->log_base = 0;
+        Py_ssize_t W = nw > 0 ? nw : 1;
+        if (reset_for(t, n, W) < 0) goto done;
         const uint64_t *kp = (const uint64_t *)kv.buf;
+        uint64_t *m = t->scratch;
         for (Py_ssize_t j = 0; j < n; j++) {
             int nz = 0;
-            for (Py_ssize_t w = 0; w < nw; w++) nz |= ((const uint64_t *)wv[w].buf)[j] != 0;
+            for (Py_ssize_t w = 0; w < nw; w++) {
+                m[w] = ((const uint64_t *)wv[w].buf)[j];
+                nz |= m[w] != 0;
+            }
             if (!nz) continue;
             int is_new;
             Py_ssize_t i = find_or_slot(t, kp[j], &is_new);
-            if (is_new) t->used++;
+            if (!is_new) { /* a repeated key: its last row wins */
+                for (Py_ssize_t w = 0; w < W; w++) m[W + w] = 0;
+                h_to_mask(t, H(t, i), m + W);
+                for (Py_ssize_t w = 0; w < W; w++) {
+                    uint64_t x = m[W + w];
+                    while (x) {
+                        t->counts[w * 64 + __builtin_ctzll(x)]--;
+                        x &= x - 1;
+                    }
+                }
+                h_free(t, i);
+            } else {
+                t->used++;
+            }
+            uint64_t h;
+            if (h_from_mask(t, m, &h) < 0) {
+                H(t, i) = 0; /* the table is left consistent, partly loaded */
+                if (is_new) t->used--;
+                goto done;
+            }
+            H(t, i) = h;
             for (Py_ssize_t w = 0; w < nw; w++) {
-                uint64_t x = ((const uint64_t *)wv[w].buf)[j];
-                MASK(t, i)[w] = x;
+                uint64_t x = m[w];
                 while (x) {
-                    int b = __builtin_ctzll(x);
+                    t->counts[w * 64 + __builtin_ctzll(x)]++;
                     x &= x - 1;
-                    t->counts[w * 64 + b]++;
                 }
             }
             if (t->track && log_touch(t, i) < 0) goto done;
@@ -1168,6 +1620,69 @@ done:
     return ret;
 }
 
+/* load_pairs(keys, slots): replace the content with export_pairs() output (uint64 keys and
+ * uint32 slots, one row per pair; a key's rows consecutive; the keys' order becomes the LRU
+ * order). Every slot ends not live, counts recomputed: the caller marks live slots. */
+static PyObject *KeyTable_load_pairs(KeyTable *t, PyObject *args) {
+    PyObject *keys_o, *slots_o;
+    if (!PyArg_ParseTuple(args, "OO", &keys_o, &slots_o)) return NULL;
+    Py_buffer kv, sv;
+    if (PyObject_GetBuffer(keys_o, &kv, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(slots_o, &sv, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&kv);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    Py_ssize_t n = kv.len / 8;
+    const uint64_t *kp = (const uint64_t *)kv.buf;
+    const uint32_t *sp = (const uint32_t *)sv.buf;
+    if (kv.len % 8 || sv.len != n * 4) {
+        PyErr_SetString(PyExc_ValueError, "keys (uint64) and slots (uint32) differ in rows");
+        goto done;
+    }
+    {
+        Py_ssize_t keys = 0, top = 0;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            keys += j == 0 || kp[j] != kp[j - 1];
+            if ((Py_ssize_t)sp[j] > top) top = sp[j];
+        }
+        if (top >= MAX_SLOTS) {
+            PyErr_SetString(PyExc_ValueError, "slot out of range");
+            goto done;
+        }
+        if (reset_for(t, keys, top / 64 + 1) < 0) goto done;
+        Py_ssize_t i = -1;
+        enum { AHEAD = 16 };
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (j + AHEAD < n) __builtin_prefetch(&KEY(t, home(t, kp[j + AHEAD])));
+            Py_ssize_t s = sp[j];
+            if (j == 0 || kp[j] != kp[j - 1]) {
+                int is_new;
+                i = find_or_slot(t, kp[j], &is_new);
+                if (is_new) {
+                    t->used++;
+                    if (t->W == 1)
+                        H(t, i) = 1ULL << s;
+                    else
+                        H(t, i) = inl_make(&s, 1);
+                    t->counts[s]++;
+                    if (t->track && log_touch(t, i) < 0) goto done;
+                    continue;
+                }
+            }
+            int r = h_add(t, i, s);
+            if (r < 0) goto done;
+            t->counts[s] += r;
+        }
+        ret = Py_None;
+        Py_INCREF(ret);
+    }
+done:
+    PyBuffer_Release(&kv);
+    PyBuffer_Release(&sv);
+    return ret;
+}
+
 static PyObject *KeyTable_count(KeyTable *t, PyObject *slot_o) {
     Py_ssize_t s = parse_slot(t, slot_o);
     if (s < 0) return NULL;
@@ -1175,9 +1690,14 @@ static PyObject *KeyTable_count(KeyTable *t, PyObject *slot_o) {
 }
 
 static PyObject *KeyTable_get_pairs(KeyTable *t, void *c) { return PyLong_FromLongLong(t->pairs); }
+static PyObject *KeyTable_get_width(KeyTable *t, void *c) { return PyLong_FromSsize_t(t->W); }
+static PyObject *KeyTable_get_pooled(KeyTable *t, void *c) {
+    return PyLong_FromSsize_t(t->pool_used);
+}
 static PyObject *KeyTable_get_nbytes(KeyTable *t, void *c) {
-    size_t per = 8 + (size_t)t->W * 8 + (t->track ? 8 : 0);
-    return PyLong_FromSize_t((size_t)t->cap * per + (size_t)t->log_cap * 8);
+    size_t per = 16 + (t->track ? 8 : 0);
+    return PyLong_FromSize_t((size_t)t->cap * per + (size_t)t->log_cap * 8 +
+                             (size_t)t->pool_cap * (size_t)t->W * 8);
 }
 static Py_ssize_t KeyTable_len(KeyTable *t) { return t->used; }
 
@@ -1195,8 +1715,12 @@ static PyMethodDef KeyTable_methods[] = {
      "match(tokens, block_size, seed, names) -> {name: depth}"},
     {"prune", (PyCFunction)KeyTable_prune, METH_O, "prune(target) -> dropped keys, oldest first"},
     {"export", (PyCFunction)KeyTable_export, METH_NOARGS, "export() -> (keys, [words])"},
+    {"export_pairs", (PyCFunction)KeyTable_export_pairs, METH_NOARGS,
+     "export_pairs() -> (keys uint64 bytes, slots uint32 bytes), one row per pair"},
+    {"held", (PyCFunction)KeyTable_held, METH_O, "held(slot) -> uint64 bytes of its keys"},
     {"keys", (PyCFunction)KeyTable_keys, METH_NOARGS, "keys() -> list"},
     {"load", (PyCFunction)KeyTable_load, METH_VARARGS, "load(keys, words)"},
+    {"load_pairs", (PyCFunction)KeyTable_load_pairs, METH_VARARGS, "load_pairs(keys, slots)"},
     {"count", (PyCFunction)KeyTable_count, METH_O, "count(slot) -> pairs of the slot"},
     {NULL, NULL, 0, NULL},
 };
@@ -1204,6 +1728,9 @@ static PyMethodDef KeyTable_methods[] = {
 static PyGetSetDef KeyTable_getset[] = {
     {"pairs", (getter)KeyTable_get_pairs, NULL, "live (worker, key) pairs", NULL},
     {"nbytes", (getter)KeyTable_get_nbytes, NULL, "bytes held by the arrays", NULL},
+    {"width", (getter)KeyTable_get_width, NULL, "64-bit words per slot bitmask", NULL},
+    {"pooled", (getter)KeyTable_get_pooled, NULL, "keys whose holders are a pooled bitmask",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1215,7 +1742,7 @@ static PyTypeObject KeyTableType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.core._cindex.KeyTable",
     .tp_basicsize = sizeof(KeyTable),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "uint64 key -> worker-slot bitmask table with per-slot counts and optional LRU",
+    .tp_doc = "uint64 key -> worker-slot set table with per-slot counts and optional LRU",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)KeyTable_init,
     .tp_dealloc = (destructor)KeyTable_dealloc,

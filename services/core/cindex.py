@@ -4,8 +4,10 @@ Same API and same results as the pure-Python :class:`services.core.index.PyPrefi
 stays the reference (tests/test_cindex.py checks both against each other on random operation
 sequences). What moves to C:
 
-- the key -> worker-slot-mask table (open addressing, 8 bytes of key + 8 per 64 slots per key,
-  instead of a dict entry and an int object), per-slot pair counts and the live-slot mask;
+- the key -> worker-slot-set table (open addressing, 16 bytes per key: the key and a holder
+  word, which is the slot bitmask up to 64 slots and, past 64, up to 3 slot ids inline or a
+  pooled bitmask for keys with more holders; instead of a dict entry and an int object),
+  per-slot pair counts and the live-slot mask;
 - the hot loops: ``apply_stored`` / ``apply_removed`` on GPU-only indexes, ``remove_keys``,
   ``find_matches`` and ``match_prompt`` (token ids -> chained XXH3-64 keys -> per-worker
   overlap in one C call, hashing block by block and stopping at the first block nobody holds);
@@ -114,15 +116,10 @@ class CPrefixIndex(IndexQueries):
         return tuple(t for t in tb if cur & tb[t])
 
     def _held(self, s: int):
-        """The keys slot ``s`` holds, as a numpy uint64 array (export order)."""
+        """The keys slot ``s`` holds, as a numpy uint64 array (table order)."""
         import numpy as np
 
-        keys_b, words = self._t.export()
-        keys = np.frombuffer(keys_b, dtype=np.uint64)
-        if s >> 6 >= len(words):
-            return keys[:0]
-        word = np.frombuffer(words[s >> 6], dtype=np.uint64)
-        return keys[(word >> np.uint64(s & 63)) & np.uint64(1) == 1]
+        return np.frombuffer(self._t.held(s), dtype=np.uint64)
 
     def pairs_of(self, worker: str) -> dict[int, int]:
         """Every key ``worker`` holds -> its tier bits (gpu=1, cpu=2, disk=4). One pass over
@@ -325,15 +322,23 @@ class CPrefixIndex(IndexQueries):
 
         from services.core.index import IndexState
 
-        keys_b, words = self._t.export()
         tiers = self._tiers
+        pair_slots = None
+        if self._t.width == 1:  # up to 64 slots: one mask word per key
+            keys_b, words = self._t.export()
+            masks = [np.frombuffer(w, dtype=np.uint64) for w in words]
+        else:  # wide: one row per pair (a key's holders are few; W words each would not be)
+            keys_b, slots_b = self._t.export_pairs()
+            masks = []
+            pair_slots = np.frombuffer(slots_b, dtype=np.uint32)
         return IndexState(
             slots=[w or "" for w in self._names],
             counts=[self._t.count(s) if w else 0 for s, w in enumerate(self._names)],
             keys=np.frombuffer(keys_b, dtype=np.uint64),
-            masks=[np.frombuffer(w, dtype=np.uint64) for w in words],
+            masks=masks,
             tier_keys=np.fromiter(tiers.keys(), dtype=np.uint64, count=len(tiers)),
             tier_values=list(tiers.values()),
+            pair_slots=pair_slots,
         )
 
     @classmethod
@@ -348,8 +353,13 @@ class CPrefixIndex(IndexQueries):
         import numpy as np
 
         keys = np.ascontiguousarray(np.asarray(state.keys, dtype=np.uint64))
-        words = [np.ascontiguousarray(np.asarray(w, dtype=np.uint64)) for w in state.masks]
-        self._t.load(keys, words)
+        if state.pair_slots is not None:
+            self._t.load_pairs(
+                keys, np.ascontiguousarray(np.asarray(state.pair_slots, dtype=np.uint32))
+            )
+        else:
+            words = [np.ascontiguousarray(np.asarray(w, dtype=np.uint64)) for w in state.masks]
+            self._t.load(keys, words)
         self._tiers = {}
         if state.tier_keys is not None and len(state.tier_values):
             tk = state.tier_keys

@@ -121,6 +121,10 @@ class IndexState:
     ``masks`` are parallel (masks as 64-bit words, least significant word first);
     ``tier_keys`` / ``tier_values`` likewise for the sparse tier map (``tier_values`` holds
     Python ints, 3 bits per slot). Arrays are numpy uint64 arrays or plain lists.
+
+    Past 64 slots the holders travel as pairs instead: ``pair_slots`` (uint32) is set,
+    ``masks`` is empty and ``keys`` has one row per (key, slot) pair, a key's rows
+    consecutive (12 bytes per pair instead of 8 bytes per 64 slots per key).
     """
 
     slots: list[str]
@@ -129,6 +133,7 @@ class IndexState:
     masks: list[object]
     tier_keys: object = None
     tier_values: list[int] = field(default_factory=list)
+    pair_slots: object = None
 
 
 def _assign(mask: int, depth: int, names: list, result: dict[str, int]) -> None:
@@ -535,6 +540,23 @@ class PyPrefixIndex(IndexQueries):
         d = self._masks
         n = len(d)
         nwords = max(1, (len(self._names) + 63) // 64)
+        tiers = self._tiers
+        if nwords > 1:  # wide: one row per (key, slot) pair
+            pk: list[int] = []
+            ps: list[int] = []
+            for k, m in d.items():
+                for s in _bits(m):
+                    pk.append(k)
+                    ps.append(s)
+            return IndexState(
+                slots=[w or "" for w in self._names],
+                counts=list(self._counts),
+                keys=np.array(pk, dtype=np.uint64),
+                masks=[],
+                tier_keys=np.fromiter(tiers.keys(), dtype=np.uint64, count=len(tiers)),
+                tier_values=list(tiers.values()),
+                pair_slots=np.array(ps, dtype=np.uint32),
+            )
         keys = np.fromiter(d.keys(), dtype=np.uint64, count=n)
         if nwords == 1:
             masks = [np.fromiter(d.values(), dtype=np.uint64, count=n)]
@@ -543,7 +565,6 @@ class PyPrefixIndex(IndexQueries):
                 np.fromiter(((m >> (64 * w)) & _M64 for m in d.values()), np.uint64, count=n)
                 for w in range(nwords)
             ]
-        tiers = self._tiers
         return IndexState(
             slots=[w or "" for w in self._names],
             counts=list(self._counts),
@@ -565,14 +586,23 @@ class PyPrefixIndex(IndexQueries):
     def load_state(self, state: IndexState) -> None:
         """Replace this index's content, in place, with :meth:`export_state` output."""
         keys = state.keys.tolist() if hasattr(state.keys, "tolist") else list(state.keys)
-        words = [w.tolist() if hasattr(w, "tolist") else list(w) for w in state.masks]
-        if len(words) == 1:
-            masks = words[0]
+        if state.pair_slots is not None:
+            ps = state.pair_slots
+            ps = ps.tolist() if hasattr(ps, "tolist") else list(ps)
+            d: dict[int, int] = {}
+            for k, s in zip(keys, ps, strict=True):
+                d[k] = d.get(k, 0) | 1 << s  # first row of a key fixes its (LRU) position
+            self._masks = d
         else:
-            masks = [
-                sum(ws[i] << (64 * i) for i in range(len(ws))) for ws in zip(*words, strict=True)
-            ]
-        self._masks = dict(zip(keys, masks, strict=True))
+            words = [w.tolist() if hasattr(w, "tolist") else list(w) for w in state.masks]
+            if len(words) == 1:
+                masks = words[0]
+            else:
+                masks = [
+                    sum(ws[i] << (64 * i) for i in range(len(ws)))
+                    for ws in zip(*words, strict=True)
+                ]
+            self._masks = {k: m for k, m in zip(keys, masks, strict=True) if m}
         self._tiers = {}
         if state.tier_keys is not None and len(state.tier_values):
             tk = state.tier_keys

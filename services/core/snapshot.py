@@ -1,8 +1,9 @@
 """Snapshot wire format: an :class:`IndexState` <-> a list of SnapshotChunk messages. Pure.
 
 A snapshot is the index's flat arrays (keys and per-64-slot mask words as packed little-endian
-uint64, the slot table and per-slot counts, the sparse tier map) cut into chunks that each fit
-under NATS ``max_payload``. 1 M keys x 8 workers is ~16 MB raw: 17 chunks of 1 MB. Decoding
+uint64 up to 64 slots; past 64, one row per (key, slot) pair: the key and a uint32 slot; the
+slot table and per-slot counts, the sparse tier map) cut into chunks that each fit under NATS
+``max_payload``. 1 M keys x 8 workers is ~16 MB raw: 17 chunks of 1 MB. Decoding
 is ``numpy.frombuffer`` + ``tolist`` + ``dict(zip())``: ~0.2 s per million keys.
 
 Invariant: ``chunks_to_state(state_to_chunks(s, ...))`` rebuilds an index equal to ``s``; a
@@ -27,10 +28,12 @@ def state_to_chunks(
     state: IndexState, epoch: str, snapshot_id: str, delta_seq: int, max_chunk_bytes: int
 ) -> list[SnapshotChunk]:
     keys = np.asarray(state.keys, dtype="<u8")
-    masks = [np.asarray(m, dtype="<u8") for m in state.masks]
+    pairs = state.pair_slots is not None
+    masks = [] if pairs else [np.asarray(m, dtype="<u8") for m in state.masks]
+    pslots = np.asarray(state.pair_slots, dtype="<u4") if pairs else None
     slot_bytes = sum(len(s) + 16 for s in state.slots)
     budget = max(1024, max_chunk_bytes - _HEADROOM - slot_bytes)
-    row_bytes = 8 * (1 + len(masks))
+    row_bytes = 12 if pairs else 8 * (1 + len(masks))
     rows = max(1, budget // row_bytes)
     n = len(keys)
     tier_keys = np.asarray(
@@ -62,6 +65,7 @@ def state_to_chunks(
                 row_start=lo,
                 keys=keys[lo:hi].tobytes(),
                 masks=[m[lo:hi].tobytes() for m in masks],
+                pair_slots=pslots[lo:hi].tobytes() if pslots is not None else None,
             )
         )
     for j, (tk, tv) in enumerate(tier_groups):
@@ -77,6 +81,7 @@ def state_to_chunks(
                 row_start=n,
                 keys=b"",
                 masks=[b"" for _ in masks],
+                pair_slots=b"" if pairs else None,
                 tier_keys=tk,
                 tier_values=tv,
             )
@@ -108,12 +113,25 @@ def chunks_to_state(chunks: list[SnapshotChunk]) -> IndexState:
     nwords = len(first.masks)
     if any(len(ch.masks) != nwords for ch in ordered):
         raise ValueError("inconsistent mask words")
+    pairs = first.pair_slots is not None
+    if any((ch.pair_slots is not None) != pairs for ch in ordered):
+        raise ValueError("chunks mix the mask and the pair forms")
+    if pairs and nwords:
+        raise ValueError("a pair-form chunk carries mask words")
     keys = np.frombuffer(b"".join(ch.keys for ch in ordered), dtype="<u8")
     masks = [
         np.frombuffer(b"".join(ch.masks[w] for ch in ordered), dtype="<u8") for w in range(nwords)
     ]
     if any(len(m) != len(keys) for m in masks):
         raise ValueError("mask and key arrays differ in length")
+    pair_slots = None
+    if pairs:
+        raw = b"".join(ch.pair_slots or b"" for ch in ordered)
+        if len(raw) != 4 * len(keys):
+            raise ValueError("pair slots and key arrays differ in length")
+        pair_slots = np.frombuffer(raw, dtype="<u4")
+        if len(pair_slots) and int(pair_slots.max()) >= len(first.slots):
+            raise ValueError("a pair names a slot outside the slot table")
     tier_keys = np.frombuffer(b"".join(ch.tier_keys for ch in ordered), dtype="<u8")
     tier_values = [int.from_bytes(v, "little") for ch in ordered for v in ch.tier_values]
     if len(tier_values) != len(tier_keys):
@@ -127,4 +145,5 @@ def chunks_to_state(chunks: list[SnapshotChunk]) -> IndexState:
         masks=masks,
         tier_keys=tier_keys,
         tier_values=tier_values,
+        pair_slots=pair_slots,
     )

@@ -162,7 +162,10 @@ class IndexerService:
                 on_lost=self._demote,
                 ttl_s=lease_ttl_s,
                 replicas=stream_replicas(bus),
+                warm=self._warm,
             )
+        self._started_at = time.monotonic()
+        self._heartbeat_timeout_s = heartbeat_timeout_s
         self._out: asyncio.Queue[tuple[str, bytes, str | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[Any]] = []
         self._subs: list[Any] = []
@@ -256,6 +259,25 @@ class IndexerService:
         announce = IndexDelta(epoch=self.epoch, seq=0, ts=now(), ops=[])
         self._out.put_nowait((self.bus.subjects.kv_index_delta, encode(announce), None))
         log.info("indexer active", epoch=self.epoch)
+
+    def _nats_server(self) -> str:
+        """host:port of the NATS server this indexer is connected to now ('' when none)."""
+        url = getattr(self.bus.nc, "connected_url", None)
+        return f"{url.hostname}:{url.port}" if url is not None and url.hostname else ""
+
+    def _warm(self) -> bool:
+        """HA: whether this member's index is complete enough to publish from: it consumes the
+        stream, it has run one heartbeat timeout (every live worker has been heard from), and
+        every worker it knows is in sync (no resync running or due, every announced batch
+        applied)."""
+        if not self.consuming.is_set():
+            return False
+        if time.monotonic() - self._started_at < self._heartbeat_timeout_s:
+            return False
+        return all(
+            not ws.resyncing and ws.retry_at is None and ws.last_seq >= ws.hb_kv_seq
+            for ws in self.core.workers.values()
+        )
 
     def _demote(self) -> None:
         self.active = False
@@ -486,6 +508,10 @@ class IndexerService:
                     "workers": len(self.core.workers),
                     "blocks": len(self.core.index),
                     "keys": self.core.index.num_keys,
+                    "nats_server": self._nats_server(),
+                    "lease": None
+                    if self.lease is None
+                    else self.lease.status() | {"warm": self._warm()},
                 }
             )
 

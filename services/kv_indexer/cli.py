@@ -89,7 +89,7 @@ async def serve(st, stop: asyncio.Event) -> None:
 
     bus = Bus(
         st.nats_url,
-        "indexer",
+        f"indexer-{st.ha_id}" if st.ha_id else "indexer",  # the connection's name in /connz
         Subjects(st.subject_prefix),
         auth=NatsAuth.from_settings(st),
         role="indexer",
