@@ -387,12 +387,25 @@ def test_routed_memory_sends_a_new_groups_second_request_after_its_first() -> No
         ws[first].pending_prefill_tokens += 576
         second = decide(p, r2, ClusterSnapshot(ws), {}).worker_id  # index: still empty
         assert (second == first) is follows, (ttl, first, second)
-    # the memory expires: after routed_ttl decisions the index alone decides
+    # the memory outlives routed_ttl decisions while the prefill that computes the prefix there
+    # is still queued (a burst of G groups sends a group's next request ~G decisions later);
+    # once that prefill is done (and the index still does not show the prefix) it expires
     ws = workers(4)
     p = build_policy({"name": "kv_aware", "params": {"routed_ttl": 2}})
     first = decide(p, r1, ClusterSnapshot(ws), {}).worker_id
     ws[first].inflight += 1
     ws[first].pending_prefill_tokens += 576
+    for i in range(3):
+        decide(p, req(10 + i), ClusterSnapshot(ws), {})
+    r2b = RequestInfo("r2b", "m", 576, 16, keys2)
+    assert decide(p, r2b, ClusterSnapshot(ws), {}).worker_id == first  # still computing it
+    ws = workers(4)
+    p = build_policy({"name": "kv_aware", "params": {"routed_ttl": 2}})
+    first = decide(p, r1, ClusterSnapshot(ws), {}).worker_id
+    ws[first].inflight += 1
+    ws[first].pending_prefill_tokens += 576
+    decide(p, req(9), ClusterSnapshot(ws), {})
+    ws[first].pending_prefill_tokens -= 576  # r1's first token: its prefill is done
     for i in range(3):
         decide(p, req(10 + i), ClusterSnapshot(ws), {})
     assert decide(p, r2, ClusterSnapshot(ws), {}).worker_id != first
@@ -426,6 +439,7 @@ def _hot_cluster(**params) -> tuple[dict[str, WorkerState], PrefixIndex, list[in
     prefix = [11] * 1024
     index.apply_stored("w0", block_keys(prefix, 16))
     ws["w0"].inflight = 2
+    params = {"replicate": True, **params}  # off by default; these tests are about it
     return ws, index, prefix, build_policy({"name": "kv_aware", "params": params})
 
 
@@ -466,7 +480,7 @@ def test_the_request_that_created_a_prompt_counts_as_its_demand() -> None:
     make the prompt look wanted by half the traffic (4 workers' worth) and the copies trickle."""
     ws = workers(8)
     index = PrefixIndex()
-    p = build_policy({"name": "kv_aware"})
+    p = build_policy({"name": "kv_aware", "params": {"replicate": True}})
     prefix = [13] * 1024
     first = _keys(prefix, 0)
     d = decide(p, RequestInfo("r0", "m", 1088, 16, first), ClusterSnapshot(ws), {})
@@ -538,3 +552,40 @@ def test_no_hold_once_the_index_shows_the_prefix() -> None:
         p, RequestInfo("r1", "m", 2112, 16, _keys([3] * 2048, 1)), ClusterSnapshot(ws), {"w0": 128}
     )
     assert d.worker_id == "w0" and d.after is None
+
+
+def test_routed_memory_credits_each_candidate_its_deepest_fresh_prefix() -> None:
+    """w0 was sent prefix P (64 blocks), w1 P + Q (128 blocks). A request for P + Q + R credits
+    each with what it was sent (its deepest remembered block), also with w1 excluded; once
+    ``routed_ttl`` decisions have passed, nobody is credited any more."""
+    p_, q_, r_ = [11] * 1024, [12] * 1024, [13] * 512
+    ws = workers(3)
+    pol = build_policy({"name": "kv_aware", "params": {"routed_ttl": 8}})
+
+    def send(rid: str, toks: list[int], loaded: dict[str, int]) -> str | None:
+        for w in ws.values():
+            w.inflight = loaded.get(w.worker_id, 0)
+        k = tuple(block_keys(toks, 16))
+        return decide(
+            pol, RequestInfo(rid, "m", len(toks), 16, k), ClusterSnapshot(ws), {}
+        ).worker_id
+
+    assert send("a", p_, {"w1": 10, "w2": 10}) == "w0"
+    assert send("b", p_ + q_, {"w0": 100, "w2": 10}) == "w1"
+    for w in ws.values():
+        w.inflight = 0
+    keys = tuple(block_keys(p_ + q_ + r_, 16))
+    r = RequestInfo("c", "m", 2560, 16, keys)
+    d = decide(pol, r, ClusterSnapshot(ws), {})
+    # equal load: the costs differ only by uncached_weight (2) x uncached tokens
+    assert d.scores["w2"] - d.scores["w0"] == pytest.approx(2 * 1024)
+    assert d.scores["w2"] - d.scores["w1"] == pytest.approx(2 * 2048)
+    without_w1 = {k: v for k, v in ws.items() if k != "w1"}
+    d = decide(pol, RequestInfo("d", "m", 2560, 16, keys), ClusterSnapshot(without_w1), {})
+    assert d.scores["w2"] - d.scores["w0"] == pytest.approx(2 * 1024)
+    for i in range(8):  # unrelated decisions: the memory above expires
+        send(f"x{i}", [100 + i] * 64, {})
+    for w in ws.values():
+        w.inflight = 0
+    d = decide(pol, RequestInfo("e", "m", 2560, 16, keys), ClusterSnapshot(ws), {})
+    assert len({round(s, 6) for s in d.scores.values()}) == 1, d.scores

@@ -15,7 +15,9 @@ Invariants:
 - ``states[w].kv_blocks_free`` = telemetry free blocks minus blocks this router reserved for
   requests dispatched at or after that sample's ``ts`` (or, without telemetry, total minus all
   reservations);
-- cordon / drain from ``workers.control`` stick until ``uncordon`` (drain also from heartbeats).
+- cordon / drain from ``workers.control`` stick until ``uncordon`` (drain also from heartbeats);
+- every change this class makes to a worker's state (and its arrival or removal) adds the
+  worker's id to each set in ``snapshot.watchers`` (the policies' incremental views).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class ClusterState:
         self._controls: dict[str, str] = {}  # control may arrive before the first heartbeat
         self._breaker_open: set[str] = set()
         self._ejected: set[str] = set()  # latency outliers (services/router/outlier.py)
-        self.snapshot = ClusterSnapshot(self.states)
+        # change notification for the policies' incremental views (ClusterSnapshot.watchers)
+        self.snapshot = ClusterSnapshot(self.states, watchers=[])
         self.block_sizes: set[int] = set()
         self.lora_names: frozenset[str] = frozenset()  # adapters any known worker serves
 
@@ -96,8 +99,12 @@ class ClusterState:
         s = self.states.get(hb.worker_id)
         if s is None:
             s = self.states[hb.worker_id] = WorkerState(hb.worker_id)
-        s.model, s.url, s.loras = hb.model, hb.url.rstrip("/"), hb.loras
-        s.capacity = Capacity(c.block_size, c.num_gpu_blocks, c.max_num_seqs, c.max_model_len)
+            self._notify(hb.worker_id)
+        cap = Capacity(c.block_size, c.num_gpu_blocks, c.max_num_seqs, c.max_model_len)
+        url = hb.url.rstrip("/")
+        if (s.model, s.url, s.loras, s.capacity) != (hb.model, url, hb.loras, cap):
+            s.model, s.url, s.loras, s.capacity = hb.model, url, hb.loras, cap
+            self._notify(hb.worker_id)
         self.block_sizes = {x.capacity.block_size for x in self.states.values()}
         self._refresh(hb.worker_id, now)
         return new
@@ -133,7 +140,10 @@ class ClusterState:
             self._breaker_open.discard(worker_id)
         s = self.states.get(worker_id)
         if s is not None:
-            s.circuit_open = is_open or worker_id in self._ejected
+            v = is_open or worker_id in self._ejected
+            if s.circuit_open != v:
+                s.circuit_open = v
+                self._notify(worker_id)
 
     def set_ejected(self, worker_id: str, ejected: bool) -> None:
         """A latency outlier is out of rotation like a worker whose circuit is open."""
@@ -143,7 +153,10 @@ class ClusterState:
             self._ejected.discard(worker_id)
         s = self.states.get(worker_id)
         if s is not None:
-            s.circuit_open = ejected or worker_id in self._breaker_open
+            v = ejected or worker_id in self._breaker_open
+            if s.circuit_open != v:
+                s.circuit_open = v
+                self._notify(worker_id)
 
     def keep_alive(self, now: float) -> None:
         """While the bus is down no heartbeat can arrive: keep the last known workers."""
@@ -164,6 +177,7 @@ class ClusterState:
             if now - e.seen > self.forget_after and not self._local[wid].inflight:
                 del self._entries[wid]
                 self.states.pop(wid, None)
+                self._notify(wid)
                 self.block_sizes = {x.capacity.block_size for x in self.states.values()}
                 self._refresh_loras()
                 changed = True
@@ -202,6 +216,7 @@ class ClusterState:
             s = self.states.get(t.worker_id)
             if now is not None and s is not None:
                 s.first_token_at = now
+                self._notify(t.worker_id)
 
     def release(self, t: Ticket) -> None:
         if t.released:
@@ -249,9 +264,16 @@ class ClusterState:
         return out
 
     # ------------------------------------------------------------------ internals
+    def _notify(self, wid: str) -> None:
+        """``wid``'s state changed: tell the policies' incremental views
+        (``ClusterSnapshot.watchers``)."""
+        for w in self.snapshot.watchers:
+            w.add(wid)
+
     def _refresh(self, wid: str, now: float) -> None:
         e = self._entries[wid]
         s = self.states[wid]
+        before = _signature(s)
         ctl = self._controls.get(wid)
         s.healthy = now - e.seen <= self.worker_timeout and e.hb.state != "starting"
         s.cordoned = ctl == "cordon"
@@ -279,6 +301,8 @@ class ClusterState:
                 bw = max(bws) / 100.0 if bws else None
                 mem = max(mems) if mems else None
             s.gpu_sm_util, s.gpu_mem_used, s.gpu_bw_util = sm, mem, bw
+        if _signature(s) != before:
+            self._notify(wid)
         self._refresh_load(wid)
         self._refresh_kv(wid)
 
@@ -292,8 +316,10 @@ class ClusterState:
         for _seen, rin, rpre in self._remote.values():
             inflight += rin.get(wid, 0)
             prefill += rpre.get(wid, 0)
-        s.inflight = inflight
-        s.pending_prefill_tokens = prefill
+        if s.inflight != inflight or s.pending_prefill_tokens != prefill:
+            s.inflight = inflight
+            s.pending_prefill_tokens = prefill
+            self._notify(wid)
 
     def _refresh_kv(self, wid: str) -> None:
         s = self.states[wid]
@@ -305,7 +331,28 @@ class ClusterState:
             # a sample taken at ts does not contain a request dispatched at ts (the simulator samples,
             # then dispatches, at one virtual instant)
             reserved = sum(t.blocks for t in tickets if t.wall >= since)
-            s.kv_blocks_free = max(0, load.kv_blocks_free - reserved)
+            free = max(0, load.kv_blocks_free - reserved)
         else:
             loc = self._local.get(wid)
-            s.kv_blocks_free = max(0, s.capacity.num_gpu_blocks - (loc.blocks if loc else 0))
+            free = max(0, s.capacity.num_gpu_blocks - (loc.blocks if loc else 0))
+        if s.kv_blocks_free != free:
+            s.kv_blocks_free = free
+            self._notify(wid)
+
+
+def _signature(s: WorkerState) -> tuple:
+    """The state :meth:`ClusterState._refresh` sets besides load and free blocks (the telemetry
+    sample's age aside: it changes at every refresh and no policy reads it)."""
+    return (
+        s.healthy,
+        s.cordoned,
+        s.draining,
+        s.circuit_open,
+        s.telemetry_stale,
+        s.running,
+        s.waiting,
+        s.kv_usage,
+        s.gpu_sm_util,
+        s.gpu_mem_used,
+        s.gpu_bw_util,
+    )

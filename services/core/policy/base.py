@@ -11,8 +11,13 @@ Flow of :func:`decide` (pure; the live router and the simulator both call it):
 3. **scorers** (:mod:`.scorers`, combined by the policy class): a cost per candidate;
 4. **picker** (:mod:`.pickers`): lowest cost, ties broken by the policy's seeded RNG.
 
+Over a tracked snapshot (``ClusterSnapshot.watchers``, the router's and the simulator's) a
+policy may shortcut steps 1-3 (:meth:`PolicyImpl.fast_costs`: ``kv_aware`` from 128 workers
+keeps per-worker filter inputs and cost bounds up to date as workers change and scores only
+the holders of the prompt and the workers whose bound can still win); the pick is the same.
+
 Invariant: given the same spec (including ``seed``) and the same sequence of
-(request, snapshot, overlaps), the sequence of decisions is identical.
+(request, snapshot, overlaps), the sequence of decisions is identical, shortcut or not.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ class PolicyImpl:
         return bool(self.p.get("routed_ttl"))
 
     def cap(self, w: WorkerState) -> int:
+        """In-flight requests ``w`` may take under this policy (``filters.fit_now`` applies
+        the same limit inline)."""
         c = w.capacity.max_num_seqs
         return c if self.max_inflight is None else min(c, self.max_inflight)
 
@@ -97,6 +104,21 @@ class PolicyImpl:
 
     def pick(self, costs: dict[str, float], state: PolicyState) -> str:
         return pick_min(costs, state.rng)
+
+    def fast_costs(
+        self,
+        req: RequestInfo,
+        snapshot: ClusterSnapshot,
+        overlaps: dict[str, int],
+        state: PolicyState,
+        filtered: dict[str, str],
+    ) -> dict[str, float] | None:
+        """Optional shortcut of filters + :meth:`costs` for a tracked snapshot
+        (``ClusterSnapshot.watchers``): None (the default) when it does not apply, before
+        changing any state; else the costs of enough candidates that :meth:`pick` chooses
+        exactly what it would over all of them (every other candidate costs more than the
+        lowest + the tie margin), ``filtered`` filled as the filters would."""
+        return None
 
 
 REGISTRY: dict[str, type[PolicyImpl]] = {}
@@ -163,6 +185,15 @@ def decide(
 ) -> Decision:
     impl = policy.impl
     filtered: dict[str, str] = {}
+    state = policy.state
+    if snapshot.watchers is not None:
+        state.now = snapshot.now
+        state.replicate_to = ()
+        state.after = None
+        state.shed = None
+        costs = impl.fast_costs(request, snapshot, overlaps, state, filtered)
+        if costs is not None:
+            return _chosen(policy, request, snapshot, overlaps, costs, filtered)
     serving = filters.routable_for_model(snapshot.workers.values(), request.model, filtered)
     if not serving:
         return Decision(
@@ -171,7 +202,7 @@ def decide(
             filtered=filtered,
             policy=policy.name,
         )
-    possible = filters.could_ever_fit(serving, request, filtered)
+    possible, cands = filters.fit_now(serving, request, overlaps, impl.max_inflight, filtered)
     if not possible:
         return Decision(
             None,
@@ -180,7 +211,6 @@ def decide(
             filtered=filtered,
             policy=policy.name,
         )
-    cands = filters.can_take_now(possible, request, overlaps, impl.cap, filtered)
     if not cands:
         return Decision(
             None,
@@ -189,12 +219,23 @@ def decide(
             filtered=filtered,
             policy=policy.name,
         )
-    state = policy.state
     state.now = snapshot.now
     state.replicate_to = ()
     state.after = None
     state.shed = None
     costs = impl.costs(request, cands, overlaps, state)
+    return _chosen(policy, request, snapshot, overlaps, costs, filtered)
+
+
+def _chosen(
+    policy: Policy,
+    request: RequestInfo,
+    snapshot: ClusterSnapshot,
+    overlaps: dict[str, int],
+    costs: dict[str, float],
+    filtered: dict[str, str],
+) -> Decision:
+    impl, state = policy.impl, policy.state
     if state.shed is not None:
         reason, state.shed = state.shed, None
         state.replicate_to = ()

@@ -9,8 +9,8 @@ TIE_EPS = 1e-9
 
 def pick_min(costs: dict[str, float], rng: random.Random) -> str:
     """Lowest cost; exact ties (within 1e-9) broken uniformly by ``rng`` over sorted ids."""
-    best = min(costs.values())
-    ties = [w for w, c in costs.items() if c <= best + TIE_EPS]
+    limit = min(costs.values()) + TIE_EPS
+    ties = [w for w, c in costs.items() if c <= limit]
     if len(ties) == 1:
         return ties[0]
     ties.sort()

@@ -80,8 +80,16 @@ class RequestInfo:
 
 @dataclass(slots=True)
 class ClusterSnapshot:
+    """``watchers``: when not None, the owner of ``workers`` adds a worker's id to each set in
+    it whenever it changes that worker's state, adds or removes it
+    (:class:`~services.core.cluster.ClusterState` does, for every change it makes), so a
+    policy may keep per-worker results up to date instead of recomputing them per request; a
+    caller that changes a worker's state directly must add its id too. None: no such
+    guarantee (policies then evaluate every worker)."""
+
     workers: dict[str, WorkerState]
     now: float = 0.0
+    watchers: list[set[str]] | None = None
 
 
 @dataclass(slots=True)

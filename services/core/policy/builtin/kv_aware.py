@@ -1,4 +1,4 @@
-"""``kv_aware`` (default): lowest estimated time to first token, in prefill-token equivalents.
+"""``kv_aware``: lowest estimated time to first token, in prefill-token equivalents.
 
     cost(w) = queued_prefill(w)               # prompt tokens still to compute ahead (all routers)
             + uncached_weight * uncached(w)   # this prompt minus the prefix w holds (or will)
@@ -56,7 +56,9 @@ Spreading credits every non-holder with ``spread_credit`` of the prefix (it will
 this request), so the least-loaded one takes the request at once and becomes a holder. New
 prefixes (no match) go to the least-loaded worker by the cost formula.
 
-**Hot-prefix replication** (``replicate``, on by default; needs ``routed_ttl`` > 0). A prefix
+**Hot-prefix replication** (``replicate``, off by default: the routing-v2 ablation measured no
+gain from it on any workload, spreading by user requests did as well; needs ``routed_ttl`` >
+0). A prefix
 that is hot by its own demand (the first rule) is not spread by user requests: the decision
 names the least-loaded non-holders it needs (``ceil(share x N - hot_margin)`` workers in all,
 counting the workers already sent it) in ``Decision.replicate_to``, and the caller sends each a
@@ -81,18 +83,34 @@ computing the same cold prefix) go to the worker whose queued prefill is oldest.
 
 ``routed_ttl`` (256 decisions; 0 = off): when the request carries its block keys (the live
 router and the simulator pass them while this is > 0), the costs also credit every worker this
-policy *sent* the same prefix to within the last ``routed_ttl`` decisions, so the second request
-of a new prefix group follows the first before the first's KV events reach the index (what
-sglang-router's approximate tree does), and requests of a prefix being spread may go to a new
+policy *sent* the same prefix to within the last ``routed_ttl`` decisions, or later while the
+prefill that computes it there is still queued (its entry in the prefill clock's FIFO of that
+worker is not done: in a burst of G prefix groups a group's next request comes ~G decisions
+after its first, and the prefix reaches the index only when that prefill is done), so the
+second request of a new prefix group follows the first before the first's KV events reach the
+index (what sglang-router's approximate tree does), and requests of a prefix being spread may go to a new
 holder still computing it (the clock says when it will be done). The hot-prefix rule itself
 looks at the index only. The per-worker cap (``max_inflight``, default max_num_seqs) is enforced
 by admission.
 
 Invariant: state lives only in :class:`PolicyState` (``now``, ``replicate_to`` / ``after`` for
 the decision in progress, and ``extra["kv_aware_*"]``: demand windows, decision tick,
-busy-since ticks, routed-prefix memory with each worker's leader, prefill clock), updated
-by :meth:`costs` / :meth:`pick` deterministically from their inputs, so the same inputs give
-the same decisions.
+busy-since ticks, routed-prefix memory with each worker's leader, prefill clock, and
+``kv_aware_fleet``, the incremental view below), updated by :meth:`costs` / :meth:`pick`
+deterministically from their inputs, so the same inputs give the same decisions.
+
+**Large fleets** (``FAST_MIN_WORKERS``, 128, and more, over a tracked snapshot): the same
+decision without a pass over every worker (:func:`_fast_costs`). When every routable worker
+passes the filters for the request (checked on aggregates kept by
+:class:`~services.core.policy.fleet.FleetView`: fewest free blocks, most requests in flight,
+smallest capacity), a worker that holds nothing of the prompt costs its own load terms plus
+request constants; each worker's lower bound of those (queued prefill at least what other
+routers queued, or the clock's exact figure while no speed is learned; minus the 0.1 tie-break
+of queue age) is kept in a heap, refreshed when the worker changes or is sent a request. The
+holders (index, routed memory, replicas) and then the others in bound order are scored with the
+loop's own expression until the bound passes the lowest cost + the tie margin, so the pick and
+its tie set are those of the full loop; the loop's bookkeeping (busy-since ticks, prefill-clock
+observations, in snapshot order) runs for the changed workers only, where it is not a no-op.
 """
 
 from __future__ import annotations
@@ -101,8 +119,12 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.core.keys import blocks_needed
+from services.core.policy import filters
 from services.core.policy.base import PolicyImpl, PolicyState, register
-from services.core.policy.types import RequestInfo, WorkerState, replica_id
+from services.core.policy.fleet import INF, FleetView
+from services.core.policy.pickers import TIE_EPS
+from services.core.policy.types import ClusterSnapshot, RequestInfo, WorkerState, replica_id
 
 
 def _num(desc: str, default: float, maximum: float | None = None) -> dict:
@@ -247,6 +269,13 @@ class PrefillClock:
     # when a list: every sample taken is appended as (worker, computed tokens, seconds), for a
     # caller that calibrates its own model from them (``slo_aware``)
     samples: list | None = None
+    # False: :meth:`queued` counts every entry in full until its first token (the samples are
+    # still taken); ``slo_aware`` does, see its docstring
+    discount: bool = True
+    # per worker, entries ever appended to / removed from its FIFO: entry number k (1-based) is
+    # still queued while done_n < k (routed-prefix memory asks this of a prefix's leader)
+    sent_n: dict[str, int] = field(default_factory=dict)
+    done_n: dict[str, int] = field(default_factory=dict)
 
     MAX_ENTRIES = 512  # per worker: a bound if first tokens are never observed
 
@@ -260,8 +289,10 @@ class PrefillClock:
             q = self.fifo[wid] = deque()
         q.append((now, pending, compute))
         self.own[wid] = self.own.get(wid, 0) + pending
+        self.sent_n[wid] = self.sent_n.get(wid, 0) + 1
         if len(q) > self.MAX_ENTRIES:
             self.own[wid] -= q.popleft()[1]
+            self.done_n[wid] = self.done_n.get(wid, 0) + 1
 
     def observe(self, w: WorkerState, now: float) -> None:
         """Drop the entries whose prefill is done (learning ``spt`` from them)."""
@@ -273,11 +304,14 @@ class PrefillClock:
         q = self.fifo[wid]
         first = q[0][0]
         compute = 0
+        n = 0
         while q and own > left:
             _, pend, comp = q.popleft()
             own -= pend
             compute += comp
+            n += 1
         self.own[wid] = own
+        self.done_n[wid] = self.done_n.get(wid, 0) + n
         done = w.first_token_at
         if done is None or done < first or done > now:
             done = now
@@ -303,7 +337,7 @@ class PrefillClock:
             return w.pending_prefill_tokens
         other = w.pending_prefill_tokens - self.own[wid]
         left = float(other) if other > 0 else 0.0
-        spt = self.spt
+        spt = self.spt if self.discount else None
         if spt is None:
             for _, _, comp in q:
                 left += comp
@@ -384,7 +418,7 @@ class KvAware(PolicyImpl):
         ),
         "replicate": {
             "type": "boolean",
-            "default": True,
+            "default": False,
             "description": "a hot prefix (more workers' worth of demand than holders) is copied "
             "to the workers it needs by one-token copies of the request, sent beside it, "
             "instead of by spreading user requests to workers that must first compute it",
@@ -411,6 +445,10 @@ class KvAware(PolicyImpl):
             "(the engine's steps and batching make it slower than its tokens alone)",
         },
     }
+
+    # fleets from this size on are decided through the incremental view (_fast_costs); below
+    # it the full loop is faster (at 64 workers all holding the prompt: 93 vs 106 us)
+    FAST_MIN_WORKERS = 128
 
     def _demand(self, state: PolicyState) -> tuple[Demand, HolderDemand]:
         d = state.extra.get("kv_aware_demand")
@@ -439,29 +477,63 @@ class KvAware(PolicyImpl):
         """Overlaps raised by where this router recently *sent* the same prefix (its KV events
         may not have reached the index yet: the first request of a group is still computing
         it). Remembers the block key at every ``ROUTED_STRIDE``-th block and the last one."""
-        mem: dict[int, dict[str, tuple[int, str]]] = state.extra.setdefault("kv_aware_routed", {})
+        mem: dict[int, dict[str, tuple[int, str, int]]] = state.extra.setdefault(
+            "kv_aware_routed", {}
+        )
         n = len(keys)
         depths = list(range(n - n % ROUTED_STRIDE, 0, -ROUTED_STRIDE))
         if n % ROUTED_STRIDE:
             depths.insert(0, n)
-        state.extra["kv_aware_last"] = (keys, depths, tick, rid)
+        # the memory's entries at those depths (None: none), looked up once: pick() writes there
+        found = list(map(mem.get, [keys[d - 1] for d in depths]))
+        state.extra["kv_aware_last"] = (keys, depths, found, tick, rid)
         ttl = self.p["routed_ttl"]
         floor = self.p["hot_min_blocks"]
         routed: dict[str, int] = {}
         leaders: dict[str, str] = {}
         state.extra["kv_aware_leaders"] = leaders
-        for d in depths:
-            if d < floor:
+        # per candidate, the deepest depth with a fresh entry (and its leader): deepest first,
+        # looking only for the candidates not found yet, until every candidate is found. Other
+        # workers' entries could change nothing this decision reads (the overlaps are the
+        # candidates'; the leader read is the chosen one's). A stale entry (older than ``ttl``
+        # ticks) while the prefill that computes it there is done never counts again (ticks only
+        # grow, the clock's queue only moves on): it is dropped when met, so it is not looked at
+        # again. Fresh = within ``ttl`` decisions, or beyond while that prefill (the leader's
+        # entry in the prefill clock) is still queued: in a burst of G groups a group's next
+        # request comes ~G decisions later, and its prefix reaches the index only when that
+        # prefill is done.
+        done_n = self._clock(state).done_n
+        missing = {w.worker_id for w in cands}
+        held = [(d, e) for d, e in zip(depths, found, strict=True) if e and d >= floor]
+        for j, (d, e) in enumerate(held):
+            if len(missing) <= 2:
+                # a few left: each looks down the remaining depths by itself (cheaper than a
+                # set intersection per depth)
+                rest = held[j:]
+                for wid in list(missing):
+                    for d2, e2 in rest:
+                        ent = e2.get(wid)
+                        if ent is not None:
+                            if tick - ent[0] <= ttl or done_n.get(wid, 0) < ent[2]:
+                                routed[wid] = d2
+                                leaders[wid] = ent[1]
+                                break
+                            del e2[wid]
                 break
-            e = mem.get(keys[d - 1])
-            if e is not None:
-                for wid, (at, lead) in e.items():
-                    if tick - at <= ttl and wid not in routed:
-                        routed[wid] = d
-                        leaders[wid] = lead
+            for wid in e.keys() & missing:  # in C
+                at, lead, nth = e[wid]
+                if tick - at <= ttl or done_n.get(wid, 0) < nth:
+                    routed[wid] = d
+                    leaders[wid] = lead
+                    missing.discard(wid)
+                else:
+                    del e[wid]
+            if not missing:
+                break
         if not routed:
             return ovs
-        return [max(o, routed.get(w.worker_id, 0)) for w, o in zip(cands, ovs, strict=True)]
+        get = routed.get
+        return [r if (r := get(w.worker_id, 0)) > o else o for w, o in zip(cands, ovs, strict=True)]
 
     def _queued(self, w: WorkerState, state: PolicyState) -> float:
         """The worker's queued prefill in tokens, as :meth:`costs` counts it (the prefill
@@ -477,32 +549,53 @@ class KvAware(PolicyImpl):
         last = state.extra.pop("kv_aware_last", None)
         leaders = state.extra.pop("kv_aware_leaders", None)
         disp = state.extra.pop("kv_aware_dispatch", None)
+        ids = [w.worker_id for w in disp[0]] if disp is not None else []
         if last is not None:
-            keys, depths, tick, rid = last
+            keys, depths, found, tick, rid = last
             ttl = self.p["routed_ttl"]
             # a request sent to an idle worker starts its prefill at once: nobody need wait
             # for it ("" = no leader to wait for)
-            idle = {w.worker_id for w in disp[0] if w.inflight == 0} if disp else set()
-            mem: dict[int, dict[str, tuple[int, str]]] = state.extra["kv_aware_routed"]
+            mem: dict[int, dict[str, tuple[int, str, int]]] = state.extra["kv_aware_routed"]
             sent = [(wid, rid)]
             sent += [(rw, replica_id(rid, rw)) for rw in state.replicate_to if rw != wid]
-            sent = [(w, "" if w in idle else r) for w, r in sent]
-            for d in depths:
-                k = keys[d - 1]
-                e = mem.get(k)
+            if disp:
+                # which of the workers sent to are idle (the rest of the candidates do not
+                # matter here)
+                cands = disp[0]
+                idle = {w for w, _ in sent if cands[ids.index(w)].inflight == 0}
+                if idle:
+                    sent = [(w, "" if w in idle else r) for w, r in sent]
+            # with the number the leader's prefill will have in the clock's FIFO of that worker
+            clock = self._clock(state)
+            done_n, sent_n = clock.done_n, clock.sent_n
+            fresh = [(w, (tick, r, sent_n.get(w, 0) + 1)) for w, r in sent]
+            for d, e in zip(depths, found, strict=True):
                 if e is None:
-                    e = mem[k] = {}
-                for w, r in sent:
+                    k = keys[d - 1]
+                    e = mem.get(k)
+                    if e is None:
+                        e = mem[k] = {}
+                for w, new in fresh:
                     old = e.get(w)
                     # the leader (the request that computes the prefix there) stays the leader
-                    e[w] = (tick, old[1] if old is not None and tick - old[0] <= ttl else r)
+                    # while the entry holds (see _with_routed)
+                    if old is None:
+                        e[w] = new
+                    else:
+                        live = tick - old[0] <= ttl or done_n.get(w, 0) < old[2]
+                        e[w] = (tick, old[1], old[2]) if live else new
             # oldest-inserted keys go first (a prefix still in use is re-added at its next pick)
             while len(mem) > ROUTED_MAX_KEYS:
                 del mem[next(iter(mem))]
         if disp is not None:
             cands, idx, ovs, prompt, extra = disp
             clock = self._clock(state)
-            for w, i, o in zip(cands, idx, ovs, strict=True):
+            # the chosen worker and the replicas, in candidate order
+            at = [ids.index(wid)]
+            if extra:
+                at = sorted(at + [ids.index(x) for x in extra if x != wid])
+            for j in at:
+                w, i, o = cands[j], idx[j], ovs[j]
                 bs = w.capacity.block_size
                 if w.worker_id == wid:
                     lead = leaders.get(wid) if leaders and self.p["hold_followers"] else None
@@ -519,6 +612,10 @@ class KvAware(PolicyImpl):
                     clock.dispatched(
                         w.worker_id, state.now, max(0, prompt - i * bs), extra[w.worker_id]
                     )
+            fleet = state.extra.get("kv_aware_fleet")
+            if fleet is not None:  # their queued prefill changed: due for bookkeeping
+                fleet.dirty.add(wid)
+                fleet.dirty.update(extra)
         return wid
 
     def _plan_replicas(
@@ -545,16 +642,19 @@ class KvAware(PolicyImpl):
         others.sort()
         return tuple(wid for _, wid in others[:need])
 
-    def costs(
+    def _prelude(
         self,
         req: RequestInfo,
         cands: list[WorkerState],
         overlaps: dict[str, int],
         state: PolicyState,
-    ) -> dict[str, float]:
+    ) -> tuple[list[int], int, dict[str, int], int]:
+        """The part of :meth:`costs` before the per-worker loop: the tick, routed-prefix
+        memory, the hot-prefix rule and replicas. Returns (overlaps per candidate with routed
+        memory and replicas, the spread credit, replica compute per worker, the tick); sets
+        ``kv_aware_dispatch`` for :meth:`pick`."""
         p = self.p
         prompt = req.prompt_tokens
-        now = state.now
         # the hot-prefix rule looks at the index (workers that hold the prefix *now*); the costs
         # also credit where the prefix was just routed (it will be there before this request runs)
         idx = [overlaps.get(w.worker_id, 0) for w in cands]
@@ -579,7 +679,7 @@ class KvAware(PolicyImpl):
             demand.add(pid)
             if len(holders) < len(cands):
                 lead = min(holders, key=lambda w: (w.inflight, w.worker_id))
-                least = min(w.inflight for w in cands)
+                least = min([w.inflight for w in cands])
                 excess = lead.inflight - least
                 # under heavy load an absolute excess is noise: balancing and overload also
                 # need the holder busier by a ratio (what sglang-router checks too)
@@ -628,13 +728,32 @@ class KvAware(PolicyImpl):
                 if w.worker_id in rep
             }
             ovs = [best if w.worker_id in rep else o for w, o in zip(cands, ovs, strict=True)]
-        clock = self._clock(state)
-        fifo = clock.fifo
         state.extra["kv_aware_dispatch"] = (cands, idx, ovs, prompt, extra)
+        return ovs, spread_to, extra, tick
+
+    def costs(
+        self,
+        req: RequestInfo,
+        cands: list[WorkerState],
+        overlaps: dict[str, int],
+        state: PolicyState,
+    ) -> dict[str, float]:
+        ovs, spread_to, extra, tick = self._prelude(req, cands, overlaps, state)
+        p = self.p
+        prompt = req.prompt_tokens
+        now = state.now
+        clock = self._clock(state)
+        own_of = clock.own
+        fifo = clock.fifo
         # ties (e.g. workers each computing the same cold prefix) go to the worker whose queued
         # prefill is oldest: it started first, so it finishes first
         busy: dict[str, int] = state.extra.setdefault("kv_aware_busy", {})
         out: dict[str, float] = {}
+        # this class's own cost is computed inline (the same expression as _worker_cost: one
+        # call per worker less on the decision path); a subclass's through its method
+        own_cost = type(self)._worker_cost is KvAware._worker_cost
+        worker_cost = self._worker_cost
+        uw, dw, kw = p["uncached_weight"], p["decode_weight"], p["kv_pressure_weight"]
         for w, ov in zip(cands, ovs, strict=True):
             wid = w.worker_id
             queued = w.pending_prefill_tokens
@@ -642,11 +761,15 @@ class KvAware(PolicyImpl):
                 since = busy.setdefault(wid, tick)
                 age = tick - since if tick - since < 1000 else 1000
                 # what is left to compute of the queue, by the time since it was sent
-                queued = self._queued(w, state)
+                # (:meth:`_queued`, inline)
+                if fifo.get(wid):
+                    if own_of.get(wid, 0) > queued:  # observe's own test: some are done
+                        clock.observe(w, now)
+                    queued = clock.queued(w, now)
             else:
                 busy.pop(wid, None)
                 age = 0
-                if fifo.get(wid):
+                if fifo.get(wid) and own_of.get(wid, 0) > queued:
                     clock.observe(w, now)
             if ov < spread_to:
                 ov = spread_to
@@ -660,7 +783,11 @@ class KvAware(PolicyImpl):
                 usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
             else:
                 usage = w.kv_usage or 0.0
-            out[wid] = self._worker_cost(req, w, queued, uncached, usage, state) - 1e-4 * age
+            if own_cost:
+                cost = queued + uw * uncached + dw * w.inflight + kw * usage
+            else:
+                cost = worker_cost(req, w, queued, uncached, usage, state)
+            out[wid] = cost - 1e-4 * age
         return out
 
     def _worker_cost(
@@ -674,7 +801,8 @@ class KvAware(PolicyImpl):
     ) -> float:
         """The cost of sending ``req`` to ``w`` (before the tie-break by queue age), given
         its queued prefill and this prompt's uncached tokens there as the rules above count
-        them. ``slo_aware`` replaces this with its latency model."""
+        them. ``slo_aware`` replaces this with its latency model. :meth:`costs` computes this
+        class's own expression inline (no call per worker): change both together."""
         p = self.p
         return (
             queued
@@ -682,3 +810,305 @@ class KvAware(PolicyImpl):
             + p["decode_weight"] * w.inflight
             + p["kv_pressure_weight"] * usage
         )
+
+
+def _fast_costs(
+    self: KvAware,
+    req: RequestInfo,
+    snapshot: ClusterSnapshot,
+    overlaps: dict[str, int],
+    state: PolicyState,
+    filtered: dict[str, str],
+) -> dict[str, float] | None:
+    """:meth:`KvAware.costs` (and the filters before it) over a tracked snapshot, scoring the
+    holders of the prompt and the other workers in order of a lower bound of their cost
+    (:class:`~services.core.policy.fleet.FleetView`) until the bound passes the lowest cost +
+    the tie margin: the same pick, the same state changes, O(holders + changes) per decision.
+    None (nothing changed) unless every routable worker serves the model and passes the fit
+    filters for this request (then :func:`decide` runs the full path), or with replicas to
+    plan (rare: it runs the full path's cost loop)."""
+    if type(self).costs is not KvAware.costs or type(self)._worker_cost is not KvAware._worker_cost:
+        return None
+    if len(snapshot.workers) < self.FAST_MIN_WORKERS:
+        return None
+    fv = state.extra.get("kv_aware_fleet")
+    if fv is None or not fv.live(snapshot):
+        fv = state.extra["kv_aware_fleet"] = FleetView(snapshot)
+    fv.sync()
+    n = fv.n
+    if not n or len(fv.block_sizes) != 1:
+        return None
+    model = req.model
+    if model and fv.models.get(model, 0) != n:
+        return None
+    bs = next(iter(fv.block_sizes))
+    prompt = req.prompt_tokens
+    need = blocks_needed(prompt, req.max_tokens, bs)
+    if need > fv.min_blocks or prompt + req.max_tokens > fv.min_mml:
+        return None
+    if fv.min_seq_room() <= 0 or need > fv.min_free():
+        return None
+    if self.max_inflight is not None and fv.max_inflight() >= self.max_inflight:
+        return None
+    # every routable worker is a candidate: the filters' verdicts are the unroutable ones'
+    if len(fv.rows) > n:
+        filters.routable_for_model(fv.unroutable_states(), model, filtered)
+    p = self.p
+    now = state.now
+    rows = fv.rows
+    routable = fv.routable
+    idx = {w: o for w, o in overlaps.items() if o > 0 and w in routable}
+    tick = state.extra["kv_aware_tick"] = state.extra.get("kv_aware_tick", 0) + 1
+    keys = req.block_keys
+    ov_of = idx
+    routed: dict[str, int] = {}
+    if keys and p["routed_ttl"] > 0:
+        routed = _routed_fast(self, req.request_id, keys, routable, state, tick)
+        if routed:
+            ov_of = dict(idx)
+            for w, d in routed.items():
+                if d > ov_of.get(w, 0):
+                    ov_of[w] = d
+    best = max(idx.values(), default=0)
+    demand, hdemand = self._demand(state)
+    spread_to = 0
+    replicas: tuple[str, ...] = ()
+    extra: dict[str, int] = {}
+    if best >= p["hot_min_blocks"]:
+        holders = sorted((rows[w] for w, o in idx.items() if o >= best), key=lambda x: x.pos)
+        holders = [x.obj for x in holders]
+        hids = tuple(w.worker_id for w in holders)
+        hdemand.add(hids)
+        pid = keys[best - 1] if best <= len(keys) else None
+        if pid is not None:
+            demand.claim(pid, best)
+        demand.add(pid)
+        if len(holders) < n:
+            lead = min(holders, key=lambda w: (w.inflight, w.worker_id))
+            least = fv.min_inflight()
+            excess = lead.inflight - least
+            lopsided = lead.inflight >= p["overload_ratio"] * least
+            busy_holder = hdemand.fraction(lead.worker_id) * n > p["hot_share"]
+            if pid is not None:
+                sure = demand.fraction_low(pid, p["hot_confidence"]) * n - p["hot_margin"]
+                want = demand.fraction(pid) * n - p["hot_margin"]
+                hot = sure > len(holders)
+                if hot and p["replicate"] and p["routed_ttl"] > 0:
+                    if (
+                        excess >= p["spread_margin"]
+                        and demand.count.get(pid, 0) >= p["replicate_min_requests"]
+                    ):
+                        # _plan_replicas names nobody (and reads nothing) unless the prefix
+                        # wants more workers than hold it or were sent it
+                        have = sum(1 for o in ov_of.values() if o >= best)
+                        if math.ceil(want) - have > 0:
+                            cands = fv.routable_states()
+                            ovs = [ov_of.get(w.worker_id, 0) for w in cands]
+                            replicas = self._plan_replicas(want, best, cands, ovs, state)
+                    hot = False
+                spread = (hot and excess >= p["spread_margin"]) or (
+                    busy_holder
+                    and excess >= p["balance_margin"]
+                    and lopsided
+                    and self._queued(lead, state) >= best * lead.capacity.block_size
+                )
+            else:
+                spread = busy_holder and excess >= p["spread_margin"]
+            if spread or (excess >= p["overload_margin"] and lopsided):
+                spread_to = int(best * p["spread_credit"])
+    else:
+        demand.add(ColdEntry(keys) if keys else None)
+        hdemand.add(())
+    if replicas:
+        state.replicate_to = replicas
+        extra = {w: max(0, prompt - ov_of.get(w, 0) * bs) for w in replicas}
+        ov_of = dict(ov_of)
+        for w in replicas:
+            ov_of[w] = best
+    clock = self._clock(state)
+    fifo = clock.fifo
+    own = clock.own
+    busy: dict[str, int] = state.extra.setdefault("kv_aware_busy", {})
+    uw, dw, kw = p["uncached_weight"], p["decode_weight"], p["kv_pressure_weight"]
+    # the per-worker bookkeeping of the cost loop (busy-since ticks, prefill-clock
+    # observations), due only for the workers changed since it last ran there, in snapshot
+    # order (observations teach the clock's speed in that order); the speed each position saw
+    dirty = sorted((rows[w] for w in fv.dirty if w in routable), key=lambda x: x.pos)
+    spt_at: list[tuple[int, float | None]] = []
+    start_spt = clock.spt
+    for x in dirty:
+        w = x.obj
+        wid = w.worker_id
+        if w.pending_prefill_tokens > 0:
+            busy.setdefault(wid, tick)
+        else:
+            busy.pop(wid, None)
+        if fifo.get(wid):
+            before = clock.spt
+            clock.observe(w, now)
+            if clock.spt != before:
+                spt_at.append((x.pos, clock.spt))
+        fv.dirty.discard(wid)
+    spt_now = clock.spt
+    # bounds: the queued prefill is at least what other routers queued (the clock only adds);
+    # without a learned speed the clock counts every entry in full (no time dependence), so
+    # the bound is the value itself; once the speed is learned (it never unlearns) every
+    # bound made without it is redone
+    if spt_now is not None and state.extra.get("kv_aware_fleet_nospt", True):
+        state.extra["kv_aware_fleet_nospt"] = False
+        dirty = [x for x in rows.values() if x.routable]
+    for x in dirty:
+        w = x.obj
+        wid = w.worker_id
+        q = w.pending_prefill_tokens
+        entries = fifo.get(wid)
+        if entries:
+            q = q - own[wid]
+            q = float(q) if q > 0 else 0.0
+            if spt_now is None:
+                for e in entries:
+                    q += e[2]
+        cap = w.capacity
+        free = w.kv_blocks_free
+        if free is not None:
+            usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
+        else:
+            usage = w.kv_usage or 0.0
+        fv.set_bound(wid, q + dw * w.inflight + kw * usage)
+
+    def cost_of(w: WorkerState, ov: int, pos: int) -> float:
+        # the cost loop's body in :meth:`KvAware.costs` (its bookkeeping done above)
+        wid = w.worker_id
+        queued = w.pending_prefill_tokens
+        if queued > 0:
+            since = busy.get(wid, tick)
+            age = tick - since if tick - since < 1000 else 1000
+            if fifo.get(wid):
+                if spt_at:
+                    clock.spt = _spt_at(spt_at, pos, start_spt)
+                queued = clock.queued(w, now)
+                clock.spt = spt_now
+        else:
+            age = 0
+        if ov < spread_to:
+            ov = spread_to
+        if extra:
+            queued += extra.get(wid, 0)
+        cap = w.capacity
+        cached = ov * cap.block_size
+        uncached = prompt - cached if cached < prompt else 0
+        free = w.kv_blocks_free
+        if free is not None:
+            usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
+        else:
+            usage = w.kv_usage or 0.0
+        cost = queued + uw * uncached + dw * w.inflight + kw * usage
+        return cost - 1e-4 * age
+
+    out: dict[str, float] = {}
+    # the holders (by the index or routed memory) and replicas first, in order of their own
+    # bound (the same bound with their uncached part and replica compute)
+    bound = fv.bound
+    lowest = INF
+    names = ov_of.keys() | extra.keys()
+    # per matched depth, the uncached part of the bound minus the age tie-break (the margin
+    # below covers the rounding of the bound)
+    terms: dict[int, float] = {}
+    for o in {*ov_of.values(), 0}:
+        o = o if o > spread_to else spread_to
+        c = o * bs
+        terms[o] = uw * (prompt - c if c < prompt else 0) - 0.1
+    get_ov = ov_of.get
+    special = sorted(
+        [(bound[w] + terms[o if (o := get_ov(w, 0)) > spread_to else spread_to], w) for w in names]
+    )
+    if extra:  # a replica's bound counts the prefill it is sent (its queue grows by that)
+        special = sorted((lb + extra.get(w, 0), w) for lb, w in special)
+    for lb, wid in special:
+        if lb - 1e-6 - 1e-12 * abs(lb) > lowest + TIE_EPS:
+            break
+        x = rows[wid]
+        c = out[wid] = cost_of(x.obj, ov_of.get(wid, 0), x.pos)
+        if c < lowest:
+            lowest = c
+    special = names
+    # every other worker has overlap spread_to: its cost is at least its bound + the request's
+    # uncached term - the age tie-break (at most 0.1)
+    cached = spread_to * bs
+    rest = uw * (prompt - cached if cached < prompt else 0) - 0.1
+    try:
+        for bound, x in fv.by_bound():
+            lb = bound + rest
+            if lb - 1e-6 - 1e-12 * abs(lb) > lowest + TIE_EPS:
+                break
+            wid = x.obj.worker_id
+            if wid in out or wid in special:
+                continue
+            c = out[wid] = cost_of(x.obj, 0, x.pos)
+            if c < lowest:
+                lowest = c
+    finally:
+        fv.restore()
+    # what pick() reads: the evaluated workers and the replicas, in snapshot order
+    order = sorted(out.keys() | extra.keys(), key=lambda w: rows[w].pos)
+    cands = [rows[w].obj for w in order]
+    state.extra["kv_aware_dispatch"] = (
+        cands,
+        [idx.get(w, 0) for w in order],
+        [ov_of.get(w, 0) for w in order],
+        prompt,
+        extra,
+    )
+    return out
+
+
+def _spt_at(spt_at: list[tuple[int, float | None]], pos: int, start: float | None):
+    s = start
+    for p, v in spt_at:
+        if p > pos:
+            break
+        s = v
+    return s
+
+
+def _routed_fast(
+    self: KvAware,
+    rid: str,
+    keys: tuple[int, ...],
+    routable: set[str],
+    state: PolicyState,
+    tick: int,
+) -> dict[str, int]:
+    """:meth:`KvAware._with_routed` for every routable worker as a candidate: per worker in
+    the memory's entries, the deepest depth with a fresh entry (and its leader); O(entries)."""
+    mem: dict[int, dict[str, tuple[int, str, int]]] = state.extra.setdefault("kv_aware_routed", {})
+    done_n = self._clock(state).done_n
+    n = len(keys)
+    depths = list(range(n - n % ROUTED_STRIDE, 0, -ROUTED_STRIDE))
+    if n % ROUTED_STRIDE:
+        depths.insert(0, n)
+    found = list(map(mem.get, [keys[d - 1] for d in depths]))
+    state.extra["kv_aware_last"] = (keys, depths, found, tick, rid)
+    ttl = self.p["routed_ttl"]
+    floor = self.p["hot_min_blocks"]
+    routed: dict[str, int] = {}
+    leaders: dict[str, str] = {}
+    state.extra["kv_aware_leaders"] = leaders
+    held = [(d, e) for d, e in zip(depths, found, strict=True) if e and d >= floor]
+    n = len(routable)
+    for d, e in held:
+        if len(routed) == n:
+            break
+        for wid in e.keys() - routed.keys():  # in C
+            if wid not in routable:
+                continue
+            at, lead, nth = e[wid]
+            if tick - at <= ttl or done_n.get(wid, 0) < nth:  # as in _with_routed
+                routed[wid] = d
+                leaders[wid] = lead
+            else:
+                del e[wid]
+    return routed
+
+
+KvAware.fast_costs = _fast_costs  # type: ignore[method-assign]
