@@ -82,6 +82,49 @@ def _dist(values: Sequence[float]) -> dict[str, float | None]:
     }
 
 
+# ITL histogram kept in every summary (bounded: a fixed number of log-spaced bins, whatever the
+# number of tokens): bin i counts gaps in [LO x 10^(i/PER_DECADE), LO x 10^((i+1)/PER_DECADE)),
+# bin 0 also everything below LO, the last bin everything above HI
+ITL_HIST_LO_S = 1e-4
+ITL_HIST_HI_S = 1e3
+ITL_HIST_PER_DECADE = 40
+
+
+def itl_histogram(values: Iterable[float]) -> dict[str, Any]:
+    """A log-spaced histogram of inter-token gaps (seconds), trailing empty bins dropped:
+    ``{"lo_s", "per_decade", "counts"}``. Resolution 10^(1/40) (6%) per bin, at most 280 bins,
+    so a run with millions of tokens stores the same few hundred numbers as one with ten."""
+    nbins = round(math.log10(ITL_HIST_HI_S / ITL_HIST_LO_S) * ITL_HIST_PER_DECADE)
+    counts = [0] * nbins
+    lo = ITL_HIST_LO_S
+    k = ITL_HIST_PER_DECADE
+    for v in values:
+        i = math.floor(math.log10(v / lo) * k) if v > lo else 0
+        counts[i if i < nbins else nbins - 1] += 1
+    while counts and not counts[-1]:
+        counts.pop()
+    return {"lo_s": lo, "per_decade": k, "counts": counts}
+
+
+def histogram_cdf(hist: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """The CDF of :func:`itl_histogram`'s output: (upper bin edges in seconds, fraction of
+    samples at or below each), empty bins skipped."""
+    counts = hist.get("counts") or []
+    total = sum(counts)
+    xs: list[float] = []
+    ys: list[float] = []
+    if not total:
+        return xs, ys
+    lo, k = hist["lo_s"], hist["per_decade"]
+    acc = 0
+    for i, c in enumerate(counts):
+        if c:
+            acc += c
+            xs.append(lo * 10 ** ((i + 1) / k))
+            ys.append(acc / total)
+    return xs, ys
+
+
 def inflight_stats(
     intervals: Iterable[tuple[float, float]], t0: float, t1: float
 ) -> tuple[int, float]:
@@ -204,6 +247,7 @@ def summarize(
         "per_worker": per_worker,
         "inflight_series": {"bin_s": dur / bins if bins else 0.0, "workers": series},
         "ttft_sorted": sorted(ttft),
+        "itl_hist": itl_histogram(itl),
         # per completed request (TTFT s, TPOT s): SLO attainment at any targets, see
         # :func:`slo_attainment` (requests not completed count as misses)
         "slo_samples": [[round(t, 5), round(tp, 6)] for t, tp in slo_samples(ok)],

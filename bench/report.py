@@ -184,6 +184,11 @@ POLICY_COLORS = {
     "gpu_aware": "#8c564b",
     "sglang-router": "#e377c2",
     "vllm-router": "#393b79",
+    "slo_aware": "#7f0000",  # dark red: kvgate's latency-model policy
+    "sglang_cache_aware": "#f7b6d2",
+    "dynamo_kv": "#6b6ecf",
+    "llmd_default": "#74c476",
+    "llmd_kv_util": "#005a32",
 }
 _SPARE_COLORS = ("#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354")
 
@@ -209,24 +214,21 @@ def _ms(x: float, _pos: Any = None) -> str:
     return f"{x:g}"
 
 
-def ttft_cdf_figure(report: dict[str, Any]) -> Any:
-    import matplotlib.pyplot as plt
+def _cdf_axis(
+    ax: Any, what: str, series: list[tuple[str, list[float], list[float]]], colors
+) -> None:
+    """One CDF panel on a log millisecond axis: ``series`` = (label, xs in ms, fractions)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    runs = report.get("runs", [])
-    colors = run_colors([r["label"] for r in runs])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     lo = None
-    for run in runs:
-        xs = [x * 1000 for x in (run["summary"].get("ttft_sorted") or [])]
+    for label, xs, ys in series:
         if xs:
-            ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            ax.step(xs, ys, where="post", label=run["label"], color=colors[run["label"]])
+            ax.step(xs, ys, where="post", label=label, color=colors[label])
             positive = [x for x in xs if x > 0]
             if positive:
                 lo = min(positive) if lo is None else min(lo, min(positive))
-    ax.set_xlabel("TTFT (ms, log scale)")
-    ax.set_ylabel("fraction of requests")
+    ax.set_xlabel(f"{what} (ms, log scale)")
+    ax.set_ylabel("fraction")
     ax.set_xscale("log")
     if lo is not None:
         ax.set_xlim(left=max(lo * 0.8, 1e-3))
@@ -235,9 +237,52 @@ def ttft_cdf_figure(report: dict[str, Any]) -> Any:
     ax.xaxis.set_major_formatter(FuncFormatter(_ms))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_ylim(0, 1.0)
-    ax.set_title(f"TTFT CDF — {report.get('name')}")
     ax.grid(True, which="major", alpha=0.3)
+
+
+def _ttft_series(run: dict[str, Any]) -> tuple[str, list[float], list[float]]:
+    xs = [x * 1000 for x in (run["summary"].get("ttft_sorted") or [])]
+    return run["label"], xs, [(i + 1) / len(xs) for i in range(len(xs))]
+
+
+def _itl_series(run: dict[str, Any]) -> tuple[str, list[float], list[float]]:
+    from bench.metrics import histogram_cdf
+
+    xs, ys = histogram_cdf(run["summary"].get("itl_hist") or {})
+    return run["label"], [x * 1000 for x in xs], ys
+
+
+def ttft_cdf_figure(report: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
+    runs = report.get("runs", [])
+    colors = run_colors([r["label"] for r in runs])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    _cdf_axis(ax, "TTFT", [_ttft_series(r) for r in runs], colors)
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF — {report.get('name')}")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def latency_cdf_figure(report: dict[str, Any]) -> Any:
+    """TTFT (per request) and ITL (per streamed token gap, from the bounded ``itl_hist``) CDFs
+    per policy, side by side; the ITL panel's y axis starts at 0.9 (the tail is the point)."""
+    import matplotlib.pyplot as plt
+
+    runs = report.get("runs", [])
+    colors = run_colors([r["label"] for r in runs])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    _cdf_axis(a1, "TTFT", [_ttft_series(r) for r in runs], colors)
+    a1.set_ylabel("fraction of requests")
+    a1.set_title("TTFT CDF")
+    _cdf_axis(a2, "ITL", [_itl_series(r) for r in runs], colors)
+    a2.set_ylabel("fraction of token gaps")
+    a2.set_ylim(0.9, 1.0)
+    a2.set_title("ITL CDF (tail: 0.9-1)")
+    a2.legend(fontsize=8, loc="lower right")
+    fig.suptitle(str(report.get("name")), fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -308,6 +353,7 @@ def _plots(report: dict[str, Any], out_dir: Path) -> list[str]:
     files: list[str] = []
     for name, make in (
         ("ttft_cdf.png", ttft_cdf_figure),
+        ("latency_cdf.png", latency_cdf_figure),
         ("worker_load.png", worker_load_figure),
         ("hit_rate.png", hit_rate_figure),
     ):

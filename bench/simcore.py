@@ -418,6 +418,9 @@ def simulate(
                 lv = by_id.get(fin.request_id)
                 if lv is None:
                     continue
+                if not lv.replica and lv.first is not None and lv.worker is not None:
+                    # the mean inter-token gap, as the live router observes a stream's
+                    life.decoded(policy, lv.worker, fin.completion_tokens, lv.first, t)
                 end(lv, t)
                 if lv.replica:
                     del by_id[fin.request_id]

@@ -315,11 +315,14 @@ def azure(
     max_requests: int = 0,
     token_scale: float = 1.0,
     max_output: int = 0,
+    start_s: float = 0.0,
     seed: int = 0,
 ) -> Workload:
     """Azure LLM inference CSV (``TIMESTAMP, ContextTokens, GeneratedTokens``): arrivals and
     lengths only; every prompt is unique text (the trace says nothing about sharing).
-    ``token_scale`` scales both lengths (for small live runs)."""
+    ``token_scale`` scales both lengths (for small live runs); like ``mooncake``, only requests
+    at or after ``start_s`` of the trace are kept (arrivals counted from there) and
+    ``max_requests`` > 0 keeps the first that many."""
     params = _params(locals())
     if not path:
         raise ValueError("azure workload needs path=<trace.csv>")
@@ -340,6 +343,8 @@ def azure(
                 raise ValueError(f"{path}:{i + 2}: bad azure record: {exc}") from exc
             if t0 is None:
                 t0 = ts
+            if (ts - t0).total_seconds() < start_s:
+                continue
             n_in = max(1, round(n_in * token_scale))
             n_out = max(1, round(n_out * token_scale))
             if max_output > 0:
@@ -349,7 +354,7 @@ def azure(
                     request_id=f"az-{i}",
                     prompt=random_text(rng, n_in),
                     max_tokens=n_out,
-                    arrival_s=(ts - t0).total_seconds() * time_scale,
+                    arrival_s=((ts - t0).total_seconds() - start_s) * time_scale,
                 )
             )
             if 0 < max_requests <= len(reqs):

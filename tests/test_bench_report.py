@@ -12,8 +12,10 @@ from bench.metrics import (
     TIMEOUT,
     CacheCounters,
     RequestResult,
+    histogram_cdf,
     inflight_series,
     inflight_stats,
+    itl_histogram,
     percentile,
     summarize,
 )
@@ -37,6 +39,22 @@ def test_inflight_stats_and_series():
     assert inflight_stats([(0, 1), (1, 2)], 0, 2)[0] == 1
     ser = inflight_series(iv, 4.0, bins=4)
     assert ser == pytest.approx([1.0, 2.5, 1.5, 0.0])
+
+
+def test_itl_histogram_is_bounded_and_its_cdf_matches_the_samples():
+    # 100k gaps: 99% at 10 ms, 1% at 200 ms (prefill stalls), plus out-of-range values
+    gaps = [0.010] * 99_000 + [0.200] * 1_000 + [1e-6, 5e3]
+    h = itl_histogram(gaps)
+    assert len(h["counts"]) <= 280 and sum(h["counts"]) == len(gaps)
+    xs, ys = histogram_cdf(h)
+    assert ys[-1] == pytest.approx(1.0)
+    # the first bin's upper edge covers the tiny gap; 10 ms sits below the next edge at 6% bins
+    at = dict(zip(xs, ys, strict=True))
+    below_20ms = max(y for x, y in at.items() if x < 0.020)
+    assert below_20ms == pytest.approx(99_001 / len(gaps))
+    edge_200 = min(x for x in xs if x > 0.2)
+    assert 0.2 < edge_200 <= 0.2 * 10 ** (1 / 40) + 1e-12
+    assert histogram_cdf({"counts": []}) == ([], [])
 
 
 def _results():
@@ -68,6 +86,7 @@ def test_summarize_counts_shares_and_hit_rates():
     assert (s["requests"], s["completed"], s["errors"], s["timeouts"]) == (12, 10, 1, 1)
     assert s["ttft_s"]["p50"] == pytest.approx(0.055)
     assert s["itl_s"]["max"] == pytest.approx(0.004)
+    assert sum(s["itl_hist"]["counts"]) == 20  # 2 gaps x 10 completed requests
     assert s["request_throughput"] == pytest.approx(5.0)
     assert s["output_token_throughput"] == pytest.approx(15.0)
     assert s["hit_rate"] == pytest.approx(0.4)
@@ -129,6 +148,7 @@ def test_write_report_files(tmp_path):
     names = sorted(f.name for f in files)
     assert names == [
         "hit_rate.png",
+        "latency_cdf.png",
         "results.json",
         "results.md",
         "ttft_cdf.png",

@@ -154,6 +154,10 @@ def test_azure_trace(tmp_path):
     assert [round(r.arrival_s, 6) for r in w.requests] == [0.0, 1.0, 4.04008]
     w2 = build_workload("azure", {"path": str(p), "token_scale": 0.5, "max_requests": 1})
     assert [(r.prompt_tokens, r.max_tokens) for r in w2.requests] == [(240, 5)]
+    # a window of the trace: from 0.4 s on, arrivals counted from there
+    w3 = build_workload("azure", {"path": str(p), "start_s": 0.4})
+    assert [r.prompt_tokens for r in w3.requests] == [100, 30]
+    assert [round(r.arrival_s, 6) for r in w3.requests] == [0.1, 1.62004]
     bad = tmp_path / "bad.csv"
     bad.write_text("when,ContextTokens\n1,2\n")
     with pytest.raises(ValueError, match="missing CSV columns"):

@@ -106,3 +106,31 @@ def test_holds_on_a_request_that_is_not_pending_are_refused() -> None:
     assert not h.hold("nobody", "f")
     h.sent("x")
     assert h.done("x") == [] and not h.hold("x", "f")
+
+
+def test_a_streams_mean_gap_is_one_decode_observation_for_the_policys_latency_model() -> None:
+    from services.core.latency import LatencyModel, step_features
+
+    life = _lifecycle()
+    slo = build_policy({"name": "slo_aware", "params": {}})
+    req = RequestInfo("a", "m", prompt_tokens=320, max_tokens=32)
+    assert life.decide(slo, req, {}, now=1.0).worker_id is not None  # models exist now
+    model = slo.state.extra["slo_models"]["w0"]
+    ref = LatencyModel(prior=model.prior)  # the same model fed by hand
+    t = life.dispatch("a", "w0", prompt_tokens=320, max_tokens=32, cached_tokens=0, wall=1.0)
+    life.dispatch("b", "w0", prompt_tokens=320, max_tokens=32, cached_tokens=0, wall=1.0)
+    life.first_token("a", t, now=2.0)
+    # 33 tokens from 2.0 s to 2.64 s: 20 ms apart; two requests in flight there
+    life.decoded(slo, "w0", tokens=33, first_at=2.0, end_at=2.64)
+    ctx = slo.state.extra["slo_ctx"]
+    ref.observe(step_features(0.0, 0.0, 2, 2 * ctx), (2.64 - 2.0) / 32)
+    assert model.observations == 1
+    assert model.theta == ref.theta
+    # nothing to learn from: one token, no time, an unknown worker, a policy without models
+    life.decoded(slo, "w0", tokens=1, first_at=2.0, end_at=3.0)
+    life.decoded(slo, "w0", tokens=9, first_at=2.0, end_at=2.0)
+    life.decoded(slo, "w9", tokens=9, first_at=2.0, end_at=3.0)
+    assert model.observations == 1
+    kv = build_policy({"name": "kv_aware", "params": {}})
+    life.decoded(kv, "w0", tokens=9, first_at=2.0, end_at=3.0)
+    assert "slo_models" not in kv.state.extra

@@ -84,7 +84,7 @@ def test_nobody_meets_the_slo_best_overall_or_shed() -> None:
 
 def test_decoders_pay_for_a_prefill() -> None:
     # same queues, b has 10 decoding: sending the 1000-token prefill there delays each of them
-    # by 1.0 s (imposed_weight 1) -> a, although both are cold
+    # by 1.0 s (x imposed_weight 0.5) -> a, although both are cold
     snap = ClusterSnapshot(
         {
             "a": WorkerState("a", model="m", capacity=CAP, inflight=0),
@@ -94,7 +94,37 @@ def test_decoders_pay_for_a_prefill() -> None:
     pol = build_policy({"name": "slo_aware", "params": {"prior": PRIOR}})
     d = decide(pol, RequestInfo("r", model="m", prompt_tokens=1000, max_tokens=10), snap, {})
     assert d.worker_id == "a"
+    assert d.scores["b"] - d.scores["a"] == pytest.approx(0.5 * 10 * 1.0)
+    pol = build_policy({"name": "slo_aware", "params": {"prior": PRIOR, "imposed_weight": 1}})
+    d = decide(pol, RequestInfo("r", model="m", prompt_tokens=1000, max_tokens=10), snap, {})
     assert d.scores["b"] - d.scores["a"] == pytest.approx(10 * 1.0)
+
+
+def test_decode_phase_does_not_pull_a_conversation_off_its_holder() -> None:
+    # a holds 4000 of the 4100-token context and has 8 sequences decoding, b is idle and cold.
+    # Decode steps cost 1 ms per sequence: a's decoders would make this request's 300 tokens
+    # slower, and it theirs, by ~2.7 s and ~2.4 s, but that lasts only while those 8 decode;
+    # the cost has TTFT and prefill terms only, so a (0.1 s of prefill) beats b (0.41 s, twice)
+    prior = {**PRIOR, "prefill_token_s": 1e-4, "decode_seq_s": 1e-3}
+    snap = ClusterSnapshot(
+        {
+            "a": WorkerState("a", model="m", capacity=CAP, inflight=8),
+            "b": WorkerState("b", model="m", capacity=CAP),
+        }
+    )
+    scores = []
+    for out in (10, 300):
+        spec = {"prior": prior, "slo_tpot_ms": 1000}
+        pol = build_policy({"name": "slo_aware", "params": spec})  # fresh: no routed memory
+        # with its block keys, as the router sends it (without, one prefix held by one busy
+        # worker of two looks like a hot spot and is spread)
+        keys = tuple(range(1, 257))
+        r = RequestInfo(f"r{out}", model="m", prompt_tokens=4100, max_tokens=out, block_keys=keys)
+        d = decide(pol, r, snap, {"a": 250})  # 250 blocks = 4000 tokens
+        assert d.worker_id == "a"
+        scores.append(d.scores)
+    # the expected output changes no cost (it enters the TPOT prediction for the SLO only)
+    assert scores[0] == pytest.approx(scores[1])
 
 
 def test_params_validated() -> None:
@@ -104,3 +134,28 @@ def test_params_validated() -> None:
         build_policy({"name": "slo_aware", "params": {"prior": {"prefill_token_s": -1}}})
     with pytest.raises(PolicyError, match="params.slo_ttft_ms"):
         build_policy({"name": "slo_aware", "params": {"slo_ttft_ms": 0}})
+
+
+def test_queued_prefill_counts_in_full_until_its_first_token() -> None:
+    """kv_aware's prefill clock discounts a queued prefill by the time elapsed at the learned
+    speed; slo_aware counts it in full until its first token (long prompts looked done while
+    still computing). Same clock, same samples: 500 tokens left by elapsed time, 1000 in full."""
+    from services.core.policy.builtin.kv_aware import PrefillClock
+
+    def run(discount: bool) -> float:
+        c = PrefillClock(min_tokens=1, slack=1.0)
+        c.discount = discount
+        c.dispatched("a", 0.0, 1000, 1000)
+        done = WorkerState("a", model="m", capacity=CAP, first_token_at=1.0)
+        c.observe(done, 1.0)  # 1000 tokens in 1 s: 1 ms per token
+        assert c.spt == pytest.approx(1e-3)
+        c.dispatched("a", 1.0, 1000, 1000)
+        busy = WorkerState("a", model="m", capacity=CAP, pending_prefill_tokens=1000)
+        return c.queued(busy, 1.5)
+
+    assert run(True) == pytest.approx(500.0)
+    assert run(False) == pytest.approx(1000.0)
+    # and slo_aware sets its clock so
+    pol = build_policy({"name": "slo_aware", "params": {"prior": PRIOR}})
+    decide(pol, RequestInfo("r", model="m", prompt_tokens=100, max_tokens=4), cluster(), {})
+    assert pol.state.extra["kv_aware_clock"].discount is False

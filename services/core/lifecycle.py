@@ -3,7 +3,9 @@ the cluster simulator share.
 
     decide --(wait)--> AdmissionQueue --(capacity)--> decide again
            --(worker)--> dispatch: ticket on the worker, follower hold?, hot-prefix replicas
-           --> first token (prefill done; followers released) --> end (ticket released)
+           --> first token (prefill done; followers released)
+           --> decoded (a streamed answer's mean inter-token gap calibrates the latency model)
+           --> end (ticket released)
 
 The callers own time and the engine calls: the live router (services/router/) passes the
 monotonic / wall clock and sends over HTTP with asyncio; the simulator (bench/simcore.py)
@@ -209,6 +211,27 @@ class RequestLifecycle(Generic[F]):
             return []
         self.state.first_token(ticket, now)
         return self.holds.done(request_id)
+
+    def decoded(
+        self, policy: Policy, worker_id: str, tokens: int, first_at: float, end_at: float
+    ) -> None:
+        """A request streamed ``tokens`` tokens on ``worker_id``, the first at ``first_at``
+        and the last at ``end_at`` (one clock, seconds): one inter-token observation, the
+        mean gap ``(end - first) / (tokens - 1)``, for the policy's latency model of that
+        worker (``slo_aware`` keeps them in ``state.extra["slo_models"]``; a policy without
+        one ignores it). Its decode load is the worker's at the end, before this request's
+        release: the requests in flight there (this one included) reading the policy's
+        running mean context each (``slo_ctx``), no prefill. Called before :meth:`end`."""
+        if tokens < 2 or not end_at > first_at:
+            return
+        models = policy.state.extra.get("slo_models")
+        model = models.get(worker_id) if models else None
+        s = self.state.states.get(worker_id)
+        if model is None or s is None:
+            return
+        decoding = max(1, s.inflight)
+        context = policy.state.extra.get("slo_ctx") or 0.0
+        model.observe_step((end_at - first_at) / (tokens - 1), decoding, decoding * context)
 
     def end(self, request_id: str, ticket: Ticket) -> list[F]:
         """The request ended (answered, failed, refused): release its claim; the followers

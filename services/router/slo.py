@@ -107,5 +107,11 @@ def result(
     return "met"
 
 
+_counted: dict[tuple[str, str], Any] = {}
+
+
 def record(policy: str, res: str) -> None:
-    SLO_REQUESTS.labels(policy, res).inc()
+    c = _counted.get((policy, res))
+    if c is None:  # the label lookup once per (policy, result), not per request
+        c = _counted[(policy, res)] = SLO_REQUESTS.labels(policy, res)
+    c.inc()

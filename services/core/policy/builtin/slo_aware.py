@@ -1,17 +1,26 @@
-"""``slo_aware``: minimise predicted TTFT + TPOT-weighted decode cost subject to per-request SLOs.
+"""``slo_aware`` (default): minimise the predicted TTFT plus the prefill stall this request imposes
+on the requests decoding on the worker, among the workers predicted to meet its TTFT and TPOT
+SLOs.
 
 For each candidate worker the per-worker latency model (:mod:`services.core.latency`) predicts,
 from the worker's queue (prompt tokens still to compute there, sequences decoding, the KV they
 read: decoding x the running mean context of recent requests) and this request's uncached
-tokens and expected output (``max_tokens``): ``ttft``, ``tpot``, ``prefill`` (its own compute)
-and ``imposed``, the extra time each request already decoding there waits because of this one.
-The cost, in seconds, is
+tokens and expected output (``max_tokens``): ``ttft``, ``tpot`` and ``prefill``, this prompt's
+own compute time there, which every request decoding there waits too (its chunks share their
+engine steps). The cost, in seconds, is
 
-    cost(w) = ttft(w) + output x tpot(w)                 # this request's own e2e time
-            + imposed_weight x decoding(w) x imposed(w)   # added to everyone decoding there
+    cost(w) = ttft(w)                                     # this request's time to first token
+            + imposed_weight x decoding(w) x prefill(w)   # the stall it imposes on w's decoders
             + compute_weight x prefill(w)                 # its compute, for whoever queues behind
 
-(``imposed_weight`` and ``compute_weight`` 1: the total latency added, to a first order).
+``imposed_weight`` (0.5) trades this request's TTFT against the inter-token gaps of the
+requests already decoding (1: the stall counts like the TTFT it saves, so prefills go where
+few decode; 0: TTFT alone); ``compute_weight`` 1 counts a cold prefill's compute once more
+(the requests that queue behind it, and the later hits a copy of a prefix splits).
+The decode phase (this request's TPOT, the per-step slowdown its decode adds to the others)
+enters through the SLO only: in the cost it drove conversations off the worker that holds their
+context for a transient difference in decoders (``docs/benchmarks.md``, Routing v2).
+
 Among the workers predicted to meet the
 request's targets (``ttft <= slo_ttft`` and ``tpot <= slo_tpot``; per request from the
 ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` headers, else this policy's defaults) the lowest cost wins
@@ -20,14 +29,19 @@ request's targets (``ttft <= slo_ttft`` and ``tpot <= slo_tpot``; per request fr
 the request is refused (the router answers 429).
 
 Everything else is ``kv_aware``'s machinery, reused as is and each switchable for the ablation:
-the queued prefill comes from its prefill clock (what is left to compute of what this policy
-sent, by elapsed time), matches include routed-prefix memory (``routed_ttl``), followers of a
+the queued prefill is what its prefill clock counts (the uncached tokens of what this policy
+sent there without a first token yet, plus other routers' queued tokens), *in full*: the clock
+can also discount them by the time elapsed at one learned speed (``kv_aware`` does), but long
+prompts then looked done while still computing and more piled on behind them (Mooncake trace,
+default engine, seeds 2-4: TTFT p99 25-41 s against 8-9 s in full); matches include
+routed-prefix memory (``routed_ttl``), followers of a
 prefix still being computed are held (``hold_followers``), and hot prefixes are replicated
 (``replicate``) or spread by its demand rules. ``kv_aware``'s cost weights
 (``uncached_weight``, ``decode_weight``, ``kv_pressure_weight``) are not used.
 
 Calibration: one :class:`~services.core.latency.LatencyModel` per worker, starting from the
-engine model's default step times (``prior``), fitted from the prefill clock's samples
+engine model's default step times (``prior``), fitted from the prefill clock's samples (batches
+of at least ``progress_min_tokens`` computed tokens)
 (computed tokens, seconds to first token, decoders riding along) on the decision path, live
 and in the simulator alike. Only the per-token prefill cost is fitted from those (a duration
 cannot tell the step terms apart); a caller with inter-token times can feed
@@ -55,7 +69,10 @@ def _ms(desc: str, default: float) -> dict:
 @register
 class SloAware(KvAware):
     name = "slo_aware"
-    description = "minimise predicted TTFT + TPOT-weighted decode cost subject to per-request SLOs"
+    description = (
+        "minimise predicted TTFT + the prefill stall imposed on decoding requests, subject to "
+        "per-request TTFT / TPOT SLOs"
+    )
     PARAMS = {
         **KvAware.PARAMS,
         "slo_ttft_ms": _ms("default TTFT target (header x-slo-ttft-ms overrides)", 2000.0),
@@ -63,9 +80,9 @@ class SloAware(KvAware):
         "imposed_weight": {
             "type": "number",
             "minimum": 0,
-            "default": 1.0,
-            "description": "weight of the delay this request imposes on each request already "
-            "decoding on the worker (1: minimise the total added latency)",
+            "default": 0.5,
+            "description": "weight of the prefill stall this request imposes on each request "
+            "decoding on the worker, against its own TTFT (1: equal; 0: TTFT only)",
         },
         "compute_weight": {
             "type": "number",
@@ -144,6 +161,10 @@ class SloAware(KvAware):
         clock = self._clock(state)
         if clock.samples is None:
             clock.samples = []  # the clock hands this policy its samples
+            # the queue counts in full until each first token: discounted by the time elapsed
+            # at one learned speed (kv_aware's prefill clock), long prompts looked done while
+            # still computing and more piled on (Mooncake: TTFT p99 25-41 s against 8 s)
+            clock.discount = False
         if clock.samples:  # first tokens seen since the last decision calibrate the models
             by_id = {w.worker_id: w for w in cands}
             for wid, tokens, dur in clock.samples:
@@ -170,8 +191,7 @@ class SloAware(KvAware):
             1.0 / tpot_slo,
             headroom,
         )
-        out = super().costs(req, cands, overlaps, state)
-        missed = [wid for wid, h in headroom.items() if h < 0.0]
+        out, missed = self._slo_costs(req, cands, overlaps, state)
         if len(missed) == len(out):  # nobody meets the SLO: the best overall, or shed
             if p["shed"]:
                 state.shed = (
@@ -186,6 +206,79 @@ class SloAware(KvAware):
         for wid in missed:
             out[wid] += INFEASIBLE
         return out
+
+    def _slo_costs(
+        self,
+        req: RequestInfo,
+        cands: list[WorkerState],
+        overlaps: dict[str, int],
+        state: PolicyState,
+    ) -> tuple[dict[str, float], list[str]]:
+        """``kv_aware``'s :meth:`costs` with :meth:`_worker_cost` in its loop, inline (the
+        same arithmetic in the same order, so the same floats, without two calls and a tuple
+        unpack per worker): the costs, and the workers predicted to miss the SLO."""
+        ovs, spread_to, extra, tick = self._prelude(req, cands, overlaps, state)
+        fifos, models, ctx, out_tokens, iw, cw, inv_ttft, inv_tpot, headroom = state.extra["slo_x"]
+        prompt = req.prompt_tokens
+        now = state.now
+        clock = self._clock(state)
+        own_of = clock.own
+        busy: dict[str, int] = state.extra.setdefault("kv_aware_busy", {})
+        budget = self.p["step_budget"]
+        half_out = out_tokens / 2.0
+        context = prompt + half_out  # a decoding sequence's mean context (predict_fast's own)
+        keep = self.p["feasible_pick"] == "headroom"  # the headroom is read only then
+        out: dict[str, float] = {}
+        missed: list[str] = []
+        for w, ov in zip(cands, ovs, strict=True):
+            wid = w.worker_id
+            fifo = fifos.get(wid)
+            queued = w.pending_prefill_tokens
+            if queued > 0:
+                since = busy.setdefault(wid, tick)
+                age = tick - since if tick - since < 1000 else 1000
+                if fifo:
+                    if own_of.get(wid, 0) > queued:  # observe's own test: some are done
+                        clock.observe(w, now)
+                    queued = clock.queued(w, now)
+            else:
+                busy.pop(wid, None)
+                age = 0
+                if fifo and own_of.get(wid, 0) > queued:
+                    clock.observe(w, now)
+            if ov < spread_to:
+                ov = spread_to
+            if extra:
+                queued += extra.get(wid, 0)
+            cached = ov * w.capacity.block_size
+            uncached = prompt - cached if cached < prompt else 0
+            # _worker_cost, inline (kv usage is not part of this cost); observe may have
+            # emptied the FIFO (the same deque)
+            d = w.inflight - len(fifo) if fifo else w.inflight
+            if d < 0:
+                d = 0
+            m = models.get(wid)
+            if m is None:
+                m = self.model(state, wid)
+            # predict_fast(m.theta, queued, d, d * ctx, budget, uncached, prompt, out), inline
+            ov_s, pt, pa, ds, dk = m.theta
+            per_step = budget - d if budget - d > 1 else 1
+            tokens = queued + uncached
+            steps = -(-tokens // per_step) if tokens > per_step else 1
+            decode_step = ds * d + dk * (d * ctx)
+            prefill_s = pt * uncached + pa * uncached * (prompt - uncached / 2.0)
+            ttft = steps * (ov_s + decode_step) + pt * queued + prefill_s
+            own = ds + dk * context
+            tpot = ov_s + decode_step + own
+            h = 1.0 - ttft * inv_ttft
+            h2 = 1.0 - tpot * inv_tpot
+            h = h if h < h2 else h2
+            if keep:
+                headroom[wid] = h
+            if h < 0.0:
+                missed.append(wid)
+            out[wid] = ttft + (iw * d + cw) * prefill_s - 1e-4 * age
+        return out, missed
 
     def _worker_cost(
         self,
@@ -207,13 +300,13 @@ class SloAware(KvAware):
         m = models.get(wid)
         if m is None:
             m = self.model(state, wid)
-        ttft, tpot, imposed, prefill_s = predict_fast(
+        ttft, tpot, _, prefill_s = predict_fast(
             m.theta, queued, d, d * ctx, self.p["step_budget"], uncached, req.prompt_tokens, out
         )
         h = 1.0 - ttft * inv_ttft
         h2 = 1.0 - tpot * inv_tpot
         headroom[wid] = h if h < h2 else h2
-        return ttft + out * tpot + iw * d * imposed + cw * prefill_s
+        return ttft + (iw * d + cw) * prefill_s
 
 
 def _as_dict(c: StepCoefficients) -> dict[str, float]:
