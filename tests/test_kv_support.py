@@ -29,6 +29,14 @@ async def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str 
         await asyncio.sleep(0.01)
 
 
+def caught_up(svc, rep) -> bool:
+    """The replica has every delta of the indexer's applied state: the indexer's journal is
+    flushed into deltas (a batch is applied at once, its deltas go out at the burst's end or
+    the next tick) and the replica has applied the last one. Comparing on delta seqs alone
+    races that flush: both seqs are equal while the last batch's ops are still journaled."""
+    return not svc.core.ops and rep.delta_seq == svc.delta_seq
+
+
 def hb(worker: str, inst: str = "i1", kv_seq: int = -1, block_size: int = 16) -> WorkerHeartbeat:
     return WorkerHeartbeat(
         worker_id=worker,

@@ -18,7 +18,7 @@ from services.common.bus import Bus, NatsAuth
 from services.common.schemas import Alert
 from services.common.streams import ensure_alert_streams, raise_alert
 from services.common.subjects import Subjects
-from tests.test_up_state import Up
+from tests.up_stack import UpStack
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
     assert shutil.which(CHROMIUM) or os.path.exists(CHROMIUM), (
         "Debian's chromium is missing: apt-get install chromium (make test installs it)"
     )
-    up = Up(tmp_path / "state")
+    up = UpStack(tmp_path / "state")
     try:
         out = up.banner()
         token = next(ln for ln in out.splitlines() if "admin token" in ln).split(":", 1)[1]

@@ -268,7 +268,9 @@ async def test_routes_while_nats_is_down_and_reconnects(embedded_nats) -> None:
 
 
 async def test_processes_option_runs_replicas_on_one_port(nats_url, subjects, bus: Bus) -> None:
-    """``kvgate router --processes 2``: two replicas share the port and report load separately."""
+    """``kvgate router --processes 2``: two replicas share the port and report load separately;
+    each serves its own metrics on ``--operator-port`` + its index (a second process used to
+    fail binding the same operator port)."""
     import os
     import subprocess
     import sys
@@ -288,6 +290,9 @@ async def test_processes_option_runs_replicas_on_one_port(nats_url, subjects, bu
 
     await bus.subscribe(bus.subjects.router_load_all, RouterLoad, on_load)
     port = free_port()
+    operator = free_port()
+    while operator + 1 == port:
+        operator = free_port()
     env = {**os.environ, "NO_PROXY": "127.0.0.1"}
     proc = subprocess.Popen(  # noqa: ASYNC220
         [
@@ -303,6 +308,8 @@ async def test_processes_option_runs_replicas_on_one_port(nats_url, subjects, bu
             subjects.prefix.rstrip("."),
             "--processes",
             "2",
+            "--operator-port",
+            str(operator),
             "--router-id",
             "rp",
             "--load-interval",
@@ -329,6 +336,18 @@ async def test_processes_option_runs_replicas_on_one_port(nats_url, subjects, bu
                     s, f"http://127.0.0.1:{port}/v1/completions", {"model": "m", "prompt": f"{i}"}
                 )
                 assert st == 200 and h["x-kvgate-worker"] == "w0"
+            served = 0
+            for p in (operator, operator + 1):  # one operator port per process, both alive
+                async with s.get(f"http://127.0.0.1:{p}/metrics") as r:
+                    assert r.status == 200
+                    text = await r.text()
+                    assert "kvgate_router_requests_total" in text
+                    served += sum(
+                        float(line.rsplit(" ", 1)[1])
+                        for line in text.splitlines()
+                        if line.startswith("kvgate_router_requests_total{")
+                    )
+            assert served == 10  # the two processes' counters add up to the requests sent
     finally:
         proc.terminate()
         await asyncio.to_thread(proc.wait, 20)

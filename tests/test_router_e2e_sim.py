@@ -120,7 +120,15 @@ async def _run_shared_prompt(router: RouterProc, n: int, conc: int) -> Counter:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["prefix", "kv_aware"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "prefix",
+        "slo_aware",  # the default: spreads the prompt by user requests (no replication)
+        '{"name": "kv_aware", "params": {"replicate": true}}',  # and by one-token replicas
+    ],
+    ids=["prefix", "slo_aware", "kv_aware-replicate"],
+)
 async def test_shared_system_prompt_live(nats_url, subjects, bus: Bus, policy: str) -> None:
     sims = await SimCluster(nats_url, subjects, 4).start()
     indexer = await Indexer(nats_url, subjects).start()
@@ -137,8 +145,11 @@ async def test_shared_system_prompt_live(nats_url, subjects, bus: Bus, policy: s
         else:
             # all 4 busy; the first holder keeps more (its cache is warm), but not everything
             assert len(used) == 4 and min(used.values()) >= 0.1 * sum(used.values()), used
-            # the prompt went to the other workers as one-token replicas, answered
-            assert copies >= 1
+            if "replicate" in policy:
+                # the prompt went to the other workers as one-token replicas, answered
+                assert copies >= 1
+            else:
+                assert copies == 0  # replication is off by default
             assert len(r.waits) == 0  # every dispatched request was marked done
         # reported by the workers' engines (ground truth), over the whole prompt
         assert r.hit_reported.prompt > 0

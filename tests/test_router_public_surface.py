@@ -134,7 +134,7 @@ async def test_operator_endpoints_only_on_the_operator_port(stack: RouterProc, b
                     assert r.status == 200, path
                     assert "Pw0rdInUrl" not in await r.text(), path
     finally:
-        await runner.cleanup()
+        await runner.stop()
 
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:

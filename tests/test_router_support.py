@@ -33,6 +33,7 @@ from services.common.tokenizer import ByteTokenizer, prompt_from_request
 from services.core.keys import block_keys
 from services.router.app import Router, start_router_http
 from services.router.cli import settings
+from services.router.http_server import Server
 from services.router.public_surface import server_ssl_context
 
 BS = 16
@@ -316,7 +317,7 @@ class RouterProc:
         self.port = free_port()
         self.bus: Bus | None = None
         self.router: Router | None = None
-        self._runner: web.AppRunner | None = None
+        self._server: Server | None = None
 
     @property
     def url(self) -> str:
@@ -334,7 +335,7 @@ class RouterProc:
         await self.bus.connect(max_wait_s=10)
         self.router = Router(st, self.bus)
         await self.router.start()
-        self._runner = await start_router_http(
+        self._server = await start_router_http(
             self.router,
             "127.0.0.1",
             self.port,
@@ -344,8 +345,8 @@ class RouterProc:
         return self
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._server is not None:
+            await self._server.stop()
         if self.router is not None:
             await self.router.stop()
         if self.bus is not None:

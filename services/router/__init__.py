@@ -2,7 +2,9 @@
 
 The request path, in order (each step one module, each module's docstring states its invariant):
 
-- ``handlers``: the aiohttp handlers (completions, chat, models, health); thin, no logic.
+- ``http_server``: the HTTP/1.1 server of both ports (asyncio + httptools) and the small
+  request / response interface the handlers use; ``public_surface``: what it lets through.
+- ``handlers``: the HTTP handlers (completions, chat, models, health); thin, no logic.
 - ``request_path``: one request from bytes to outcome: parse -> decide -> dispatch -> send,
   retrying on another worker while nothing reached the client; fits on one screen.
 - ``tokenize``: parse and tokenize the client's body into a :class:`Parsed` request.
@@ -15,7 +17,7 @@ The request path, in order (each step one module, each module's docstring states
 - ``migrate``: continue a broken stream on another worker from prompt + generated text.
 - ``outcomes``: metrics + one ``RouterOutcome`` per request, published off the request path.
 - ``proxy`` / ``sse`` / ``upstream``: the request context, upstream bodies, SSE framing,
-  the kept-alive HTTP client.
+  the kept-alive HTTP client (whole responses and streams).
 
 Beside the request path, each with a narrow interface to it:
 
@@ -30,5 +32,5 @@ Beside the request path, each with a narrow interface to it:
   ``/ping``, ``/v1/models/{id}``, and routed ``/v1/embeddings`` + ``--passthrough-paths``
   (through the request path).
 - ``signals``: the capacity signal queued requests wait on, and fire-and-forget tasks.
-- ``app``: wiring only: construct the parts, start / stop them, build the aiohttp app.
+- ``app``: wiring only: construct the parts, start / stop them, build the ports' routes.
 """

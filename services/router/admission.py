@@ -17,13 +17,12 @@ import math
 import time
 from typing import Any
 
-from aiohttp import web
-
 from services.common.aio import wait_event
 from services.core.cluster import ClusterState
 from services.core.policy import Decision
 from services.router import metrics as M
 from services.router.decide import Decider
+from services.router.http_server import Response
 from services.router.proxy import Ctx, reject
 from services.router.signals import CapacitySignal
 
@@ -37,7 +36,7 @@ class Admission:
         self.capacity = capacity
         self.st = st
 
-    async def decide_or_wait(self, ctx: Ctx) -> Decision | web.Response:
+    async def decide_or_wait(self, ctx: Ctx) -> Decision | Response:
         """A decision with a worker, or the error response (400 / 404 / 429 / 502 / 503 / 504)."""
         entry = object()  # this request's place in the queue
         queue = self.capacity.queue
@@ -102,7 +101,7 @@ class Admission:
                 queue.leave(entry)
                 M.QUEUE_LEN.set(len(queue))
 
-    def _no_worker(self, ctx: Ctx, d: Decision) -> web.Response:
+    def _no_worker(self, ctx: Ctx, d: Decision) -> Response:
         """No worker and no point waiting: why, as the client's error."""
         if ctx.last_failure is not None:
             f = ctx.last_failure

@@ -26,9 +26,9 @@ OPTIONS = S.COMMON + (
     ),
     S.option(
         "policy",
-        "kv_aware",
+        "slo_aware",
         "default policy until one is published on policy.updated: a name "
-        '(kv_aware, prefix, least_request, ...) or a JSON spec {"name":..,"params":{..}}',
+        '(slo_aware, kv_aware, prefix, least_request, ...) or a JSON spec {"name":..,"params":{..}}',
         env="KVGATE_ROUTER_POLICY",
     ),
     S.option(
@@ -122,7 +122,8 @@ OPTIONS = S.COMMON + (
         "processes",
         1,
         "router processes sharing the port (SO_REUSEPORT); each is a replica that shares "
-        "in-flight counts with the others over NATS",
+        "in-flight counts with the others over NATS; process i serves its operator port "
+        "(metrics, debug) at --operator-port + i",
         env="KVGATE_ROUTER_PROCESSES",
     ),
     S.option(
@@ -169,12 +170,17 @@ def main(args: argparse.Namespace) -> int:
     st.reuse_port = st.processes > 1 or bool(child)
     if child:
         st.router_id = os.environ.get("KVGATE_ROUTER_ID", st.router_id)
+        # each process has its own metrics: one operator port each (a shared port would hand
+        # a scrape to any one of them, and its counters would jump between processes)
+        if int(st.operator_port or 0):
+            st.operator_port = int(st.operator_port) + int(os.environ.get(_INDEX_ENV, "0"))
     if st.processes > 1 and not child:
         return _run_replicas(st)
     return run_service("router", serve, st)
 
 
 _CHILD_ENV = "KVGATE_ROUTER_REPLICA_OF"
+_INDEX_ENV = "KVGATE_ROUTER_REPLICA_INDEX"
 
 
 def _run_replicas(st: S.Settings) -> int:
@@ -191,7 +197,12 @@ def _run_replicas(st: S.Settings) -> int:
     st.router_id = f"{base}-0"
     children = []
     for i in range(1, st.processes):
-        env = {**os.environ, _CHILD_ENV: base, "KVGATE_ROUTER_ID": f"{base}-{i}"}
+        env = {
+            **os.environ,
+            _CHILD_ENV: base,
+            _INDEX_ENV: str(i),
+            "KVGATE_ROUTER_ID": f"{base}-{i}",
+        }
         argv = [a for a in sys.argv[1:]]
         children.append(subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env))
     try:

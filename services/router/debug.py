@@ -12,13 +12,13 @@ import uuid
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
 from services.common.redact import redact_url
 from services.core.cluster import ClusterState
 from services.router.canary import PolicySet
 from services.router.circuits import Circuits
 from services.router.decide import Decider
+from services.router.http_server import Request, Response, json_response
 from services.router.proxy import error_response, session_of
 from services.router.tokenize import BadRequest, RequestParser
 
@@ -44,7 +44,7 @@ class DebugViews:
         self.parser = parser
         self.decider = decider
 
-    async def h_state(self, _r: web.Request) -> web.Response:
+    async def h_state(self, _r: Request) -> Response:
         workers = {}
         for wid, s in sorted(self.state.states.items()):
             workers[wid] = {
@@ -62,11 +62,11 @@ class DebugViews:
                 "telemetry_stale": s.telemetry_stale,
                 "indexed_blocks": self.index_source.index.blocks_of(wid),
             }
-        return web.json_response(
+        return json_response(
             {"router_id": self.router_id, "policy": self.policies.describe(), "workers": workers}
         )
 
-    async def h_route(self, request: web.Request) -> web.Response:
+    async def h_route(self, request: Request) -> Response:
         """Explain a decision without sending anything: body (or query) like a request."""
         try:
             if request.can_read_body:
@@ -86,7 +86,7 @@ class DebugViews:
         policy = copy.copy(arm.policy)
         policy.state = copy.deepcopy(arm.policy.state)
         d, overlaps = self.decider.decide_for(parsed, rid, session_id, policy, set())
-        return web.json_response(
+        return json_response(
             {
                 "request_id": rid,
                 "policy": policy.name,

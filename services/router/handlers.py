@@ -7,11 +7,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from aiohttp import web
-
 from services.common.bus import Bus
 from services.core.cluster import ClusterState
 from services.router.canary import PolicySet
+from services.router.http_server import Reply, Request, Response, json_response
 from services.router.request_path import RequestPath
 from services.router.signals import CapacitySignal
 
@@ -35,22 +34,22 @@ class Handlers:
         self.policies = policies
         self.capacity = capacity
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Reply:
         return await self.path.handle(request, chat=False)
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: Request) -> Reply:
         return await self.path.handle(request, chat=True)
 
-    async def models(self, _r: web.Request) -> web.Response:
+    async def models(self, _r: Request) -> Response:
         now = int(time.time())
         data = [
             {"id": m, "object": "model", "created": now, "owned_by": "kvgate", "workers": n}
             for m, n in sorted(self.state.models().items())
         ]
-        return web.json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data})
 
-    async def health(self, _r: web.Request) -> web.Response:
-        return web.json_response(
+    async def health(self, _r: Request) -> Response:
+        return json_response(
             {
                 "status": "ok",
                 "router_id": self.router_id,

@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import time
 
-from aiohttp import web
-
 from services.common.logging import get_logger
 from services.router import metrics as M
 from services.router import sse
 from services.router.circuits import Circuits
 from services.router.decide import Decider
 from services.router.dispatch import Dispatcher
+from services.router.http_server import Request, StreamResponse
 from services.router.proxy import (
     ClientGone,
     Ctx,
@@ -51,7 +50,7 @@ class Migrator:
         self.max_migrations = max_migrations
         self.tokenizer = decider.parser.tokenizer
 
-    async def migrate(self, request: web.Request, ctx: Ctx, exc: StreamBroken) -> None:
+    async def migrate(self, request: Request, ctx: Ctx, exc: StreamBroken) -> None:
         """Continue the client's stream on another worker from prompt + generated text."""
         broken = exc
         while True:
@@ -132,7 +131,7 @@ class Migrator:
                 self.dispatcher.release_ticket(ticket)
 
 
-async def _end_with_error(out: web.StreamResponse, message: str) -> None:
+async def _end_with_error(out: StreamResponse, message: str) -> None:
     """The client's stream ends with an error event (best effort: the client may be gone)."""
     with contextlib.suppress(Exception):
         await out.write(sse.event({"error": {"message": message, "type": "upstream_error"}}))

@@ -20,10 +20,9 @@ import time
 from importlib import metadata
 from typing import Any, Protocol
 
-from aiohttp import web
-
 from services.common.tokenizer import adds_special_tokens, render_chat
 from services.core.cluster import ClusterState
+from services.router.http_server import Reply, Request, Response, Routes, json_response
 from services.router.tokenize import RequestParser
 
 EMBEDDINGS_PATH = "/v1/embeddings"
@@ -32,12 +31,12 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 class RequestHandler(Protocol):
     """The router's request path (decide, send, retry, migrate, record)."""
 
-    async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse: ...
+    async def handle(self, request: Request, chat: bool) -> Reply: ...
 
 
-def error(status: int, message: str, etype: str, param: str | None = None) -> web.Response:
+def error(status: int, message: str, etype: str, param: str | None = None) -> Response:
     """OpenAI's error shape (with vLLM's numeric code)."""
-    return web.json_response(
+    return json_response(
         {"error": {"message": message, "type": etype, "param": param, "code": status}},
         status=status,
     )
@@ -63,7 +62,7 @@ def kvgate_version() -> str:
         return "0+unknown"
 
 
-async def _json(request: web.Request) -> dict[str, Any]:
+async def _json(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.read() or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -92,7 +91,7 @@ def max_model_len(state: ClusterState, model: str) -> int:
 
 
 def add_routes(
-    app: web.Application,
+    routes: Routes,
     parser: RequestParser,
     state: ClusterState,
     path: RequestHandler,
@@ -100,7 +99,7 @@ def add_routes(
 ) -> None:
     """Register the endpoints; ``st.passthrough_paths`` lists the extra routed POST paths."""
 
-    async def tokenize(request: web.Request) -> web.Response:
+    async def tokenize(request: Request) -> Response:
         try:
             body = await _json(request)
             tok = parser.tokenizer
@@ -128,9 +127,9 @@ def add_routes(
         }
         if body.get("return_token_strs"):
             out["token_strs"] = [tok.decode([i]) for i in ids]
-        return web.json_response(out)
+        return json_response(out)
 
-    async def detokenize(request: web.Request) -> web.Response:
+    async def detokenize(request: Request) -> Response:
         try:
             body = await _json(request)
             ids = body.get("tokens")
@@ -140,22 +139,22 @@ def add_routes(
                 raise _Bad("'tokens' must be a list of token ids (integers >= 0)", "tokens")
         except _Bad as exc:
             return error(400, exc.message, "invalid_request_error", exc.param)
-        return web.json_response({"prompt": parser.tokenizer.decode(ids)})
+        return json_response({"prompt": parser.tokenizer.decode(ids)})
 
-    async def version(_r: web.Request) -> web.Response:
-        return web.json_response({"version": kvgate_version()})
+    async def version(_r: Request) -> Response:
+        return json_response({"version": kvgate_version()})
 
-    async def ping(_r: web.Request) -> web.Response:
-        return web.Response(status=200)
+    async def ping(_r: Request) -> Response:
+        return Response(status=200)
 
-    async def model(request: web.Request) -> web.Response:
+    async def model(request: Request) -> Response:
         want = request.match_info["model_id"]
         models = state.models()
         if want not in models:
             return error(
                 404, f"The model `{want}` does not exist.", "not_found_error", param="model"
             )
-        return web.json_response(
+        return json_response(
             {
                 "id": want,
                 "object": "model",
@@ -166,17 +165,17 @@ def add_routes(
             }
         )
 
-    async def routed(request: web.Request) -> web.StreamResponse:
+    async def routed(request: Request) -> Reply:
         return await path.handle(request, chat=False)
 
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/version", version)
-    app.router.add_get("/ping", ping)
-    app.router.add_post("/ping", ping)
-    app.router.add_get("/v1/models/{model_id:.+}", model)
+    routes.add("POST", "/tokenize", tokenize)
+    routes.add("POST", "/detokenize", detokenize)
+    routes.add("GET", "/version", version)
+    routes.add("GET", "/ping", ping)
+    routes.add("POST", "/ping", ping)
+    routes.add_prefix("GET", "/v1/models/", "model_id", model)
     paths = [EMBEDDINGS_PATH, *passthrough_paths(getattr(st, "passthrough_paths", ""))]
     for route in dict.fromkeys(paths):
         if route in ("/v1/completions", "/v1/chat/completions"):
             continue
-        app.router.add_post(route, routed)
+        routes.add("POST", route, routed)

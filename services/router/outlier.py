@@ -13,6 +13,11 @@ and short answers compare). Every :meth:`OutlierDetector.evaluate`:
 - an outlier is ejected for ``eject_s`` seconds, then returns with no samples (it must be
   slow again on fresh requests to be ejected again).
 
+Cost: a worker keeps at most its last ``MAX_SAMPLES`` samples of the window (the median of
+the last thousand is as good a judge as of all, and a busy router finishes thousands of
+requests a second); medians are computed only when a fleet can be judged (three or more
+workers with a latency).
+
 Invariants: never more than a third of the workers with a latency are ejected at once (a
 fleet-wide slowdown ejects nobody: each worker is compared with the others); a worker is
 ejected or not, and each change is returned exactly once as an :class:`Ejection`.
@@ -52,6 +57,9 @@ class Ejection:
     until: float = 0.0
 
 
+MAX_SAMPLES = 1024  # per worker: the most recent samples of the window
+
+
 @dataclass
 class OutlierDetector:
     config: OutlierConfig = field(default_factory=OutlierConfig)
@@ -62,7 +70,9 @@ class OutlierDetector:
         """One successful request on ``worker_id`` took ``seconds`` for ``tokens`` tokens."""
         if worker_id in self._ejected_until or seconds <= 0:
             return
-        q = self._samples.setdefault(worker_id, deque())
+        q = self._samples.get(worker_id)
+        if q is None:
+            q = self._samples[worker_id] = deque(maxlen=MAX_SAMPLES)
         q.append((now, seconds / max(1, tokens)))
         self._trim(q, now)
 
@@ -89,6 +99,8 @@ class OutlierDetector:
             for wid, until in list(self._ejected_until.items())
             if now >= until and self._ejected_until.pop(wid, None) is not None
         ]
+        if sum(len(q) >= self.config.min_requests for q in self._samples.values()) < 3:
+            return changes  # no fleet to compare with (each one needs two others)
         lat = self.latencies(now)
         budget = len(lat) // 3 - len(self._ejected_until)
         # slowest first, so the budget goes to the worst

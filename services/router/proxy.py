@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from services.router import sse
 from services.router.canary import Arm
+from services.router.http_server import Request, Response, StreamResponse, json_response
 from services.router.slo import NO_TARGETS, SloTargets
 from services.router.tokenize import Parsed
+from services.router.upstream import Stream
 
 SESSION_HEADERS = ("x-session-id", "x-kvgate-session")
 
@@ -62,7 +63,8 @@ class Ctx:
     predicted_cached: int = 0
     cached_reported: int | None = None
     completion_tokens: int = 0
-    generated: str = ""
+    text_parts: list[str] = field(default_factory=list)  # generated text, see ``generated``
+    chunks: int = 0  # stream chunks with output passed to the client (tokens, without usage)
     ttft: float | None = None
     retries: int = 0
     migrated: int = 0
@@ -72,17 +74,29 @@ class Ctx:
     last_failure: WorkerFailed | None = None
     template: dict[str, Any] | None = None  # first chunk the client got (ids for re-framing)
     client_wants_usage: bool = False
-    out: web.StreamResponse | None = None
+    out: StreamResponse | None = None
     overlaps: dict[str, int] = field(default_factory=dict)  # of the last decision
     slo: SloTargets = NO_TARGETS  # x-slo-* headers (services/router/slo.py)
     shed: bool = False  # the policy refused it (no worker meets its SLO): 429
     sent_at: float = 0.0  # monotonic time the current worker was sent the request (breaker)
     carried_tokens: int = 0  # tokens generated before the last migration (usage)
 
+    @property
+    def generated(self) -> str:
+        """The text generated so far (joined when read: appending stays O(1) per chunk)."""
+        parts = self.text_parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
 
-def upstream_body(ctx: Ctx, migrate: bool, max_tokens: int | None = None) -> bytes:
-    """The body sent to a worker. Streaming requests ask for usage (to learn cached tokens);
-    a migration continues as a completions request on prompt + generated text."""
+
+def upstream_body(
+    ctx: Ctx, migrate: bool, max_tokens: int | None = None, raw: bytes = b""
+) -> bytes:
+    """The body sent to a worker. Streaming requests ask for usage (to learn cached tokens):
+    without ``stream_options`` in the client's body (``raw``), the option is written in front
+    of its bytes, which are otherwise forwarded untouched; a migration continues as a
+    completions request on prompt + generated text."""
     p = ctx.parsed
     if migrate:
         body = {
@@ -99,11 +113,27 @@ def upstream_body(ctx: Ctx, migrate: bool, max_tokens: int | None = None) -> byt
         return sse._encode(body)
     if p.stream:
         so = p.body.get("stream_options")
+        if "stream_options" not in p.body:
+            spliced = _with_usage_option(raw)
+            if spliced:
+                return spliced
         if not (isinstance(so, dict) and so.get("include_usage")):
             body = dict(p.body)
             body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
             return sse._encode(body)
     return b""  # empty: send the client's original bytes
+
+
+_USAGE_OPTION = b'{"stream_options":{"include_usage":true},'
+
+
+def _with_usage_option(raw: bytes) -> bytes:
+    """``raw`` (a JSON object without ``stream_options``) with the option as its first
+    member, or b"" when ``raw`` is not a non-empty object's bytes."""
+    body = raw.lstrip()
+    if not body.startswith(b"{") or body[1:].lstrip().startswith(b"}"):
+        return b""
+    return _USAGE_OPTION + body[1:]
 
 
 def replica_body(ctx: Ctx) -> bytes:
@@ -117,7 +147,7 @@ def replica_body(ctx: Ctx) -> bytes:
     return sse._encode(body)
 
 
-async def read_error(resp: aiohttp.ClientResponse) -> bytes:
+async def read_error(resp: Stream | aiohttp.ClientResponse) -> bytes:
     try:
         return await asyncio.wait_for(resp.read(), 5.0)
     except Exception:
@@ -137,7 +167,7 @@ class Upstream5xx(Exception):
         self.detail = detail
 
 
-async def write(out: web.StreamResponse, data: bytes) -> None:
+async def write(out: StreamResponse, data: bytes) -> None:
     """Write to the client; a closed client connection raises :class:`ClientGone`."""
     try:
         await out.write(data)
@@ -151,9 +181,9 @@ def error_response(
     etype: str,
     headers: dict[str, str] | None = None,
     param: str | None = None,
-) -> web.Response:
+) -> Response:
     """An error in OpenAI's shape (with vLLM's numeric code); ``param`` names the bad field."""
-    return web.json_response(
+    return json_response(
         {"error": {"message": message, "type": etype, "param": param, "code": status}},
         status=status,
         headers=headers,
@@ -167,7 +197,7 @@ def reject(
     etype: str,
     outcome: str,
     headers: dict[str, str] | None = None,
-) -> web.Response:
+) -> Response:
     """End ``ctx`` with ``outcome`` / ``status`` and the client's error response."""
     ctx.status, ctx.http_status = outcome, status
     return error_response(status, message, etype, headers)
@@ -183,7 +213,7 @@ def worker_headers(ctx: Ctx, wid: str) -> dict[str, str]:
     }
 
 
-def session_of(request: web.Request) -> str | None:
+def session_of(request: Request) -> str | None:
     """The client's session id (a conversation), from the first session header present."""
     for h in SESSION_HEADERS:
         v = request.headers.get(h)

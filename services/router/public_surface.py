@@ -10,10 +10,10 @@
   text is measured (``--max-prompt-chars``) before the tokenizer sees it.
 - **TLS** (optional): with ``--tls-cert`` and ``--tls-key`` the OpenAI port serves https
   itself (for a router without a TLS-terminating gateway in front).
-- **Errors in OpenAI's shape**: every error the public port returns, aiohttp's own 404, 405
-  and 413 included, is ``{"error": {"message", "type", "param", "code"}}``.
+- **Errors in OpenAI's shape**: every error the public port returns, the HTTP server's own
+  400, 404, 405, 413 and 500 included, is ``{"error": {"message", "type", "param", "code"}}``.
 
-Invariant: the middlewares hold no per-request state; a refused request never reaches a
+Invariant: the surface holds no per-request state; a refused request never reaches a
 handler, the tokenizer or a worker.
 """
 
@@ -22,14 +22,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ssl
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
 from prometheus_client import Counter
 
 from services.common import settings as S
+from services.router.http_server import Request, Response, Routes, Server, json_response
 from services.router.tokenize import BadRequest
 
 MIB = 1 << 20
@@ -111,9 +111,6 @@ REFUSED = Counter(
     ["reason"],
 )
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
 # ---------------------------------------------------------------------------- error shape
 _TYPES = {429: "rate_limit_error"}  # other 4xx: invalid_request_error, 5xx: server_error
 
@@ -126,7 +123,7 @@ def openai_error(
     code: int | str | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
-) -> web.Response:
+) -> Response:
     """An error in OpenAI's shape, with the numeric code the router's other errors carry
     (services.router.proxy.error_response: vLLM's dialect)."""
     etype = (
@@ -142,53 +139,38 @@ def openai_error(
             "code": code if code is not None else status,
         }
     }
-    return web.json_response(body, status=status, headers=headers)
+    return json_response(body, status=status, headers=headers)
 
 
-def _passthrough_headers(exc: web.HTTPException) -> dict[str, str]:
-    keep = ("Allow", "Retry-After", "WWW-Authenticate")
-    return {k: v for k, v in exc.headers.items() if k in keep}
+# ---------------------------------------------------------------------------- the surface
+class PublicSurface:
+    """What the OpenAI port lets through (services.router.http_server.Surface): the API key
+    on ``/v1/*`` and the body limit from Content-Length, both before the body is read; a
+    body without a length that grows past the limit while read: 413 (the server stops
+    buffering it); every error of the server's own (404, 405, 400, 500) in OpenAI's shape."""
 
+    def __init__(self, max_body: int, keys: ApiKeys | None = None) -> None:
+        self.max_body = max_body
+        self.keys = keys if keys is not None and keys.enabled else None
 
-@web.middleware
-async def error_shape(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own errors (no route, wrong method, body too large) in OpenAI's shape."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = exc.text if exc.text and exc.content_type == "text/plain" else exc.reason
-        if exc.status == 404:
-            message = f"no such endpoint: {request.method} {request.path}"
-        elif exc.status == 405:
-            message = f"method {request.method} not allowed on {request.path}"
-        return openai_error(exc.status, message or exc.reason, headers=_passthrough_headers(exc))
-
-
-# ---------------------------------------------------------------------------- body limit
-def body_limit(max_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+    def check(self, request: Request) -> Response | None:
+        if self.keys is not None and request.path.startswith("/v1/"):
+            refused = self.keys.refusal(request)
+            if refused is not None:
+                return refused
         length = request.content_length
-        if length is not None and length > max_bytes:
-            REFUSED.labels("body_too_large").inc()
-            # refuse before reading (the client may still be sending: close the connection)
-            resp = openai_error(
-                413, f"request body of {length} bytes is over the limit of {max_bytes} bytes"
-            )
-            resp.force_close()
-            return resp
-        try:
-            return await handler(request)
-        except web.HTTPRequestEntityTooLarge:
-            # no Content-Length (chunked): aiohttp stopped reading at client_max_size
-            REFUSED.labels("body_too_large").inc()
-            resp = openai_error(413, f"request body is over the limit of {max_bytes} bytes")
-            resp.force_close()
-            return resp
+        if length is not None and length > self.max_body:
+            return self.too_large(length)
+        return None
 
-    return check
+    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+        return openai_error(status, message, headers=headers)
+
+    def too_large(self, length: int | None) -> Response:
+        """413; the server closes the connection after it (the client may still be sending)."""
+        REFUSED.labels("body_too_large").inc()
+        what = f"request body of {length} bytes" if length is not None else "request body"
+        return openai_error(413, f"{what} is over the limit of {self.max_body} bytes")
 
 
 def _texts(value: Any) -> Iterable[str]:
@@ -260,46 +242,35 @@ class ApiKeys:
             ok |= hmac.compare_digest(digest, known)
         return ok
 
-    def middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
-        @web.middleware
-        async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if self.enabled and request.path.startswith("/v1/"):
-                auth = request.headers.get("Authorization", "")
-                scheme, _, key = auth.partition(" ")
-                if scheme.lower() != "bearer" or not key.strip() or not self.allows(key.strip()):
-                    REFUSED.labels("api_key").inc()
-                    return openai_error(
-                        401,
-                        "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                        headers={"WWW-Authenticate": "Bearer"},
-                    )
-            return await handler(request)
-
-        return check
+    def refusal(self, request: Request) -> Response | None:
+        """401 unless the request carries one of the keys."""
+        auth = request.headers.get("Authorization", "")
+        scheme, _, key = auth.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip() or not self.allows(key.strip()):
+            REFUSED.labels("api_key").inc()
+            return openai_error(
+                401,
+                "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return None
 
 
 # ---------------------------------------------------------------------------- wiring
-def public_app(st: Any) -> web.Application:
-    """The OpenAI port's application: body limit, API keys and error shape installed."""
+def public_surface(st: Any) -> PublicSurface:
+    """The OpenAI port's surface: body limit and client API keys from the settings."""
     max_body = int(getattr(st, "max_body_bytes", 4 * MIB))
     keys = ApiKeys(load_key_digests(getattr(st, "api_keys", ""), getattr(st, "api_keys_file", "")))
-    return web.Application(
-        client_max_size=max_body,
-        middlewares=[error_shape, keys.middleware(), body_limit(max_body)],
-    )
+    return PublicSurface(max_body, keys)
 
 
 def operator_on_public_port(st: Any) -> bool:
     return not int(getattr(st, "operator_port", 0) or 0)
 
 
-async def start_operator_http(st: Any, routes: list[web.RouteDef]) -> web.AppRunner | None:
+async def start_operator_http(st: Any, routes: Routes) -> Server | None:
     """Serve ``routes`` (metrics, debug views, health) on the operator port, if one is set."""
     if operator_on_public_port(st):
         return None
-    app = web.Application()
-    app.add_routes(routes)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    await web.TCPSite(runner, st.operator_host, int(st.operator_port), reuse_address=True).start()
-    return runner
+    server = Server(routes, PublicSurface(int(getattr(st, "max_body_bytes", 4 * MIB))))
+    return await server.start(st.operator_host, int(st.operator_port))

@@ -12,11 +12,12 @@ is released in ``finally``; deciding reads local state only.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import os
 import time
-import uuid
 
 import msgspec
-from aiohttp import web
 
 from services.common.logging import get_logger
 from services.router import metrics as M
@@ -25,6 +26,7 @@ from services.router.admission import Admission
 from services.router.canary import PolicySet
 from services.router.circuits import Circuits
 from services.router.dispatch import Dispatcher
+from services.router.http_server import Reply, Request, Response
 from services.router.outcomes import OutcomeRecorder
 from services.router.proxy import Ctx, WorkerFailed, error_response, reject, session_of
 from services.router.public_surface import check_prompt_size
@@ -33,6 +35,19 @@ from services.router.tokenize import BadRequest, RequestParser
 
 log = get_logger("router")
 _json_decode = msgspec.json.decode
+
+
+class RequestIds:
+    """Ids for requests that came without ``x-request-id``: 32 hex digits like a uuid4's,
+    unique per router process (a random 64-bit prefix drawn at start + a counter), without
+    a random draw (a system call) per request."""
+
+    def __init__(self) -> None:
+        self.prefix = os.urandom(8).hex()
+        self.seq = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self.prefix}{next(self.seq):016x}"
 
 
 class RequestPath:
@@ -57,8 +72,9 @@ class RequestPath:
         self.outcomes = outcomes
         self.max_retries = max_retries
         self.max_prompt_chars = max_prompt_chars
+        self.ids = RequestIds()
 
-    async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def handle(self, request: Request, chat: bool) -> Reply:
         t0 = time.perf_counter()
         try:
             body = _json_decode(await request.read())
@@ -74,7 +90,7 @@ class RequestPath:
             targets = slo.parse(request.headers)
         except slo.BadSloHeader as exc:
             return error_response(400, str(exc), "invalid_request_error", param=exc.header)
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = request.headers.get("x-request-id") or self.ids.next()
         session_id = session_of(request)
         ctx = Ctx(rid, parsed, self.policies.arm(rid, session_id), session_id, t0, request.path)
         ctx.slo = targets
@@ -83,14 +99,17 @@ class RequestPath:
         M.INFLIGHT.inc()
         try:
             return await self._route_and_send(request, ctx)
+        except asyncio.CancelledError:  # the client left (services.router.http_server)
+            ctx.status, ctx.http_status = "cancelled", 499
+            raise
         finally:
             M.INFLIGHT.dec()
             self.outcomes.record(ctx)
 
-    async def _route_and_send(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
+    async def _route_and_send(self, request: Request, ctx: Ctx) -> Reply:
         while True:
             d = await self.admission.decide_or_wait(ctx)
-            if isinstance(d, web.Response):
+            if isinstance(d, Response):
                 return d
             ticket = self.dispatcher.dispatch(ctx, d)
             try:

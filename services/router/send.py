@@ -1,7 +1,8 @@
 """Sending: one attempt of one request on one worker, and the response back to the client.
 
-Non-streaming requests over plain HTTP take the kept-alive fast path (``upstream.FastClient``);
-others go through aiohttp. A streaming response is pumped event by event (``sse``).
+Requests to plain-http workers take the kept-alive client (``upstream.FastClient``: whole
+responses and streams); others go through aiohttp. A streaming response is pumped event by
+event (``sse``).
 
 Invariants: a failure before the client saw anything raises :class:`WorkerFailed` (the
 request path retries elsewhere); a failure after output raises :class:`StreamBroken`, handled
@@ -17,12 +18,12 @@ from typing import Any, Protocol
 
 import aiohttp
 import msgspec
-from aiohttp import web
 
 from services.core.cluster import ClusterState, Ticket
 from services.router import sse
 from services.router.circuits import Circuits
 from services.router.dispatch import Dispatcher
+from services.router.http_server import Reply, Request, Response, StreamResponse
 from services.router.proxy import (
     ClientGone,
     Ctx,
@@ -35,14 +36,16 @@ from services.router.proxy import (
     worker_headers,
     write,
 )
-from services.router.upstream import FastClient, UpstreamError
+from services.router.upstream import FastClient, Stream, UpstreamError
 from services.router.usage import continued_usage
 
 _json_decode = msgspec.json.decode
+Upstream = Stream | aiohttp.ClientResponse  # an opened upstream response
+MAX_EVENT_BYTES = 4 << 20  # one SSE event larger than this: the stream is broken
 
 
 class StreamMigrator(Protocol):
-    async def migrate(self, request: web.Request, ctx: Ctx, exc: StreamBroken) -> None: ...
+    async def migrate(self, request: Request, ctx: Ctx, exc: StreamBroken) -> None: ...
 
 
 class Sender:
@@ -59,6 +62,7 @@ class Sender:
         self.dispatcher = dispatcher
         self.fast = fast
         self.request_timeout_s = st.request_timeout
+        self.stream_idle_s = st.stream_idle_timeout
         self.stream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=st.connect_timeout, sock_read=st.stream_idle_timeout
         )
@@ -67,14 +71,17 @@ class Sender:
         )
         self.session: aiohttp.ClientSession | None = None  # set by the router at start
         self.migrator: StreamMigrator | None = None  # set by the router (migrate.Migrator)
+        # streams keep their text only when a broken one can continue elsewhere
+        self.keep_text = getattr(st, "max_migrations", 1) > 0
 
-    async def send(self, request: web.Request, ctx: Ctx, ticket: Ticket) -> web.StreamResponse:
+    async def send(self, request: Request, ctx: Ctx, ticket: Ticket) -> Reply:
         wid = ticket.worker_id
-        raw_body = upstream_body(ctx, migrate=False)
+        raw = await request.read()  # aiohttp keeps the bytes it read: no second read
+        body = upstream_body(ctx, migrate=False, raw=raw)
         if not ctx.parsed.stream and self.state.states[wid].url.startswith("http://"):
-            return await self._send_fast(ctx, wid, raw_body or await request.read(), ticket)
+            return await self._send_fast(ctx, wid, body or raw, ticket)
         try:
-            resp = await self.post(ctx, wid, ctx.path, raw_body, await request.read())
+            resp = await self.post(ctx, wid, ctx.path, body, raw)
         except Upstream5xx as exc:
             ctx.status, ctx.http_status = "error", exc.status
             return error_response(
@@ -87,12 +94,14 @@ class Sender:
             return await self._send_whole(ctx, wid, resp, ticket)
         return await self._send_stream(request, ctx, wid, resp, ticket)
 
-    async def post(
-        self, ctx: Ctx, wid: str, path: str, body: bytes, raw: bytes
-    ) -> aiohttp.ClientResponse:
-        """Open the upstream request; connect errors, timeouts and 503 raise WorkerFailed."""
+    async def post(self, ctx: Ctx, wid: str, path: str, body: bytes, raw: bytes) -> Upstream:
+        """Open the upstream request (streams to plain-http workers on the fast client,
+        others through aiohttp); connect errors, timeouts and 503 raise WorkerFailed."""
+        base = self.state.states[wid].url
+        if ctx.parsed.stream and base.startswith("http://"):
+            return await self._open_stream(ctx, wid, base, path, body or raw)
         assert self.session is not None
-        url = self.state.states[wid].url + path
+        url = base + path
         timeout = self.stream_timeout if ctx.parsed.stream else self.whole_timeout
         try:
             resp = await self.session.post(
@@ -115,7 +124,28 @@ class Sender:
             raise Upstream5xx(resp.status, detail)
         return resp
 
-    async def _send_fast(self, ctx: Ctx, wid: str, body: bytes, ticket: Ticket) -> web.Response:
+    async def _open_stream(self, ctx: Ctx, wid: str, base: str, path: str, body: bytes) -> Stream:
+        """A stream over plain http (upstream.FastClient): errors as :meth:`post`'s."""
+        try:
+            resp = await self.fast.open_stream(
+                base, path, body, {"x-request-id": ctx.request_id}, self.stream_idle_s
+            )
+        except UpstreamError as exc:
+            if exc.kind == "timeout":
+                raise WorkerFailed(wid, "timeout before response", timeout=True) from exc
+            if exc.kind == "connect":
+                raise WorkerFailed(wid, f"connect failed: {exc.detail}") from exc
+            raise WorkerFailed(wid, f"response broken: {exc.detail}") from exc
+        if resp.status >= 500:
+            detail = (await read_error(resp))[:200].decode("utf-8", "replace")
+            resp.release()
+            if resp.status == 503:
+                raise WorkerFailed(wid, f"503 from worker: {detail}")
+            self.circuits.failure(wid, f"{resp.status} from worker", ctx.sent_at)
+            raise Upstream5xx(resp.status, detail)
+        return resp
+
+    async def _send_fast(self, ctx: Ctx, wid: str, body: bytes, ticket: Ticket) -> Response:
         """Non-streaming: one request / response on a kept-alive connection (upstream.py)."""
         try:
             resp = await self.fast.post(
@@ -149,11 +179,9 @@ class Sender:
             _read_usage(ctx, resp.body)
         headers = worker_headers(ctx, wid)
         headers["Content-Type"] = resp.headers.get("content-type", "application/json")
-        return web.Response(body=resp.body, status=status, headers=headers)
+        return Response(resp.body, status, headers)
 
-    async def _send_whole(
-        self, ctx: Ctx, wid: str, resp: aiohttp.ClientResponse, ticket: Ticket
-    ) -> web.Response:
+    async def _send_whole(self, ctx: Ctx, wid: str, resp: Upstream, ticket: Ticket) -> Response:
         try:
             data = await resp.read()
         except TimeoutError as exc:
@@ -170,19 +198,19 @@ class Sender:
         else:
             _read_usage(ctx, data)
         headers = worker_headers(ctx, wid)
-        return web.Response(
-            body=data,
-            status=resp.status,
-            headers={
+        return Response(
+            data,
+            resp.status,
+            {
                 **headers,
-                "Content-Type": resp.headers.get("Content-Type", "application/json"),
+                "Content-Type": resp.headers.get("content-type", "application/json"),
             },
         )
 
     async def _send_stream(
-        self, request: web.Request, ctx: Ctx, wid: str, resp: aiohttp.ClientResponse, ticket: Ticket
-    ) -> web.StreamResponse:
-        out = web.StreamResponse(
+        self, request: Request, ctx: Ctx, wid: str, resp: Upstream, ticket: Ticket
+    ) -> Reply:
+        out = StreamResponse(
             status=200,
             headers={
                 **worker_headers(ctx, wid),
@@ -190,6 +218,7 @@ class Sender:
                 "Cache-Control": "no-cache",
             },
         )
+        # (the headers leave with the first output, not in a write of their own)
         ctx.out = out
         try:
             await self.pump(request, ctx, wid, resp, ticket, reframe=False)
@@ -202,63 +231,67 @@ class Sender:
 
     async def pump(
         self,
-        request: web.Request,
+        request: Request,
         ctx: Ctx,
         wid: str,
-        resp: aiohttp.ClientResponse,
+        resp: Upstream,
         ticket: Ticket,
         reframe: bool,
     ) -> None:
-        """Copy SSE events from the worker to the client until [DONE]."""
+        """Copy SSE events from the worker to the client until [DONE]: what one read brought
+        goes out in one write; events are decoded only as far as the router needs
+        (:mod:`services.router.sse`)."""
         out = ctx.out
         assert out is not None
         chat = ctx.parsed.chat
-        buf: list[bytes] = []
+        # the text is kept only where a migration may need it
+        keep_text = reframe or (ctx.parsed.migratable and self.keep_text)
+        rest = last = b""
         seen_done = False
+        first_seen = False  # this attempt's first token (a continuation has its own ticket)
         try:
-            async for line in resp.content:
-                if line.strip():
-                    buf.append(line)
+            while not seen_done:
+                data = await resp.content.readany()
+                if not data:
+                    break
+                events, rest = sse.split_events(rest + data if rest else data)
+                if len(rest) > MAX_EVENT_BYTES:
+                    raise aiohttp.ClientPayloadError(f"SSE event over {MAX_EVENT_BYTES} bytes")
+                if not events:
                     continue
-                if not buf:
-                    continue
-                event = b"".join(buf) + b"\n"
-                buf = []
-                payload = b"".join(
-                    ln[5:].lstrip() for ln in event.split(b"\n") if ln.startswith(b"data:")
-                )
-                info = sse.inspect(payload, chat if not reframe else False)
-                if info.done:
-                    seen_done = True
+                outgoing: list[bytes] = []
+                for ev in events:
+                    payload = sse.payload_of(ev)
+                    if payload == b"[DONE]":
+                        seen_done = True
+                        outgoing.append(sse.DONE)
+                        break
+                    if (
+                        first_seen
+                        and not reframe
+                        and ctx.template is not None
+                        and not sse.has_usage(payload)
+                    ):
+                        # the common chunk: passed through, at most its text read
+                        if keep_text:
+                            ctx.text_parts.append(sse.text_of(payload, chat))
+                        if payload:
+                            ctx.chunks += 1
+                        outgoing.append(ev + b"\n\n")
+                        continue
+                    wire, text = self._inspected(ctx, ev, payload, chat, reframe)
+                    if text and not first_seen:
+                        first_seen = True
+                        self.dispatcher.first_token(ctx, ticket)
+                    if wire is not None:
+                        outgoing.append(wire)
+                if outgoing:
                     if not out.prepared:
                         await out.prepare(request)
-                    await write(out, sse.DONE)
-                    break
-                if info.usage is not None:
-                    if reframe:  # a continuation: usage as if one worker did it all
-                        info.usage = continued_usage(info.usage, ctx.carried_tokens)
-                        if info.data is not None and "usage" in info.data:
-                            info.data = {**info.data, "usage": info.usage}
-                    ctx.cached_reported = sse.cached_tokens_of(info.usage)
-                    if isinstance(info.usage.get("completion_tokens"), int):
-                        ctx.completion_tokens = info.usage["completion_tokens"]
-                if info.usage_only and not ctx.client_wants_usage:
-                    continue
-                if info.text and ctx.ttft is None:
-                    ctx.ttft = time.perf_counter() - ctx.t0
-                if info.text:
-                    self.dispatcher.first_token(ctx, ticket)
-                ctx.generated += info.text
-                if reframe:
-                    chunk = sse.as_client_chunk(info, chat, ctx.template)
-                    if chunk is None:
-                        continue
-                    event = sse.event(chunk)
-                elif ctx.template is None and info.data is not None:
-                    ctx.template = info.data
-                if not out.prepared:
-                    await out.prepare(request)
-                await write(out, event)
+                    last = outgoing[0] if len(outgoing) == 1 else b"".join(outgoing)
+                    if seen_done:  # the last output and the end of the stream in one write
+                        break
+                    await write(out, last)
         except TimeoutError as exc:
             resp.release()
             if not out.prepared:
@@ -273,13 +306,51 @@ class Sender:
                     wid, f"stream broken before output: {type(exc).__name__}"
                 ) from exc
             raise StreamBroken(wid, f"stream broken: {type(exc).__name__}") from exc
+        except BaseException:  # the client left (ClientGone, cancelled): stop the worker too
+            resp.close()
+            raise
         resp.release()
         if not seen_done:
             if not out.prepared:
                 raise WorkerFailed(wid, "stream ended before output")
             raise StreamBroken(wid, "stream ended without [DONE]")
         self.circuits.success(wid, ctx.sent_at)
-        await out.write_eof()
+        if not reframe and not ctx.migrated:
+            self.dispatcher.decoded(ctx, ticket)
+        try:
+            await out.write_eof(last)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError) as exc:
+            raise ClientGone() from exc
+
+    def _inspected(
+        self, ctx: Ctx, ev: bytes, payload: bytes, chat: bool, reframe: bool
+    ) -> tuple[bytes | None, bool]:
+        """One event decoded whole (before the first token, a usage chunk, a continuation's
+        chunk): what the router learns from it; the bytes the client gets (None: none) and
+        whether it carried text."""
+        info = sse.inspect(payload, chat if not reframe else False)
+        if info.usage is not None:
+            if reframe:  # a continuation: usage as if one worker did it all
+                info.usage = continued_usage(info.usage, ctx.carried_tokens)
+                if info.data is not None and "usage" in info.data:
+                    info.data = {**info.data, "usage": info.usage}
+            ctx.cached_reported = sse.cached_tokens_of(info.usage)
+            if isinstance(info.usage.get("completion_tokens"), int):
+                ctx.completion_tokens = info.usage["completion_tokens"]
+        if info.usage_only and not ctx.client_wants_usage:
+            return None, False
+        if info.text:
+            if ctx.ttft is None:
+                ctx.ttft = time.perf_counter() - ctx.t0
+            ctx.text_parts.append(info.text)
+        if not info.usage_only and info.data is not None:
+            ctx.chunks += 1
+        if reframe:
+            chunk = sse.as_client_chunk(info, chat, ctx.template)
+            return (None if chunk is None else sse.event(chunk)), bool(info.text)
+        if ctx.template is None and info.data is not None:
+            ctx.template = info.data
+        return ev + b"\n\n", bool(info.text)
 
 
 def _read_usage(ctx: Ctx, body: bytes) -> None:

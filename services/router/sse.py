@@ -4,10 +4,16 @@ An engine stream is lines ``data: {json}`` separated by blank lines, ending with
 ``data: [DONE]``. The router passes each event through as soon as it is complete, and reads
 from it the text generated so far (for migration), the usage (cached tokens) and whether
 the stream finished.
+
+Cost: an event is decoded whole (:func:`inspect`) only where the router needs more than its
+text: until the first token, and for the chunks that carry a ``usage`` (:func:`has_usage`,
+a byte search); every other chunk is passed through as it came, with at most its text
+decoded (:func:`text_of`, a typed decode of ``choices[].text`` / ``delta.content`` only).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +21,66 @@ import msgspec
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
+
+_CRLF_BOUNDARY = re.compile(rb"\r?\n\r?\n")
+
+
+def split_events(buf: bytes) -> tuple[list[bytes], bytes]:
+    """Complete events in ``buf`` (without their blank-line separator) and the rest (an
+    incomplete event, kept for the next read)."""
+    parts = buf.split(b"\n\n") if b"\r" not in buf else _CRLF_BOUNDARY.split(buf)
+    return parts[:-1], parts[-1]
+
+
+def payload_of(event: bytes) -> bytes:
+    """The event's ``data:`` lines' content, joined (b"" for an event without data)."""
+    if event.startswith(b"data:") and b"\n" not in event:
+        return event[5:].strip()
+    return b"".join(
+        ln[5:].strip() for ln in event.replace(b"\r", b"").split(b"\n") if ln.startswith(b"data:")
+    )
+
+
+def has_usage(payload: bytes) -> bool:
+    """Might the payload carry a ``usage`` object? (False only when it surely does not: no
+    ``"usage"`` key, or ``"usage": null``; a JSON string never holds an unescaped quote.)"""
+    i = payload.find(b'"usage"')
+    if i < 0:
+        return False
+    return not payload[i + 7 : i + 16].lstrip(b": \t").startswith(b"null") or (
+        payload.find(b'"usage"', i + 7) >= 0
+    )
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _Delta | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+
+
+_chunk_decoder = msgspec.json.Decoder(_Chunk)
+
+
+def text_of(payload: bytes, chat: bool) -> str:
+    """The generated text of one chunk (as :func:`inspect` reads it), decoding only that."""
+    try:
+        chunk = _chunk_decoder.decode(payload)
+    except msgspec.DecodeError:  # not the usual shape: the general reading
+        return inspect(payload, chat).text
+    if not chunk.choices:
+        return ""
+    if chat:
+        parts = [c.delta.content for c in chunk.choices if c.delta is not None and c.delta.content]
+    else:
+        parts = [c.text for c in chunk.choices if c.text]
+    return parts[0] if len(parts) == 1 else "".join(parts)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -74,19 +74,21 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 def _max_tokens(
-    body: dict[str, Any], default: int, chat: bool, prompt_len: int, context: int
+    body: dict[str, Any], default: int, chat: bool, prompt_len: int, context: Callable[[], int]
 ) -> int:
     """Tokens one output may generate. ``max_completion_tokens`` wins only when it is set:
     a ``null`` does not override ``max_tokens``. ``max_tokens: 0`` is the echo
     log-likelihood pattern (the engine still runs one step). Omitted: ``default`` when > 0,
-    else vLLM's defaults: 16 for completions, the rest of the context (``context``: the
-    smallest among the workers serving the model; 0 = unknown) for chat."""
+    else vLLM's defaults: 16 for completions, the rest of the context (``context()``: the
+    smallest among the workers serving the model; 0 = unknown; asked only here, as it looks
+    at every worker) for chat."""
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
     v = _int_or_none(body, name)
     if v is None:
-        room = context - prompt_len if context > prompt_len else 0
+        ctx = context()
+        room = ctx - prompt_len if ctx > prompt_len else 0
         if default > 0:
             return min(default, room) if room else default
         if not chat:
@@ -222,7 +224,11 @@ class RequestParser:
         if passthrough:
             per_output = 1
         else:
-            context = self.context_len(model) if self.context_len is not None else 0
+            ctx = self.context_len
+
+            def context() -> int:
+                return ctx(model) if ctx is not None else 0
+
             longest = len(ids) if num_prompts == 1 else len(ids) // num_prompts
             per_output = _max_tokens(body, self.default_max_tokens, chat, longest, context)
         stream = bool(body.get("stream", False))

@@ -1,0 +1,651 @@
+"""The router's HTTP/1.1 server: an asyncio protocol around the ``httptools`` parser (the
+parser uvicorn uses), with the small request / response interface the router's handlers need.
+
+aiohttp's server (request objects, multidicts, the router, middlewares, payload writers) cost
+the router more CPU per request than everything else it does to route and forward one;
+serving a proxy's few fixed routes needs none of it (docs/benchmarks.md, "HTTP server").
+
+Serves: routes by method and exact path (plus prefix routes with one parameter), HEAD on
+GET routes, keep-alive and pipelining (HTTP/1.1; HTTP/1.0 with ``Connection: keep-alive``),
+``Content-Length`` and chunked request bodies, ``Expect: 100-continue`` (sent when a handler
+first reads the body), TLS (``ssl_context``), chunked streaming responses (HTTP/1.0: until
+close), write flow control, an idle keep-alive timeout, a graceful stop.
+
+Invariants:
+- a connection answers its requests in the order they arrived, one handler at a time
+  (pipelined requests wait, parsed, their turn);
+- a connection is kept for the next request only when the request was read to its end, both
+  sides allow keep-alive and the response was complete; otherwise the response says
+  ``Connection: close`` and the connection closes after it (reading, and dropping, what the
+  client still sends for a moment, so the response is not lost to a reset);
+- ``surface.check`` sees every request before its handler and before its body is read;
+  a body over ``surface.max_body`` is never buffered past that size;
+- bytes that do not parse as HTTP/1.x get a 400 and the connection closes (when they follow
+  requests still in progress, those are answered and the connection closes after them);
+- the client leaving cancels the handler of its request (its ``finally`` blocks release
+  what it held; an upstream request in flight is closed with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import ssl
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from typing import Any, Protocol
+from urllib.parse import parse_qsl, unquote
+
+import httptools
+import msgspec
+
+from services.common.logging import get_logger
+
+log = get_logger("router.http")
+
+_encode = msgspec.json.encode
+_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+MAX_PIPELINED = 32  # parsed requests waiting on one connection before reading pauses
+LINGER_S = 2.0  # after a closing response: how long what the client still sends is dropped
+IDLE_SWEEP_S = 1.0
+
+
+class BodyTooLarge(Exception):
+    """The request body grew past the server's limit while it was read."""
+
+
+class Headers(dict[str, str]):
+    """Request headers: names lower-cased when parsed, looked up in any case."""
+
+    __slots__ = ()
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return dict.get(self, key.lower(), default)
+
+    def __getitem__(self, key: str) -> str:
+        return dict.__getitem__(self, key.lower())
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key.lower() if isinstance(key, str) else key)
+
+
+class Request:
+    """One parsed request. The body arrives after the handler starts: :meth:`read`."""
+
+    __slots__ = (
+        "_body",
+        "_chunks",
+        "_complete",
+        "_conn",
+        "_size",
+        "_too_large",
+        "_waiter",
+        "fixed",
+        "headers",
+        "keep_alive",
+        "match_info",
+        "method",
+        "path",
+        "query_string",
+        "version",
+    )
+
+    def __init__(
+        self,
+        conn: _Connection,
+        method: str,
+        path: str,
+        query_string: str,
+        headers: Headers,
+        version: str,
+        keep_alive: bool,
+    ) -> None:
+        self._conn = conn
+        self.method = method
+        self.path = path
+        self.query_string = query_string
+        self.headers = headers
+        self.version = version
+        self.keep_alive = keep_alive
+        self.match_info: dict[str, str] = {}
+        self.fixed: Response | None = None  # answered without a handler (a parse error)
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._complete = False
+        self._too_large = False
+        self._body: bytes | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def content_length(self) -> int | None:
+        v = self.headers.get("content-length")
+        try:
+            return int(v) if v is not None else None
+        except ValueError:
+            return None
+
+    @property
+    def can_read_body(self) -> bool:
+        return bool(self._size) or not self._complete
+
+    @property
+    def query(self) -> dict[str, str]:
+        return dict(parse_qsl(self.query_string)) if self.query_string else {}
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The client's connection; None once the client left."""
+        c = self._conn
+        return None if c.lost else c.transport
+
+    async def read(self) -> bytes:
+        """The whole body (read once, kept); :class:`BodyTooLarge` past the server's limit."""
+        if self._body is not None:
+            return self._body
+        if not self._complete and not self._too_large:
+            conn = self._conn
+            if self.headers.get("expect", "").lower() == "100-continue" and not conn.lost:
+                conn.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        if self._too_large:
+            raise BodyTooLarge()
+        if not self._complete:  # the client left (or half-closed) before its body ended
+            raise ConnectionResetError("the request body was cut short")
+        self._body = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
+        self._chunks = []
+        return self._body
+
+    def _feed(self, data: bytes, limit: int) -> None:
+        if self._too_large:
+            return
+        self._size += len(data)
+        if self._size > limit:
+            self._too_large = True
+            self._chunks = []
+            self._wake()
+        else:
+            self._chunks.append(data)
+
+    def _end(self) -> None:
+        self._complete = True
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class Response:
+    """A whole response: status, headers, body."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(
+        self,
+        body: bytes = b"",
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+        content_type: str | None = None,
+    ) -> None:
+        self.body = body
+        self.status = status
+        self.headers = headers if headers is not None else {}
+        if content_type is not None:
+            self.headers["Content-Type"] = content_type
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    h = dict(headers) if headers else {}
+    h["Content-Type"] = "application/json"
+    return Response(_encode(data), status, h)
+
+
+def _date() -> bytes:
+    now = int(time.time())
+    if now != _DATE[0]:
+        _DATE[0], _DATE[1] = now, formatdate(now, usegmt=True).encode()
+    return _DATE[1]  # type: ignore[return-value]
+
+
+_DATE: list[Any] = [0, b""]
+
+
+def _head(status: int, headers: dict[str, str], framing: bytes) -> bytes:
+    reason = _REASONS.get(status, b"Unknown")
+    fields = "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("latin-1")
+    return b"HTTP/1.1 %d %s\r\n%sDate: %s\r\n%s\r\n" % (status, reason, fields, _date(), framing)
+
+
+class StreamResponse:
+    """A response written in parts (server-sent events): :meth:`prepare`, :meth:`write`,
+    :meth:`write_eof`. The headers leave with the first part. Chunked for HTTP/1.1 clients;
+    HTTP/1.0 clients read until the connection closes. Writing after the client left raises
+    ``ConnectionResetError``."""
+
+    __slots__ = ("_chunked", "_conn", "_eof", "_keep", "_started", "headers", "prepared", "status")
+
+    def __init__(self, status: int = 200, headers: dict[str, str] | None = None) -> None:
+        self.status = status
+        self.headers = headers if headers is not None else {}
+        self.prepared = False
+        self._conn: _Connection | None = None
+        self._started = False
+        self._eof = False
+        self._chunked = True
+        self._keep = False
+
+    async def prepare(self, request: Request) -> None:
+        self._conn = request._conn
+        self._chunked = request.version == "1.1"
+        self._keep = self._chunked and request._conn.may_keep(request)
+        self.prepared = True
+
+    def _start(self) -> bytes:
+        self._started = True
+        if self._chunked:
+            framing = b"Transfer-Encoding: chunked\r\n"
+            if not self._keep:
+                framing += b"Connection: close\r\n"
+        else:
+            framing = b"Connection: close\r\n"
+        return _head(self.status, self.headers, framing)
+
+    async def write(self, data: bytes) -> None:
+        conn = self._conn
+        if conn is None or conn.lost or self._eof:
+            raise ConnectionResetError("the client connection is closed")
+        if not data:
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        if not self._started:
+            data = self._start() + data
+        conn.transport.write(data)
+        if conn.paused:
+            await conn.drain()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self._eof:
+            return
+        conn = self._conn
+        if conn is None or conn.lost:
+            raise ConnectionResetError("the client connection is closed")
+        out = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        if not self._chunked:
+            out = data
+        if not self._started:
+            out = self._start() + out
+        self._eof = True
+        conn.transport.write(out)
+
+
+Reply = Response | StreamResponse
+Handler = Callable[[Request], Awaitable[Reply]]
+
+
+class Surface(Protocol):
+    """What a port lets through (services.router.public_surface): a check before each
+    handler (None: go on), the body limit, and errors in the port's shape."""
+
+    max_body: int
+
+    def check(self, request: Request) -> Response | None: ...
+
+    def error(
+        self, status: int, message: str, headers: dict[str, str] | None = None
+    ) -> Response: ...
+
+    def too_large(self, length: int | None) -> Response: ...
+
+
+class Routes:
+    """Handlers by method and path: exact paths, and prefixes whose rest is one parameter."""
+
+    def __init__(self) -> None:
+        self._exact: dict[str, dict[str, Handler]] = {}
+        self._prefix: list[tuple[str, str, dict[str, Handler]]] = []
+
+    def add(self, method: str, path: str, handler: Handler) -> None:
+        """``method`` "*": any method."""
+        self._exact.setdefault(path, {})[method] = handler
+
+    def add_prefix(self, method: str, prefix: str, name: str, handler: Handler) -> None:
+        """``prefix`` + a non-empty rest, given to the handler as ``match_info[name]``."""
+        for p, n, by_method in self._prefix:
+            if p == prefix and n == name:
+                by_method[method] = handler
+                return
+        self._prefix.append((prefix, name, {method: handler}))
+
+    def resolve(self, request: Request) -> Handler | tuple[int, list[str]]:
+        """The handler, or (404, []) / (405, allowed methods)."""
+        method = request.method
+        by_method = self._exact.get(request.path)
+        if by_method is None:
+            for prefix, name, methods in self._prefix:
+                if request.path.startswith(prefix) and len(request.path) > len(prefix):
+                    request.match_info[name] = request.path[len(prefix) :]
+                    by_method = methods
+                    break
+            else:
+                return 404, []
+        h = by_method.get(method) or by_method.get("*")
+        if h is None and method == "HEAD":
+            h = by_method.get("GET")
+        if h is None:
+            return 405, sorted(by_method)
+        return h
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, answers them in order."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.queue: deque[Request] = deque()
+        self.task: asyncio.Task[None] | None = None
+        self.req: Request | None = None  # the one being parsed
+        self.url = b""
+        self.headers = Headers()
+        self.lost = False
+        self.paused = False  # the transport's buffer is full: writers wait
+        self.reading_paused = False
+        self.broken = False  # a parse error: nothing more is read
+        self.closing = False  # a closing response went out: what arrives is dropped
+        self.last = self.loop.time()
+        self._drain: asyncio.Future[None] | None = None
+        self._linger: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------ transport events
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.conns.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.server.conns.discard(self)
+        if self._linger is not None:
+            self._linger.cancel()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the client left: its request's handler stops
+        for r in self.queue:
+            r._wake()
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        d = self._drain
+        if d is not None and not d.done():
+            d.set_result(None)
+        self._drain = None
+
+    async def drain(self) -> None:
+        if self.lost:
+            raise ConnectionResetError("the client connection is closed")
+        if self.paused:
+            self._drain = self.loop.create_future()
+            await self._drain
+            if self.lost:
+                raise ConnectionResetError("the client connection is closed")
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing or self.broken:
+            return
+        self.last = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.broken = True  # no protocol switch: the request is answered, then close
+        except httptools.HttpParserError as exc:
+            self.broken = True
+            self._enqueue_error(400, f"malformed HTTP request: {exc}")
+
+    def eof_received(self) -> bool | None:
+        """The client half-closed: complete requests in progress are still answered, then
+        the connection closes; one whose body was cut short ends with the connection."""
+        if self.task is None or self.req is not None:
+            return None
+        self.broken = True
+        return True
+
+    # ------------------------------------------------------------------ parser callbacks
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.headers = Headers()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        p = self.parser
+        url = self.url
+        if not url.startswith(b"/"):  # absolute form (a proxy's), or "*"
+            try:
+                url = httptools.parse_url(url).path or b"/"
+            except httptools.HttpParserInvalidURLError:
+                url = b"/"
+        path, _, qs = url.partition(b"?")
+        spath = path.decode("latin-1")
+        if "%" in spath:
+            spath = unquote(spath)
+        req = Request(
+            self,
+            p.get_method().decode(),
+            spath,
+            qs.decode("latin-1"),
+            self.headers,
+            p.get_http_version(),
+            p.should_keep_alive(),
+        )
+        self.req = req
+        self._enqueue(req)
+
+    def on_body(self, body: bytes) -> None:
+        if self.req is not None:
+            self.req._feed(body, self.server.surface.max_body)
+
+    def on_message_complete(self) -> None:
+        if self.req is not None:
+            self.req._end()
+            self.req = None
+
+    # ------------------------------------------------------------------ answering
+    def _enqueue(self, req: Request) -> None:
+        self.queue.append(req)
+        if len(self.queue) > MAX_PIPELINED and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
+        if self.task is None:
+            self.task = self.loop.create_task(self._serve())
+
+    def _enqueue_error(self, status: int, message: str) -> None:
+        req = Request(self, "", "", "", Headers(), "1.1", False)
+        req.fixed = self.server.surface.error(status, message)
+        req._complete = True
+        self.req = None
+        self._enqueue(req)
+
+    def may_keep(self, req: Request) -> bool:
+        """Can the connection take another request after ``req``'s response?"""
+        return (
+            req.keep_alive
+            and req._complete
+            and not req._too_large
+            and not self.broken
+            and not self.server.stopping
+        )
+
+    async def _serve(self) -> None:
+        try:
+            while self.queue and not self.lost:
+                req = self.queue[0]
+                reply = req.fixed or await self.server.respond(req)
+                keep = self._send(req, reply)
+                self.queue.popleft()
+                if not keep:
+                    self._close(req)
+                    return
+                if self.reading_paused and len(self.queue) <= MAX_PIPELINED // 2:
+                    self.reading_paused = False
+                    self.transport.resume_reading()
+        except asyncio.CancelledError:
+            if not self.lost:  # stopped by the server: no answer coming
+                self.transport.close()
+        finally:
+            self.task = None
+
+    def _send(self, req: Request, reply: Reply) -> bool:
+        """Write ``reply`` (what is left of it); whether the connection stays open."""
+        if self.lost:
+            return False
+        if isinstance(reply, StreamResponse):
+            if reply._eof:
+                return reply._keep
+            if reply._started:  # cut short (an error, the client left): the framing is broken
+                return False
+            reply = Response(b"", reply.status, reply.headers)  # never written: empty
+        keep = self.may_keep(req)
+        if keep:
+            framing = b"Content-Length: %d\r\n" % len(reply.body)
+            if req.version == "1.0":
+                framing += b"Connection: keep-alive\r\n"
+        else:
+            framing = b"Content-Length: %d\r\nConnection: close\r\n" % len(reply.body)
+        head = _head(reply.status, reply.headers, framing)
+        self.transport.write(head if req.method == "HEAD" else head + reply.body)
+        return keep
+
+    def _close(self, req: Request) -> None:
+        if self.lost:
+            return
+        if req._complete and not self.closing:
+            self.transport.close()
+            return
+        # the client may still be sending its body: drop it for a moment instead of
+        # resetting the connection under the response
+        self.closing = True
+        if self.reading_paused:
+            self.transport.resume_reading()
+        self._linger = self.loop.call_later(LINGER_S, self.transport.close)
+
+
+class Server:
+    """Serves ``routes`` behind ``surface`` on one listening socket."""
+
+    def __init__(
+        self,
+        routes: Routes,
+        surface: Surface,
+        *,
+        shutdown_s: float = 5.0,
+        keepalive_s: float = 75.0,
+    ) -> None:
+        self.routes = routes
+        self.surface = surface
+        self.shutdown_s = shutdown_s
+        self.keepalive_s = keepalive_s
+        self.conns: set[_Connection] = set()
+        self.stopping = False
+        self.loop = asyncio.get_running_loop()
+        self._server: asyncio.base_events.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(
+        self,
+        host: str,
+        port: int,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        reuse_port: bool = False,
+    ) -> Server:
+        self._server = await self.loop.create_server(
+            lambda: _Connection(self),
+            host,
+            port,
+            ssl=ssl_context,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
+            backlog=1024,
+        )
+        self._sweeper = self.loop.create_task(self._close_idle())
+        return self
+
+    async def respond(self, req: Request) -> Reply:
+        """The handler's reply (never raises, except when cancelled)."""
+        surface = self.surface
+        try:
+            refused = surface.check(req)
+            if refused is not None:
+                return refused
+            found = self.routes.resolve(req)
+            if isinstance(found, tuple):
+                status, allow = found
+                if status == 404:
+                    return surface.error(404, f"no such endpoint: {req.method} {req.path}")
+                return surface.error(
+                    405,
+                    f"method {req.method} not allowed on {req.path}",
+                    {"Allow": ",".join(allow)},
+                )
+            return await found(req)
+        except BodyTooLarge:
+            return surface.too_large(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("handler failed", method=req.method, path=req.path)
+            return surface.error(500, "internal error in the router")
+
+    async def _close_idle(self) -> None:
+        """Close connections with no request in progress that were silent for keepalive_s."""
+        while True:
+            await asyncio.sleep(IDLE_SWEEP_S)
+            cutoff = self.loop.time() - self.keepalive_s
+            for c in list(self.conns):
+                if c.task is None and c.last < cutoff:
+                    c.transport.close()
+
+    async def stop(self) -> None:
+        """Stop listening; requests in progress get ``shutdown_s`` to finish, then are
+        cancelled; every connection is closed."""
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for c in list(self.conns):
+            if c.task is None:
+                c.transport.close()
+        tasks = [c.task for c in self.conns if c.task is not None]
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=self.shutdown_s)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+        for c in list(self.conns):
+            c.transport.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        if self._sweeper is not None:
+            with contextlib.suppress(BaseException):
+                await self._sweeper
