@@ -2,10 +2,10 @@
 
 Starts (unless URLs are given) a real nats-server with JetStream and a real PostgreSQL, both
 keeping their data under ``--state-dir``; applies migrations; then runs the services as child
-processes: simulated workers, kv_indexer, telemetry, api and router. Prints the URLs, restarts
-a child that dies (with backoff), and on Ctrl-C / SIGTERM stops the children (SIGTERM, then
-SIGKILL after a grace period) before the embedded servers, so nothing is orphaned and
-JetStream / Postgres shut down cleanly.
+processes: simulated workers, kv_indexer (``--indexers N``: a highly available group of N),
+telemetry, api and router. Prints the URLs, restarts a child that dies (with backoff), and on
+Ctrl-C / SIGTERM stops the children (SIGTERM, then SIGKILL after a grace period) before the
+embedded servers, so nothing is orphaned and JetStream / Postgres shut down cleanly.
 """
 
 from __future__ import annotations
@@ -77,6 +77,14 @@ OPTIONS = (
         "telemetry_port", 8083, "telemetry HTTP (health, metrics) port", env="KVGATE_TELEMETRY_PORT"
     ),
     S.option("sim_port", 8100, "first simulated worker port", env="KVGATE_SIM_PORT"),
+    S.option(
+        "indexers",
+        1,
+        "kv_indexer processes: 1 = one indexer; 2 or more = a highly available group (one"
+        " publishes, elected by a JetStream KV lease; the others stand by with a warm index),"
+        " on --indexer-port, --indexer-port + 1, ...",
+        env="KVGATE_UP_INDEXERS",
+    ),
     S.option(
         "nats_cluster",
         1,
@@ -268,11 +276,15 @@ class Stack:
             )
         kids += [
             Child(
-                "indexer",
-                py + ["indexer", "--port", str(st.indexer_port)],
-                f"http://{host}:{st.indexer_port}/health",
+                name,
+                py + ["indexer", "--port", str(port)],
+                f"http://{host}:{port}/health",
                 role="indexer",
-            ),
+                env={"KVGATE_INDEXER_HA_ID": name} if st.indexers > 1 else {},
+            )
+            for name, port in self.indexer_ports().items()
+        ]
+        kids += [
             Child(
                 "telemetry",
                 py + ["telemetry", "--port", str(st.telemetry_port)],
@@ -304,13 +316,20 @@ class Stack:
             )
         signer = self.api_signer()
         for kid in kids:
-            kid.env = self.role_env(kid.role)
+            kid.env = {**kid.env, **self.role_env(kid.role)}
             if kid.role == "api":
                 kid.env["KVGATE_SIGNING_SEED"] = str(self.signing_seed_path)
             elif kid.role == "router":
                 kid.env["KVGATE_TRUSTED_SIGNERS"] = signer.public_key
                 kid.env["KVGATE_ROUTER_OPERATOR_PORT"] = str(self.st.router_operator_port)
         return kids
+
+    def indexer_ports(self) -> dict[str, int]:
+        """Child name -> HTTP port of each indexer: ``indexer`` alone, else ``indexer-1``..."""
+        n, port = max(1, self.st.indexers), self.st.indexer_port
+        if n == 1:
+            return {"indexer": port}
+        return {f"indexer-{i + 1}": port + i for i in range(n)}
 
     @property
     def signing_seed_path(self) -> Path:
@@ -328,8 +347,8 @@ class Stack:
 
     def check_ports(self) -> None:
         st = self.st
-        ports = [st.router_port, st.router_operator_port, st.api_port, st.indexer_port]
-        ports.append(st.telemetry_port)
+        ports = [st.router_port, st.router_operator_port, st.api_port]
+        ports += [*self.indexer_ports().values(), st.telemetry_port]
         ports += [st.bridge_port] if st.bridge else []
         ports += [st.sim_port + i for i in range(st.workers)]
         busy = [p for p in ports if port_open("127.0.0.1", p, 0.2)]
@@ -414,12 +433,9 @@ class Stack:
 
     def write_state(self, nats_url: str, db_url: str, token_file: str) -> Path:
         st, host = self.st, "127.0.0.1"
-        ports = {
-            "router": st.router_port,
-            "api": st.api_port,
-            "indexer": st.indexer_port,
-            "telemetry": st.telemetry_port,
-        }
+        ports = {"router": st.router_port, "api": st.api_port}
+        ports |= self.indexer_ports()
+        ports["telemetry"] = st.telemetry_port
         if st.workers > 0:
             ports["sim"] = st.sim_port
         urls = {name: f"http://{host}:{port}" for name, port in ports.items()}
@@ -471,6 +487,8 @@ class Stack:
             token_file = str(self.state_dir / stackfile.TOKEN_FILE)
             env["KVGATE_API_ADMIN_TOKEN"] = token
         self.migrate(env)
+        if self.st.indexers < 1:
+            raise RuntimeError("--indexers must be at least 1")
         self.children = self.plan()
         for c in self.children:
             c.start(env, self.log_dir)
@@ -480,6 +498,9 @@ class Stack:
         state_file = self.write_state(nats_url, db_url, token_file)
         host = "127.0.0.1"
         page = f"http://{host}:{self.st.api_port}/ui/"
+        indexers = " ".join(f"http://{host}:{p}/metrics" for p in self.indexer_ports().values())
+        if self.st.indexers > 1:
+            indexers += f" ({self.st.indexers}, highly available)"
         if token_created:
             token_line = f"  admin token     : {token}  (shown once; kept in {token_file})\n"
             page_line = f"  operator page   : {page}#token={token}\n"
@@ -501,7 +522,7 @@ class Stack:
             "  metrics         : "
             f"router http://{host}:{self.st.router_operator_port}/metrics (and /debug/*), "
             f"api http://{host}:{self.st.api_port}/metrics,\n"
-            f"                    indexer http://{host}:{self.st.indexer_port}/metrics, "
+            f"                    indexer {indexers}, "
             f"telemetry http://{host}:{self.st.telemetry_port}/metrics\n"
             f"  logs            : {self.log_dir}\n"
             f"  state file      : {state_file}  (kvgate status, alerts tail, api token read it)\n"

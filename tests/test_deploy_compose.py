@@ -43,7 +43,8 @@ from tests.test_deploy_helpers import (
 # What each long-running kvgate service is, independently of compose.yaml: the command, the
 # variable holding its HTTP port, the port the docs and `kvgate up` use, its health path.
 SERVICES = {
-    "kv-indexer": ("indexer", "KVGATE_INDEXER_PORT", 8082, "/health"),
+    "kv-indexer-1": ("indexer", "KVGATE_INDEXER_PORT", 8082, "/health"),
+    "kv-indexer-2": ("indexer", "KVGATE_INDEXER_PORT", 8082, "/health"),
     "telemetry": ("telemetry", "KVGATE_TELEMETRY_PORT", 8083, "/health"),
     "router": ("router", "KVGATE_ROUTER_PORT", 8080, "/health"),
     "api": ("api", "KVGATE_API_PORT", 8081, "/api/v1/health"),
@@ -51,7 +52,8 @@ SERVICES = {
 }
 NATS_NODES = ("nats-1", "nats-2", "nats-3")  # the JetStream cluster (3 replicas per stream)
 HOST_VARS = {
-    "kv-indexer": "KVGATE_INDEXER_HOST",
+    "kv-indexer-1": "KVGATE_INDEXER_HOST",
+    "kv-indexer-2": "KVGATE_INDEXER_HOST",
     "telemetry": "KVGATE_TELEMETRY_HOST",
     "router": "KVGATE_ROUTER_HOST",
     "api": "KVGATE_API_HOST",
@@ -206,6 +208,27 @@ def test_ports_hosts_and_health_checks_match_the_services(compose: dict) -> None
     assert "KVGATE_ROUTER_ID" not in environment_of(services["router"])
 
 
+def test_the_indexers_are_a_highly_available_pair(compose: dict) -> None:
+    """Two indexers by default, each with its own HA id (one lease per namespace decides which
+    publishes); routers wait for both; Prometheus scrapes both."""
+    services = kvgate_services(compose)
+    indexers = sorted(n for n, svc in services.items() if command_of(svc)[0] == "indexer")
+    assert indexers == ["kv-indexer-1", "kv-indexer-2"]
+    ids = [environment_of(services[n]).get("KVGATE_INDEXER_HA_ID") for n in indexers]
+    assert all(ids) and len(set(ids)) == 2, ids
+    assert "KVGATE_INDEXER_HA_ID" in S.ALL_OPTIONS
+    router_deps = compose["services"]["router"]["depends_on"]
+    assert all(router_deps[n]["condition"] == "service_healthy" for n in indexers)
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    targets = [
+        t
+        for job in prom["scrape_configs"]
+        for c in job.get("static_configs", [])
+        for t in c["targets"]
+    ]
+    assert {f"{n}:8082" for n in indexers} <= set(targets)
+
+
 def test_gateway_balances_over_every_router_replica_on_the_router_port(compose: dict) -> None:
     cfg = (ROOT / "deploy" / "haproxy.cfg").read_text()
     router_port = SERVICES["router"][2]
@@ -235,7 +258,7 @@ def test_start_order_and_restart_policies(compose: dict) -> None:
     assert api_deps["migrate"]["condition"] == "service_completed_successfully"
     assert api_deps["postgres"]["condition"] == "service_healthy"
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    for name in ("kv-indexer", "telemetry", "router", "api", "sim"):
+    for name in ("kv-indexer-1", "kv-indexer-2", "telemetry", "router", "api", "sim"):
         for node in NATS_NODES:
             assert services[name]["depends_on"][node]["condition"] == "service_healthy", name
     assert services["sim"]["profiles"] == ["sim"]
@@ -275,7 +298,7 @@ def test_raw_file_interpolates_without_a_dotenv_only_for_secrets() -> None:
     """With only the secrets exported (no .env at all), every other variable has a default."""
     doc = interpolate_tree(yaml.safe_load(COMPOSE.read_text()), dict(TEST_SECRETS))
     assert doc["services"]["router"]["deploy"]["replicas"] == "2"
-    assert doc["services"]["kv-indexer"]["image"] == "kvgate:latest"
+    assert doc["services"]["kv-indexer-2"]["image"] == "kvgate:latest"
 
 
 def test_nats_authorization_is_on_by_default_and_generated_from_the_code(compose: dict) -> None:
@@ -292,7 +315,8 @@ def test_nats_authorization_is_on_by_default_and_generated_from_the_code(compose
         assert set(password_vars()) <= set(env), f"{node} needs every user's password"
     nats_env = node_envs[0]
     users = set(re.findall(r'\{user: "([^"]+)"', conf))
-    expected = {"kv-indexer": "indexer", "telemetry": "telemetry", "router": "router"}
+    expected = {"kv-indexer-1": "indexer", "kv-indexer-2": "indexer", "telemetry": "telemetry"}
+    expected["router"] = "router"
     expected |= {"api": "api", "sim": "sim"}
     for name, svc in kvgate_services(compose).items():
         env = environment_of(svc)

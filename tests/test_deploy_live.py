@@ -253,7 +253,7 @@ def test_compose_services_come_up_route_and_stop_cleanly(
     sim_count = int(environment_of(services["sim"])["KVGATE_SIM_COUNT"])
     replicas = int(services["router"]["deploy"]["replicas"])
     plan = [("sim", _free_run(sim_count))]
-    plan += [(name, free_port()) for name in ("kv-indexer", "telemetry", "api")]
+    plan += [(name, free_port()) for name in ("kv-indexer-1", "kv-indexer-2", "telemetry", "api")]
     plan += [("router", free_port()) for _ in range(replicas)]
     running: list[Running] = []
     try:

@@ -247,3 +247,35 @@ async def test_lease_is_held_by_one_candidate_and_handed_over_on_release(bus: Bu
             await lease.stop()
         with contextlib.suppress(Exception):
             await bus.js.delete_key_value(bus.subjects.stream("KV_INDEXER_LEASE"))
+
+
+async def test_a_cold_candidate_does_not_take_a_free_lease(bus: Bus) -> None:
+    """A member whose index is not warm yet (just restarted) must not win an expired lease
+    over a warm standby: it competes only once warm() says so."""
+    from services.kv_indexer.lease import IndexerLease
+
+    warm = False
+    acquired: list[float] = []
+    lease = IndexerLease(
+        bus,
+        "cold",
+        on_acquired=lambda: acquired.append(time.monotonic()),
+        on_lost=lambda: None,
+        ttl_s=1.0,
+        warm=lambda: warm,
+    )
+    try:
+        await lease.start()
+        # the lease is free: a warm candidate would take it at its first poll (0.2 s)
+        await _wait(lambda: lease.attempted_at > 0, 10, "the lease loop's first round")
+        round_at = lease.attempted_at
+        await _wait(lambda: lease.attempted_at > round_at + 0.5, 10, "more rounds")
+        assert not lease.held and acquired == []
+        warm = True
+        warm_at = time.monotonic()
+        await _wait(lambda: lease.held, 5, "the lease once warm")
+        assert acquired[0] - warm_at < 1.0
+    finally:
+        await lease.stop()
+        with contextlib.suppress(Exception):
+            await bus.js.delete_key_value(bus.subjects.stream("KV_INDEXER_LEASE"))

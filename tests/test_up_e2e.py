@@ -1,5 +1,6 @@
 """`kvgate up` as a user runs it: embedded NATS and Postgres, a chat completion through the
-router with the official openai client, then Ctrl-C leaves no process behind.
+router with the official openai client, then Ctrl-C leaves no process behind. The stack runs
+the highly available indexer pair (`--indexers 2`): exactly one of them is active.
 
 NATS authorization is on by default (one generated user per role): the completion going
 through proves every service works within its role's permissions, and no service's log shows a
@@ -8,10 +9,6 @@ permission it was refused or any of the generated passwords."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,75 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from services.common.embedded import free_port
+from tests.up_stack import UpStack, processes_mentioning
 
 pytestmark = pytest.mark.slow
-
-
-def _processes_mentioning(needle: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmd = (
-                Path(f"/proc/{pid}/cmdline")
-                .read_bytes()
-                .replace(b"\0", b" ")
-                .decode(errors="replace")
-            )
-        except OSError:
-            continue
-        if needle in cmd:
-            found.append(f"{pid}: {cmd}")
-    return found
 
 
 def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) -> None:
     import openai
 
-    router, api, indexer, telemetry, sim, operator = (free_port() for _ in range(6))
     state = tmp_path / "state"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--workers",
-            "2",
-            "--state-dir",
-            str(state),
-            "--router-port",
-            str(router),
-            "--router-operator-port",
-            str(operator),
-            "--api-port",
-            str(api),
-            "--indexer-port",
-            str(indexer),
-            "--telemetry-port",
-            str(telemetry),
-            "--sim-port",
-            str(sim),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
+    up = UpStack(state, workers=2, indexers=2)
+    router, operator, sim = (up.ports[k] for k in ("router", "router-operator", "sim"))
     try:
-        deadline = time.monotonic() + 120
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Press Ctrl-C to stop" in line:
-                break
-        output = "".join(lines)
-        assert "kvgate is up" in output, output
+        output = up.banner(timeout=120)
         assert f"http://127.0.0.1:{router}/v1" in output
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{router}/v1", api_key="unused")
@@ -103,18 +44,25 @@ def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) ->
         with pytest.raises(urllib.error.HTTPError) as public:
             urllib.request.urlopen(f"http://127.0.0.1:{router}/debug/state", timeout=5)
         assert public.value.code == 404
+        # the indexer pair: both up on consecutive ports, one holds the lease and publishes
+        # (the lease is taken within a poll or two of the start: wait for it)
+        deadline = time.monotonic() + 15
+        while True:
+            healths = []
+            for port in (up.ports["indexer"], up.ports["indexer"] + 1):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    healths.append(json.loads(r.read()))
+            if sorted(h["active"] for h in healths) == [False, True]:
+                break
+            assert time.monotonic() < deadline, healths
+            time.sleep(0.1)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0, "".join(lines) + (proc.stdout.read() if proc.stdout else "")
+        rc = up.stop()
+    assert rc == 0, up.rest_of_output()
     passwords = json.loads((state / "nats" / "passwords.json").read_text())
     assert set(passwords) == {"worker", "telemetry", "indexer", "router", "api", "operator"}
     assert (state / "nats" / "passwords.json").stat().st_mode & 0o077 == 0
-    outputs = {"banner": "".join(lines)} | {
+    outputs = {"banner": "".join(up.lines)} | {
         p.name: p.read_text(errors="replace") for p in (state / "logs").glob("*.log")
     }
     outputs["nats-server.log"] = (state / "nats" / "nats-server.log").read_text(errors="replace")
@@ -124,6 +72,7 @@ def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) ->
         assert "permissions violation" not in text.lower(), f"{name}: {text[-3000:]}"
         assert "authorization violation" not in text.lower(), f"{name}: {text[-3000:]}"
     assert "bus connected" in outputs["router.log"]
-    leftovers = _processes_mentioning(str(state)) + _processes_mentioning(f"--port {router}")
-    leftovers += _processes_mentioning(f"--port {sim}")
+    assert "indexer lease acquired" in outputs["indexer-1.log"] + outputs["indexer-2.log"]
+    leftovers = processes_mentioning(str(state)) + processes_mentioning(f"--port {router}")
+    leftovers += processes_mentioning(f"--port {sim}")
     assert leftovers == [], leftovers
