@@ -148,35 +148,10 @@ async def bootstrap_nats(index: Any, runs: int) -> list[dict[str, Any]]:
 
 
 def decision(index: Any, wids: list[str], prompts: list[str], iters: int) -> dict[str, Any]:
-    from services.common.bus import Bus
-    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
+    from bench.bench_router import offline_router
     from services.core.policy import RequestInfo, decide
-    from services.router.app import Router
-    from services.router.cli import settings
 
-    class Src:
-        def __init__(self, idx: Any) -> None:
-            self.index = idx
-            self.ready = True
-
-    rng = random.Random(5)
-    router = Router(settings(), Bus("nats://127.0.0.1:1", "bench"), index_source=Src(index))
-    now = time.monotonic()
-    cap = WorkerCapacity(block_size=BS, num_gpu_blocks=27_000, max_num_seqs=256, max_model_len=8192)
-    for i, w in enumerate(wids):
-        router.state.on_heartbeat(
-            WorkerHeartbeat(
-                worker_id=w,
-                instance_id="i",
-                url=f"http://127.0.0.1:{9000 + i}",
-                model="m",
-                capacity=cap,
-            ),
-            now,
-        )
-        s = router.state.states[w]
-        s.inflight = rng.randint(0, 40)
-        s.pending_prefill_tokens = rng.randint(0, 8000)
+    router = offline_router(index, wids, BS, random.Random(5))
     policy = router.policies.control
     bodies = [{"model": "m", "prompt": p, "max_tokens": 128} for p in prompts]
 

@@ -60,18 +60,52 @@ COMPARED_POLICIES = (
 )
 
 
+def offline_router(
+    index: Any, wids: list[str], bs: int, rng: random.Random, policy: str | None = None
+) -> Any:
+    """A router with no network over ``index`` (its replica stands ready): ``wids`` heard
+    from, each with random load (in flight 0-40, queued prefill 0-8000 tokens), running
+    ``policy`` (None: the router's default). The decision benches time its ``Decider``."""
+    from services.common.bus import Bus
+    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
+    from services.router.app import Router
+    from services.router.cli import settings
+
+    class Src:
+        def __init__(self, idx: Any) -> None:
+            self.index = idx
+            self.ready = True
+
+    # the router's own settings (flags, env) are not read
+    st = settings(policy=policy) if policy is not None else settings()
+    router = Router(st, Bus("nats://127.0.0.1:1", "bench"), index_source=Src(index))
+    now = time.monotonic()
+    cap = WorkerCapacity(block_size=bs, num_gpu_blocks=27_000, max_num_seqs=256, max_model_len=8192)
+    for i, w in enumerate(wids):
+        router.state.on_heartbeat(
+            WorkerHeartbeat(
+                worker_id=w,
+                instance_id="i",
+                url=f"http://127.0.0.1:{9000 + i}",
+                model="m",
+                capacity=cap,
+            ),
+            now,
+        )
+        s = router.state.states[w]
+        s.inflight = rng.randint(0, 40)
+        s.pending_prefill_tokens = rng.randint(0, 8000)
+    return router
+
+
 def decision_setup(
     workers: int = 64, blocks: int = 1_000_000, policy: str = "kv_aware"
 ) -> tuple[Any, dict[str, Any], Any]:
     """The decision bench's router (no network), request body and index: a 4096-token prompt
     whose first 64 blocks 8 workers hold and whose first 200 one worker holds, ``blocks``
     random blocks over ``workers`` workers with random load. Also used to profile it."""
-    from services.common.bus import Bus
-    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
     from services.core.index import PrefixIndex
     from services.core.keys import block_keys
-    from services.router.app import Router
-    from services.router.cli import settings
 
     rng = random.Random(7)
     bs = 16
@@ -93,30 +127,7 @@ def decision_setup(
             seed = rng.getrandbits(63)
             index.apply_stored(w, [(seed * 1_000_003 + i) & 0xFFFFFFFFFFFFFFFF for i in range(n)])
             left -= n
-    st = settings(policy=policy)  # the router's own settings (flags, env) are not read
-
-    class Src:
-        def __init__(self, idx: PrefixIndex) -> None:
-            self.index = idx
-            self.ready = True
-
-    router = Router(st, Bus("nats://127.0.0.1:1", "bench"), index_source=Src(index))
-    now = time.monotonic()
-    cap = WorkerCapacity(block_size=bs, num_gpu_blocks=27_000, max_num_seqs=256, max_model_len=8192)
-    for i, w in enumerate(wids):
-        router.state.on_heartbeat(
-            WorkerHeartbeat(
-                worker_id=w,
-                instance_id="i",
-                url=f"http://127.0.0.1:{9000 + i}",
-                model="m",
-                capacity=cap,
-            ),
-            now,
-        )
-        s = router.state.states[w]
-        s.inflight = rng.randint(0, 40)
-        s.pending_prefill_tokens = rng.randint(0, 8000)
+    router = offline_router(index, wids, bs, rng, policy)
     body = {"model": "m", "prompt": prompt, "max_tokens": 128}
     return router, body, index
 
