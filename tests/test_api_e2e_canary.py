@@ -15,6 +15,7 @@ tested deterministically in test_api_canary_flow.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 
@@ -61,34 +62,94 @@ async def _traffic(url: str, stop: asyncio.Event, conc: int, arms: Counter) -> N
         await asyncio.gather(*(client(c) for c in range(conc)))
 
 
-async def test_canary_with_real_router_and_sim_workers(
-    fresh_database_url: str, nats_url: str, subjects, bus: Bus
-) -> None:
-    prefix = subjects.prefix.rstrip(".")
-    api = await start_api(fresh_database_url, nats_url, prefix)
+class _Stack:
+    """The real parts of one canary test, started on the test's own database and subjects:
+    the admin API, 4 sim workers, an indexer and a router (``round_robin`` until a policy is
+    published), and the conversations' task once started."""
+
+    def __init__(self, api, router: RouterProc, sims, indexer) -> None:
+        self.api = api
+        self.router = router
+        self.sims = sims
+        self.indexer = indexer
+        self.stop = asyncio.Event()
+        self.used: Counter = Counter()
+        self.load: asyncio.Task | None = None
+
+    def start_traffic(self, conversations: int) -> None:
+        self.load = asyncio.create_task(
+            _traffic(self.router.url, self.stop, conversations, self.used)
+        )
+
+    async def publish(self, specs: dict[str, dict], active: str, canary: dict) -> str:
+        """Create the policies ``specs`` (name -> spec), activate ``active``, start ``canary``
+        once the router runs it; the canary's id once the router applies it."""
+        api = self.api
+        for name, spec in specs.items():
+            status, _ = await api.call("POST", "/api/v1/policies", {"name": name, "spec": spec})
+            assert status == 201
+        _, act = await api.call("POST", f"/api/v1/policies/{active}/activate")
+        r = self.router.router
+        assert r is not None
+        await wait_until(lambda: r.policies.revision >= act["revision"], 5, "policy applied")
+        assert r.policies.control.name == specs[active]["name"]
+        status, c = await api.call("POST", "/api/v1/canaries", canary)
+        assert status == 201
+        await wait_until(lambda: r.policies.canary_id == c["id"], 5, "canary applied")
+        return c["id"]
+
+    async def canary_end(self, cid: str, timeout_s: float = 60.0) -> dict:
+        """The canary's view once it has left running / paused."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            _, body = await self.api.call("GET", f"/api/v1/canaries/{cid}")
+            if body["state"] not in ("running", "paused"):
+                return body
+            assert time.monotonic() < deadline, body
+            await asyncio.sleep(0.2)  # polling the HTTP view; no event exists for it
+
+
+@contextlib.asynccontextmanager
+async def _stack(database_url: str, nats_url: str, subjects):
+    api = await start_api(database_url, nats_url, subjects.prefix.rstrip("."))
     sims = await SimCluster(nats_url, subjects, 4, max_num_seqs=16, speedup=5.0).start()
     indexer = await Indexer(nats_url, subjects).start()
     router = await RouterProc(nats_url, subjects, policy="round_robin").start()
-    stop = asyncio.Event()
-    used: Counter = Counter()
-    load: asyncio.Task | None = None
+    st = _Stack(api, router, sims, indexer)
     try:
         await router.wait_workers(4, timeout=30)
-        # prefix as in the seed-000 incident: no per-worker cap, it piles onto the holder
-        for name, spec in (
-            ("kv", {"name": "kv_aware"}),
-            ("px", {"name": "prefix", "params": {"max_inflight": 1000}}),
+        yield st
+    finally:
+        st.stop.set()
+        # every step bounded: a part that swallowed a cancel must not hang the test run
+        for name, coro in (
+            ("traffic", st.load),
+            ("router", router.stop()),
+            ("indexer", indexer.stop()),
+            ("sims", sims.stop()),
+            ("api", api.close()),
         ):
-            status, _ = await api.call("POST", "/api/v1/policies", {"name": name, "spec": spec})
-            assert status == 201
-        _, act = await api.call("POST", "/api/v1/policies/kv/activate")
-        r = router.router
-        assert r is not None
-        await wait_until(lambda: r.policies.revision >= act["revision"], 5, "policy applied")
-        assert r.policies.control.name == "kv_aware"
-        status, c = await api.call(
-            "POST",
-            "/api/v1/canaries",
+            if coro is None:
+                continue
+            task = asyncio.ensure_future(coro)
+            done, _ = await asyncio.wait({task}, timeout=20)
+            if not done:
+                print(f"teardown: {name} did not stop within 20 s")
+                task.cancel()
+
+
+async def test_canary_with_real_router_and_sim_workers(
+    fresh_database_url: str, nats_url: str, subjects, bus: Bus
+) -> None:
+    async with _stack(fresh_database_url, nats_url, subjects) as st:
+        router = st.router
+        # prefix as in the seed-000 incident: no per-worker cap, it piles onto the holder
+        cid = await st.publish(
+            {
+                "kv": {"name": "kv_aware"},
+                "px": {"name": "prefix", "params": {"max_inflight": 1000}},
+            },
+            "kv",
             {
                 "policy": "px",
                 "steps": [0.5, 1.0],
@@ -96,8 +157,8 @@ async def test_canary_with_real_router_and_sim_workers(
                 "criteria": {"min_samples": 30, "max_ttft_p95_ratio": 1.25},
             },
         )
-        assert status == 201
-        await wait_until(lambda: r.policies.canary_id == c["id"], 5, "canary applied")
+        r = router.router
+        assert r is not None
         # one request caches the system prompt on one worker, then the conversations start
         async with aiohttp.ClientSession() as s:
             warm = {
@@ -111,14 +172,8 @@ async def test_canary_with_real_router_and_sim_workers(
             async with s.post(router.url + "/v1/chat/completions", json=warm) as resp:
                 assert resp.status == 200
         await wait_until(lambda: len(r.index_source.index) > 0, 5, "prompt indexed")
-        load = asyncio.create_task(_traffic(router.url, stop, 24, used))
-        deadline = time.monotonic() + 60
-        while True:
-            _, body = await api.call("GET", f"/api/v1/canaries/{c['id']}")
-            if body["state"] not in ("running", "paused"):
-                break
-            assert time.monotonic() < deadline, body
-            await asyncio.sleep(0.2)  # polling the HTTP view; no event exists for it
+        st.start_traffic(24)
+        body = await st.canary_end(cid)
         story = [(d["action"], d["reason"][:200]) for d in body["decisions"]]
         # every decision follows from the real numbers it recorded
         actions = [d["action"] for d in body["decisions"]]
@@ -140,25 +195,8 @@ async def test_canary_with_real_router_and_sim_workers(
             2,
             "final policy applied",
         )
-        arms = Counter(a for (st, a, _w), n in used.items() for _ in range(n) if st == 200)
+        arms = Counter(a for (code, a, _w), n in st.used.items() for _ in range(n) if code == 200)
         assert arms["candidate"] >= 60 and arms["control"] >= 60, arms
-    finally:
-        stop.set()
-        # every step bounded: a part that swallowed a cancel must not hang the test run
-        for name, coro in (
-            ("traffic", load),
-            ("router", router.stop()),
-            ("indexer", indexer.stop()),
-            ("sims", sims.stop()),
-            ("api", api.close()),
-        ):
-            if coro is None:
-                continue
-            task = asyncio.ensure_future(coro)
-            done, _ = await asyncio.wait({task}, timeout=20)
-            if not done:
-                print(f"teardown: {name} did not stop within 20 s")
-                task.cancel()
 
 
 async def test_new_default_canaried_against_the_old_and_promoted(
@@ -169,27 +207,10 @@ async def test_new_default_canaried_against_the_old_and_promoted(
     workers and streamed TTFTs. Criteria are loose on purpose (the two differ by a few percent
     on this traffic; docs/benchmarks.md has the figures): what is asserted is the mechanics,
     i.e. both arms serve, the canary completes, and the routers then run ``slo_aware``."""
-    prefix = subjects.prefix.rstrip(".")
-    api = await start_api(fresh_database_url, nats_url, prefix)
-    sims = await SimCluster(nats_url, subjects, 4, max_num_seqs=16, speedup=5.0).start()
-    indexer = await Indexer(nats_url, subjects).start()
-    router = await RouterProc(nats_url, subjects, policy="round_robin").start()
-    stop = asyncio.Event()
-    used: Counter = Counter()
-    load: asyncio.Task | None = None
-    try:
-        await router.wait_workers(4, timeout=30)
-        for name, spec in (("old", {"name": "kv_aware"}), ("new", {"name": "slo_aware"})):
-            status, _ = await api.call("POST", "/api/v1/policies", {"name": name, "spec": spec})
-            assert status == 201
-        _, act = await api.call("POST", "/api/v1/policies/old/activate")
-        r = router.router
-        assert r is not None
-        await wait_until(lambda: r.policies.revision >= act["revision"], 5, "policy applied")
-        assert r.policies.control.name == "kv_aware"
-        status, c = await api.call(
-            "POST",
-            "/api/v1/canaries",
+    async with _stack(fresh_database_url, nats_url, subjects) as st:
+        cid = await st.publish(
+            {"old": {"name": "kv_aware"}, "new": {"name": "slo_aware"}},
+            "old",
             {
                 "policy": "new",
                 # steps below 100 %: both arms share the load in every window (at 100 % the
@@ -207,18 +228,12 @@ async def test_new_default_canaried_against_the_old_and_promoted(
                 },
             },
         )
-        assert status == 201
-        await wait_until(lambda: r.policies.canary_id == c["id"], 5, "canary applied")
         # 12 conversations: 24 saturate the one process that runs every part here, and the
         # canary collector then sees each window's outcomes seconds late
-        load = asyncio.create_task(_traffic(router.url, stop, 12, used))
-        deadline = time.monotonic() + 60
-        while True:
-            _, body = await api.call("GET", f"/api/v1/canaries/{c['id']}")
-            if body["state"] not in ("running", "paused"):
-                break
-            assert time.monotonic() < deadline, body
-            await asyncio.sleep(0.2)  # polling the HTTP view; no event exists for it
+        st.start_traffic(12)
+        body = await st.canary_end(cid)
+        r = st.router.router
+        assert r is not None
         story = [(d["action"], d["reason"][:200]) for d in body["decisions"]]
         assert body["state"] == "promoted", story
         assert [d["action"] for d in body["decisions"]][-1] == "complete", story
@@ -227,22 +242,6 @@ async def test_new_default_canaried_against_the_old_and_promoted(
             2,
             "new default applied",
         )
-        arms = Counter(a for (st, a, _w), n in used.items() for _ in range(n) if st == 200)
+        arms = Counter(a for (code, a, _w), n in st.used.items() for _ in range(n) if code == 200)
         assert arms["candidate"] >= 30 and arms["control"] >= 30, arms
-        assert all(st == 200 for (st, _a, _w) in used), used
-    finally:
-        stop.set()
-        for name, coro in (
-            ("traffic", load),
-            ("router", router.stop()),
-            ("indexer", indexer.stop()),
-            ("sims", sims.stop()),
-            ("api", api.close()),
-        ):
-            if coro is None:
-                continue
-            task = asyncio.ensure_future(coro)
-            done, _ = await asyncio.wait({task}, timeout=20)
-            if not done:
-                print(f"teardown: {name} did not stop within 20 s")
-                task.cancel()
+        assert all(code == 200 for (code, _a, _w) in st.used), st.used
