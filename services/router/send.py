@@ -14,7 +14,7 @@ success; the first token (or the whole answer) is reported to the dispatcher exa
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import aiohttp
 import msgspec
@@ -114,15 +114,19 @@ class Sender:
             raise WorkerFailed(wid, "timeout before response", timeout=True) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise WorkerFailed(wid, f"connect failed: {type(exc).__name__}") from exc
-        if resp.status == 503 or resp.status >= 500:
-            detail = (await read_error(resp))[:200].decode("utf-8", "replace")
-            resp.release()
-            if resp.status == 503:
-                raise WorkerFailed(wid, f"503 from worker: {detail}")
-            # other 5xx: counts against the breaker, passed through to the client
-            self.circuits.failure(wid, f"{resp.status} from worker", ctx.sent_at)
-            raise Upstream5xx(resp.status, detail)
+        if resp.status >= 500:
+            await self._refuse_5xx(ctx, wid, resp)
         return resp
+
+    async def _refuse_5xx(self, ctx: Ctx, wid: str, resp: Any) -> NoReturn:
+        """A worker answered 5xx before any output: 503 is a retryable worker failure; any
+        other 5xx counts against the breaker and is passed through to the client."""
+        detail = (await read_error(resp))[:200].decode("utf-8", "replace")
+        resp.release()
+        if resp.status == 503:
+            raise WorkerFailed(wid, f"503 from worker: {detail}")
+        self.circuits.failure(wid, f"{resp.status} from worker", ctx.sent_at)
+        raise Upstream5xx(resp.status, detail)
 
     async def _open_stream(self, ctx: Ctx, wid: str, base: str, path: str, body: bytes) -> Stream:
         """A stream over plain http (upstream.FastClient): errors as :meth:`post`'s."""
@@ -131,18 +135,9 @@ class Sender:
                 base, path, body, {"x-request-id": ctx.request_id}, self.stream_idle_s
             )
         except UpstreamError as exc:
-            if exc.kind == "timeout":
-                raise WorkerFailed(wid, "timeout before response", timeout=True) from exc
-            if exc.kind == "connect":
-                raise WorkerFailed(wid, f"connect failed: {exc.detail}") from exc
-            raise WorkerFailed(wid, f"response broken: {exc.detail}") from exc
+            raise _worker_failed(wid, exc) from exc
         if resp.status >= 500:
-            detail = (await read_error(resp))[:200].decode("utf-8", "replace")
-            resp.release()
-            if resp.status == 503:
-                raise WorkerFailed(wid, f"503 from worker: {detail}")
-            self.circuits.failure(wid, f"{resp.status} from worker", ctx.sent_at)
-            raise Upstream5xx(resp.status, detail)
+            await self._refuse_5xx(ctx, wid, resp)
         return resp
 
     async def _send_fast(self, ctx: Ctx, wid: str, body: bytes, ticket: Ticket) -> Response:
@@ -156,11 +151,7 @@ class Sender:
                 self.request_timeout_s,
             )
         except UpstreamError as exc:
-            if exc.kind == "timeout":
-                raise WorkerFailed(wid, "timeout before response", timeout=True) from exc
-            if exc.kind == "connect":
-                raise WorkerFailed(wid, f"connect failed: {exc.detail}") from exc
-            raise WorkerFailed(wid, f"response broken: {exc.detail}") from exc
+            raise _worker_failed(wid, exc) from exc
         status = resp.status
         if status == 503:
             raise WorkerFailed(
@@ -361,3 +352,12 @@ def _read_usage(ctx: Ctx, body: bytes) -> None:
         ctx.cached_reported = sse.cached_tokens_of(usage)
     except Exception:
         pass
+
+
+def _worker_failed(wid: str, exc: UpstreamError) -> WorkerFailed:
+    """The raw upstream client's failure before a response, as a worker failure."""
+    if exc.kind == "timeout":
+        return WorkerFailed(wid, "timeout before response", timeout=True)
+    if exc.kind == "connect":
+        return WorkerFailed(wid, f"connect failed: {exc.detail}")
+    return WorkerFailed(wid, f"response broken: {exc.detail}")
