@@ -217,21 +217,18 @@ class RequestLifecycle(Generic[F]):
     ) -> None:
         """A request streamed ``tokens`` tokens on ``worker_id``, the first at ``first_at``
         and the last at ``end_at`` (one clock, seconds): one inter-token observation, the
-        mean gap ``(end - first) / (tokens - 1)``, for the policy's latency model of that
-        worker (``slo_aware`` keeps them in ``state.extra["slo_models"]``; a policy without
-        one ignores it). Its decode load is the worker's at the end, before this request's
-        release: the requests in flight there (this one included) reading the policy's
-        running mean context each (``slo_ctx``), no prefill. Called before :meth:`end`."""
+        mean gap ``(end - first) / (tokens - 1)``, for the policy
+        (:meth:`~services.core.policy.base.PolicyImpl.observe_decode`; ``slo_aware``'s latency
+        model of that worker, ignored by the others). Its decode load is the worker's at the
+        end, before this request's release: the requests in flight there (this one included).
+        Called before :meth:`end`."""
         if tokens < 2 or not end_at > first_at:
             return
-        models = policy.state.extra.get("slo_models")
-        model = models.get(worker_id) if models else None
         s = self.state.states.get(worker_id)
-        if model is None or s is None:
+        if s is None:
             return
-        decoding = max(1, s.inflight)
-        context = policy.state.extra.get("slo_ctx") or 0.0
-        model.observe_step((end_at - first_at) / (tokens - 1), decoding, decoding * context)
+        gap = (end_at - first_at) / (tokens - 1)
+        policy.impl.observe_decode(worker_id, gap, max(1, s.inflight), policy.state)
 
     def end(self, request_id: str, ticket: Ticket) -> list[F]:
         """The request ended (answered, failed, refused): release its claim; the followers

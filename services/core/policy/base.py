@@ -105,6 +105,14 @@ class PolicyImpl:
     def pick(self, costs: dict[str, float], state: PolicyState) -> str:
         return pick_min(costs, state.rng)
 
+    def observe_decode(
+        self, worker_id: str, gap_s: float, decoding: int, state: PolicyState
+    ) -> None:
+        """A streamed answer's mean inter-token gap on ``worker_id``, with ``decoding``
+        requests in flight there (:meth:`RequestLifecycle.decoded
+        <services.core.lifecycle.RequestLifecycle.decoded>`): for a policy that calibrates a
+        latency model from it; ignored by default."""
+
     def fast_costs(
         self,
         req: RequestInfo,

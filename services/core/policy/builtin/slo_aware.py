@@ -44,8 +44,9 @@ engine model's default step times (``prior``), fitted from the prefill clock's s
 of at least ``progress_min_tokens`` computed tokens)
 (computed tokens, seconds to first token, decoders riding along) on the decision path, live
 and in the simulator alike. Only the per-token prefill cost is fitted from those (a duration
-cannot tell the step terms apart); a caller with inter-token times can feed
-``state.extra["slo_models"][worker].observe_step`` for the rest (the router does not yet).
+cannot tell the step terms apart); the step terms from each streamed answer's mean
+inter-token gap (:meth:`SloAware.observe_decode`, which the live router and the simulator call
+through ``RequestLifecycle.decoded``).
 
 Invariant: like ``kv_aware``, state lives in :class:`PolicyState` (``extra["slo_*"]`` beside
 ``kv_aware``'s) and the same inputs give the same decisions.
@@ -141,6 +142,17 @@ class SloAware(KvAware):
         if m is None:
             m = models[wid] = LatencyModel(prior=self.prior)
         return m
+
+    def observe_decode(
+        self, worker_id: str, gap_s: float, decoding: int, state: PolicyState
+    ) -> None:
+        """One inter-token observation for ``worker_id``'s model: ``decoding`` sequences each
+        reading the running mean context (``slo_ctx``), no prefill."""
+        models = state.extra.get("slo_models")
+        model = models.get(worker_id) if models else None
+        if model is not None:
+            ctx = state.extra.get("slo_ctx") or 0.0
+            model.observe_step(gap_s, decoding, decoding * ctx)
 
     def _decoding(self, w: WorkerState, state: PolicyState) -> int:
         fifo = self._clock(state).fifo.get(w.worker_id)
