@@ -28,6 +28,8 @@ from services.router.proxy import Ctx
 
 log = get_logger("router.outcomes")
 
+RECONNECT_POLL_S = 0.05  # while the bus has not yet seen its client's disconnection
+
 
 class OutcomePublisher:
     def __init__(
@@ -87,7 +89,14 @@ class OutcomePublisher:
             while len(batch) < self.batch and not self.queue.empty():
                 batch.append(self.queue.get_nowait())
             while not self.bus.is_connected:
-                await wait_event(self.bus.connected, 1.0)
+                # the bus's connected event lags the client: nats-py drops the connection
+                # first and calls the disconnected callback later, so the event can still be
+                # set here; waiting on a set event does not suspend, and this loop would spin
+                # without ever letting that callback (or anything else) run
+                if self.bus.connected.is_set():
+                    await asyncio.sleep(RECONNECT_POLL_S)
+                else:
+                    await wait_event(self.bus.connected, 1.0)
             await self._publish(batch)
             for _ in batch:
                 self.queue.task_done()
