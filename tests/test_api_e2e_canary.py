@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections import Counter
 
@@ -24,20 +25,45 @@ import pytest
 
 from services.api.testing import start_api
 from services.common.bus import Bus
+from services.router.canary import arm_for
 from tests.test_router_e2e_sim import SYSTEM, SimCluster
 from tests.test_router_support import Indexer, RouterProc, wait_until
 
 pytestmark = pytest.mark.slow
 
 
-async def _traffic(url: str, stop: asyncio.Event, conc: int, arms: Counter) -> None:
-    """``conc`` conversations, each with its session id (so it stays on one arm), all
-    sharing the system prompt; they start at once, like the seed-000 incident."""
+def _sessions(canary_id: str, count: int, steps: list[float]) -> list[str]:
+    """``count`` session ids whose arms follow the canary's steps exactly: the first band of
+    keys (candidate from the first step on) gets ``count × steps[0]`` of them, the next band
+    (candidate from the second step) its share, and so on. With ids taken blindly, 12
+    conversations put none on a 25 % candidate in 3 % of runs, and the canary then waits for
+    samples that never come."""
+    bounds = [*steps, 1.0] if steps[-1] < 1.0 else list(steps)
+    wanted = [round(count * (hi - lo)) for lo, hi in itertools.pairwise([0.0, *bounds])]
+    wanted[-1] = count - sum(wanted[:-1])
+    picked: list[str] = []
+    for i in itertools.count():
+        key = f"conversation-{i}"
+        band = next(
+            (b for b, f in enumerate(bounds[:-1]) if arm_for(canary_id, key, f) == "candidate"),
+            len(bounds) - 1,
+        )
+        if wanted[band] > 0:
+            wanted[band] -= 1
+            picked.append(key)
+            if len(picked) == count:
+                return picked
+    raise AssertionError("unreachable")
+
+
+async def _traffic(url: str, stop: asyncio.Event, sessions: list[str], arms: Counter) -> None:
+    """One conversation per session id (so each stays on one arm), all sharing the system
+    prompt; they start at once, like the seed-000 incident."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
 
-        async def client(c: int) -> None:
+        async def client(c: int, session: str) -> None:
             i = 0
-            headers = {"x-session-id": f"conversation-{c}"}
+            headers = {"x-session-id": session}
             while not stop.is_set():
                 i += 1
                 body = {
@@ -59,7 +85,7 @@ async def _traffic(url: str, stop: asyncio.Event, conc: int, arms: Counter) -> N
                         )
                     ] += 1
 
-        await asyncio.gather(*(client(c) for c in range(conc)))
+        await asyncio.gather(*(client(c, key) for c, key in enumerate(sessions)))
 
 
 class _Stack:
@@ -76,10 +102,9 @@ class _Stack:
         self.used: Counter = Counter()
         self.load: asyncio.Task | None = None
 
-    def start_traffic(self, conversations: int) -> None:
-        self.load = asyncio.create_task(
-            _traffic(self.router.url, self.stop, conversations, self.used)
-        )
+    def start_traffic(self, canary_id: str, conversations: int, steps: list[float]) -> None:
+        sessions = _sessions(canary_id, conversations, steps)
+        self.load = asyncio.create_task(_traffic(self.router.url, self.stop, sessions, self.used))
 
     async def publish(self, specs: dict[str, dict], active: str, canary: dict) -> str:
         """Create the policies ``specs`` (name -> spec), activate ``active``, start ``canary``
@@ -172,7 +197,7 @@ async def test_canary_with_real_router_and_sim_workers(
             async with s.post(router.url + "/v1/chat/completions", json=warm) as resp:
                 assert resp.status == 200
         await wait_until(lambda: len(r.index_source.index) > 0, 5, "prompt indexed")
-        st.start_traffic(24)
+        st.start_traffic(cid, 24, [0.5, 1.0])
         body = await st.canary_end(cid)
         story = [(d["action"], d["reason"][:200]) for d in body["decisions"]]
         # every decision follows from the real numbers it recorded
@@ -230,7 +255,7 @@ async def test_new_default_canaried_against_the_old_and_promoted(
         )
         # 12 conversations: 24 saturate the one process that runs every part here, and the
         # canary collector then sees each window's outcomes seconds late
-        st.start_traffic(12)
+        st.start_traffic(cid, 12, [0.25, 0.5])
         body = await st.canary_end(cid)
         r = st.router.router
         assert r is not None
