@@ -198,10 +198,20 @@ def _run_both(ops: list, cap: int | None, tiers: bool, preload: int, n_workers: 
             ks = [_key(k) for k in op[1]]
             assert got.find_matches(ks) == ref.find_matches(ks)
         else:  # a snapshot round trip through each other's export format
-            got = cindex.CPrefixIndex.from_state(
-                ref.export_state(), max_blocks=cap, record_evictions=True
-            )
+            state = ref.export_state()
+            got = cindex.CPrefixIndex.from_state(state, max_blocks=cap, record_evictions=True)
             got.evicted_pairs = ref.evicted_pairs  # a counter of the process, not the state
+            # the same snapshot loaded a few rows per step into a fresh index, which an index
+            # with other content then adopts (a replica's load while it keeps answering)
+            fresh = cindex.CPrefixIndex(max_blocks=cap, record_evictions=True)
+            steps = sum(1 for _ in fresh.load_steps(state, rows=3))
+            wide = state.pair_slots is not None and len(state.keys) > 3
+            assert steps == (2 * ((len(state.keys) + 2) // 3) if wide else 0)  # touch + fill
+            live = cindex.CPrefixIndex(max_blocks=cap, record_evictions=True)
+            live.apply_stored("gone", [_key(1), _key(2)])
+            live.adopt(fresh)
+            live.evicted_pairs = ref.evicted_pairs
+            _same(live, ref, all_keys, [*workers, "gone"])
             ref2 = PyPrefixIndex.from_state(
                 got.export_state(), max_blocks=cap, record_evictions=True
             )

@@ -306,6 +306,121 @@ async def test_replica_resnapshots_on_a_delta_gap(
         assert rep.resyncs >= 1
 
 
+async def test_replica_reads_a_snapshot_past_the_servers_pending_limit(tmp_path) -> None:
+    """A snapshot many times the server's per-connection pending limit reaches a replica that
+    does not read its socket while the indexer sends (a router starting on a busy host): the
+    indexer sends one window of chunks and waits to be asked for the next. Sent all at once,
+    the server dropped the replica as a slow consumer, and again at every retry."""
+    import random
+
+    from services.common.embedded import EmbeddedNats
+    from services.common.index_replica import IndexReplica
+
+    monitor = free_port()
+    server = EmbeddedNats(tmp_path, authorization="max_pending: 1048576\n", monitor_port=monitor)
+    server.start()
+    subjects = Subjects(f"win{random.getrandbits(32):x}")
+    try:
+        async with indexer(server.url, subjects) as svc:
+            rng = random.Random(1)
+            for w in range(8):  # ~12 MB of snapshot: 750 k keys x (key + mask word)
+                svc.core.index.apply_stored(f"w{w}", [rng.getrandbits(63) for _ in range(94_000)])
+            rb = Bus(server.url, "router", subjects)
+            await rb.connect(max_wait_s=10)
+            try:
+                rep = IndexReplica(
+                    rb, start_timeout_s=0.05, max_chunk_bytes=256 * 1024, window_chunks=1
+                )
+                socket = rb.client._transport._io_writer.transport
+                socket.pause_reading()
+                await rep.start()  # the request goes out; nothing is read meanwhile
+                await wait_until(lambda: svc._out.qsize() == 0 and rep.snapshots == 0)
+                await svc._out.join()
+                await svc.bus.client.flush()  # the server has handled every chunk sent
+                async with aiohttp.ClientSession() as http:
+                    varz = f"http://127.0.0.1:{monitor}/varz"
+                    async with http.get(varz) as r:
+                        assert (await r.json())["slow_consumers"] == 0
+                    socket.resume_reading()
+                    await asyncio.wait_for(rep.ready.wait(), 30)
+                    async with http.get(varz) as r:
+                        assert (await r.json())["slow_consumers"] == 0
+                assert len(rep.index) == len(svc.core.index) == 8 * 94_000
+                assert rep.snapshots == 1 and rep.status()["resyncs"] == 0
+            finally:
+                await rep.stop()
+                await rb.close()
+    finally:
+        server.stop()
+
+
+async def test_snapshot_windows_whole_requests_and_forgotten_ids(
+    bus: Bus, nats_url: str, subjects: Subjects
+) -> None:
+    """A request without ``max_chunks`` (a replica before windows) gets every chunk at once;
+    a window of a snapshot the indexer no longer keeps is an error the replica starts over
+    from; a replica with a window of one chunk still loads everything."""
+    from services.common.schemas import SnapshotChunk, SnapshotRequest, decode
+
+    await ensure_kv_events_stream(bus)
+    async with indexer(nats_url, subjects) as svc:
+        for w in range(4):
+            svc.core.index.apply_stored(f"w{w}", chain(600, 10 + w))
+        nc = bus.client
+        inbox = nc.new_inbox()
+        got: asyncio.Queue = asyncio.Queue()
+        sub = await nc.subscribe(inbox, cb=got.put)
+        whole = SnapshotRequest(replica_id="old", max_chunk_bytes=4096)
+        await nc.publish(subjects.kv_index_snapshot, encode(whole), reply=inbox)
+        first = decode(SnapshotChunk, (await asyncio.wait_for(got.get(), 10)).data)
+        assert first.chunks > 3 and first.window_end == 0 and not first.error
+        for _ in range(first.chunks - 1):
+            ch = decode(SnapshotChunk, (await asyncio.wait_for(got.get(), 10)).data)
+            assert ch.snapshot_id == first.snapshot_id and ch.window_end == 0
+        assert not svc._snapshots  # nothing kept for a whole request
+        gone = SnapshotRequest(snapshot_id=first.snapshot_id, first_chunk=2, max_chunks=2)
+        await nc.publish(subjects.kv_index_snapshot, encode(gone), reply=inbox)
+        err = decode(SnapshotChunk, (await asyncio.wait_for(got.get(), 10)).data)
+        assert err.error and "no longer kept" in err.error
+        await sub.unsubscribe()
+        async with replica(nats_url, subjects, max_chunk_bytes=4096, window_chunks=1) as rep:
+            assert rep.ready.is_set() and len(rep.index) == len(svc.core.index) == 2400
+            assert len(svc._snapshots) == 1  # kept for the replica's windows
+
+
+async def test_replica_loads_a_snapshot_in_steps_and_answers_meanwhile() -> None:
+    """A large snapshot (pair form, past 64 workers) is loaded a slice of rows at a time into
+    a fresh index, the event loop running between slices, while the replica's own index (the
+    object the router holds) keeps its old content; then it takes the new content over."""
+    from services.common.index_replica import IndexReplica
+    from services.core.index import PrefixIndex
+
+    source = PrefixIndex()
+    for w in range(100):
+        source.apply_stored(f"w{w}", chain(50, 1000 + w))
+    state = source.export_state()
+    assert state.pair_slots is not None
+    rep = IndexReplica(Bus("nats://127.0.0.1:1", "unused"), load_step_rows=100)
+    live = rep.index
+    old = chain(4, 7)
+    live.apply_stored("before", old)
+    seen: list[int] = []
+
+    async def router_meanwhile() -> None:
+        while True:
+            seen.append(len(rep.index))
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(router_meanwhile())
+    await asyncio.sleep(0)
+    await rep.load(state)
+    task.cancel()
+    assert len(seen) >= len(state.keys) // 100  # it ran between the slices
+    assert set(seen[:-1]) == {4}  # ... and saw the old content until the end
+    assert rep.index is live and len(live) == len(source) == 5000
+    assert live.find_matches(chain(50, 1042)) == {"w42": 50} and not live.find_matches(old)
+
+
 def test_indexer_cli_help() -> None:
     import subprocess
     import sys

@@ -1,13 +1,14 @@
 """IndexReplica: a router's local copy of the global prefix index, kept in sync over NATS.
 
 Protocol (see docs/kv-index.md): subscribe to ``kv.index.delta`` first and buffer; request a
-snapshot on ``kv.index.snapshot`` (the indexer replies with one or more SnapshotChunk messages
-to our inbox); load it; apply buffered deltas with ``seq`` above the snapshot's ``delta_seq``;
+snapshot on ``kv.index.snapshot`` (the indexer replies with SnapshotChunk messages to our
+inbox, ``window_chunks`` at a time, at most two windows in flight); load it; apply buffered deltas with ``seq`` above the snapshot's ``delta_seq``;
 then apply deltas live. A delta of another epoch (indexer restarted) or a seq gap triggers a
 new snapshot; while none can be had the replica keeps what it has and retries with backoff.
 
 Invariants:
-- ``index`` is the same PrefixIndex object for the replica's life (loaded in place), so a
+- ``index`` is the same PrefixIndex object for the replica's life (a snapshot is loaded into
+  a fresh index step by step, letting the event loop run, and then adopted in place), so a
   router may hold a reference to it;
 - after ``ready`` is set, the index equals the indexer's state as of delta ``delta_seq``;
 - ``start()`` returns within ``start_timeout_s`` whether or not an indexer answers.
@@ -41,7 +42,8 @@ from services.common.schemas import (
     encode,
 )
 from services.core import cindex
-from services.core.index import PrefixIndex
+from services.core.index import IndexState, PrefixIndex
+from services.core.index_common import LOAD_STEP_ROWS
 from services.core.snapshot import chunks_to_state
 
 log = get_logger("kv_replica")
@@ -71,6 +73,13 @@ def apply_ops(index: PrefixIndex, ops: list[IndexOp]) -> None:
             index.remove_keys(op.keys)
 
 
+# chunks asked for at a time: two windows of 16 chunks of the default 1 MB max_payload stay
+# well under the server's per-connection pending limit (64 MB by default), past which a replica
+# too busy to read (a router loading on a loaded host) is disconnected as a slow consumer, for
+# good: every retry asked for the whole snapshot at once again
+WINDOW_CHUNKS = 16
+
+
 class NoIndexer(Exception):
     """No indexer answered the snapshot request."""
 
@@ -86,8 +95,12 @@ class IndexReplica:
         max_buffered: int = 100_000,
         max_chunk_bytes: int | None = None,
         min_resnapshot_s: float = 0.1,
+        window_chunks: int = WINDOW_CHUNKS,
+        load_step_rows: int = LOAD_STEP_ROWS,
     ) -> None:
         self.max_chunk_bytes = max_chunk_bytes
+        self.window_chunks = window_chunks
+        self.load_step_rows = load_step_rows
         self.min_resnapshot_s = min_resnapshot_s
         self.bus = bus
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
@@ -222,13 +235,17 @@ class IndexReplica:
             queue.put_nowait(msg)
 
         sub = await nc.subscribe(inbox, cb=on_chunk)
+        window = self.window_chunks
+        subject = self.bus.subjects.kv_index_snapshot
+        max_bytes = self.max_chunk_bytes or nc.max_payload
         try:
             req = SnapshotRequest(
-                replica_id=self.replica_id, max_chunk_bytes=self.max_chunk_bytes or nc.max_payload
+                replica_id=self.replica_id, max_chunk_bytes=max_bytes, max_chunks=window
             )
-            await nc.publish(self.bus.subjects.kv_index_snapshot, encode(req), reply=inbox)
+            await nc.publish(subject, encode(req), reply=inbox)
             chunks: list[SnapshotChunk] = []
             total = None
+            asked = window  # chunks asked for so far
             while total is None or len(chunks) < total:
                 try:
                     async with asyncio.timeout(self.chunk_timeout_s):
@@ -241,20 +258,42 @@ class IndexReplica:
                 chunk: SnapshotChunk = decode(SnapshotChunk, msg.data)
                 if chunk.error:
                     raise NoIndexer(chunk.error)
+                if chunks and chunk.snapshot_id != chunks[0].snapshot_id:
+                    continue  # not the snapshot being fetched
                 chunks.append(chunk)
                 total = chunk.chunks
+                # two windows in flight: once the last one asked for is arriving, ask for the
+                # next (an indexer that sends every chunk at once leaves window_end 0)
+                if chunk.window_end and asked < total and len(chunks) > asked - window:
+                    req = SnapshotRequest(
+                        replica_id=self.replica_id,
+                        max_chunk_bytes=max_bytes,
+                        snapshot_id=chunk.snapshot_id,
+                        first_chunk=asked,
+                        max_chunks=window,
+                    )
+                    await nc.publish(subject, encode(req), reply=inbox)
+                    asked += window
             return chunks
         finally:
             with contextlib.suppress(Exception, nats.errors.Error):
                 await sub.unsubscribe()
+
+    async def load(self, state: IndexState) -> None:
+        """Make ``index`` equal ``state``: loaded step by step into a fresh index while this
+        one keeps answering the router with its old content (10 M pairs at once held the
+        event loop ~0.4 s), then taken over in one go."""
+        fresh = PrefixIndex()
+        for _ in fresh.load_steps(state, self.load_step_rows):
+            await asyncio.sleep(0)
+        self.index.adopt(fresh)
 
     async def _snapshot_once(self) -> None:
         if self._buffer is None:
             self._buffer = []
         t0 = time.perf_counter()
         chunks = await self.fetch_chunks()
-        state = chunks_to_state(chunks)  # raises on an incomplete / mixed snapshot
-        self.index.load_state(state)
+        await self.load(chunks_to_state(chunks))  # raises on an incomplete / mixed snapshot
         first = chunks[0]
         self.epoch = first.epoch
         self.delta_seq = first.delta_seq

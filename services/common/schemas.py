@@ -329,8 +329,16 @@ class IndexDelta(Message):
 
 
 class SnapshotRequest(Message):
+    """A snapshot, or a window of one: ``max_chunks`` chunks from ``first_chunk`` of the
+    snapshot ``snapshot_id`` ("" = take a new one). ``max_chunks`` 0 asks for every chunk at
+    once (replicas before windows; a large snapshot then overruns a slow reader's buffer at the
+    server, which drops the connection as a slow consumer)."""
+
     replica_id: str = ""
     max_chunk_bytes: Pos | None = None
+    snapshot_id: str = ""
+    first_chunk: NonNeg = 0
+    max_chunks: NonNeg = 0
 
 
 class SnapshotChunk(Message):
@@ -356,6 +364,8 @@ class SnapshotChunk(Message):
     tier_keys: bytes = b""
     tier_values: list[bytes] = []
     error: str | None = None
+    # the reply's window ends before this chunk (0: an indexer that sends every chunk at once)
+    window_end: NonNeg = 0
     # past 64 slots: one row per (key, slot) pair, ``keys`` repeated per holder and the slot of
     # each row here (uint32 LE); ``masks`` is then empty. None: the mask form above.
     pair_slots: bytes | None = None

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from services.core.index_common import TIER_BIT, IndexQueries
+from services.core.index_common import LOAD_STEP_ROWS, TIER_BIT, IndexQueries
 
 try:
     from services.core import _cindex
@@ -350,13 +350,33 @@ class CPrefixIndex(IndexQueries):
         return idx
 
     def load_state(self, state: IndexState) -> None:
+        for _ in self.load_steps(state):
+            pass
+
+    def load_steps(self, state: IndexState, rows: int = LOAD_STEP_ROWS) -> Iterator[None]:
+        """:meth:`load_state` in steps: a generator, the content complete once it is exhausted;
+        a snapshot in the pair form (past 64 workers) is loaded ``rows`` (key, slot) rows per
+        step, for a caller that lets its event loop run between steps (10 M pairs at once hold
+        it ~0.4 s)."""
         import numpy as np
 
         keys = np.ascontiguousarray(np.asarray(state.keys, dtype=np.uint64))
         if state.pair_slots is not None:
-            self._t.load_pairs(
-                keys, np.ascontiguousarray(np.asarray(state.pair_slots, dtype=np.uint32))
-            )
+            slots = np.ascontiguousarray(np.asarray(state.pair_slots, dtype=np.uint32))
+            n = len(keys)
+            if n <= rows:
+                self._t.load_pairs(keys, slots)
+            else:  # sized once for every key and slot, its pages touched, then filled
+                total = int(np.count_nonzero(keys[1:] != keys[:-1])) + 1
+                top = int(slots.max())
+                self._t.load_pairs(keys[:0], slots[:0], False, total, top)
+                parts = -(-n // rows)
+                for i in range(parts):
+                    self._t.prefault(i, parts)
+                    yield
+                for a in range(0, n, rows):
+                    self._t.load_pairs(keys[a : a + rows], slots[a : a + rows], True)
+                    yield
         else:
             words = [np.ascontiguousarray(np.asarray(w, dtype=np.uint64)) for w in state.masks]
             self._t.load(keys, words)

@@ -1,6 +1,6 @@
 """What both prefix indexes share: the tier bits and the queries written only in terms of
 each index's own primitives (``tiers_of``, ``find_matches``, ``_tiers``, ``_slot_of``,
-``evicted``).
+``evicted``), and loading a snapshot in steps into a fresh index that a live one then adopts.
 
 :class:`services.core.index.PyPrefixIndex` (the pure-Python reference) and
 :class:`services.core.cindex.CPrefixIndex` (the compiled core) both inherit
@@ -9,13 +9,36 @@ each index's own primitives (``tiers_of``, ``find_matches``, ``_tiers``, ``_slot
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.core.index import IndexState
 
 TIER_BIT: dict[str, int] = {"gpu": 1, "cpu": 2, "disk": 4}
 
 
+LOAD_STEP_ROWS = 1 << 20  # (key, worker) rows a load step takes (~40 ms of the compiled core)
+
+
 class IndexQueries:
     """Mixin: queries over an index's primitives; no state of its own."""
+
+    max_blocks: int | None
+
+    def load_steps(self, state: IndexState, rows: int = LOAD_STEP_ROWS) -> Iterator[None]:
+        """:meth:`load_state` as a generator of steps (the content complete once exhausted);
+        an index that cannot split the work loads in one step."""
+        self.load_state(state)  # type: ignore[attr-defined]
+        yield
+
+    def adopt(self, other: IndexQueries) -> None:
+        """Take ``other``'s content, in O(1), as if it had been loaded here: the end of a load
+        into a fresh index (:meth:`load_steps`) while this one kept answering. ``other``, an
+        index of the same kind and cap, is not to be used after."""
+        if type(other) is not type(self) or other.max_blocks != self.max_blocks:
+            raise ValueError("adopt needs an index of the same kind and cap")
+        vars(self).update(vars(other))
 
     _tiers: dict[int, int]
     _slot_of: dict[str, int]

@@ -147,3 +147,61 @@ def chunks_to_state(chunks: list[SnapshotChunk]) -> IndexState:
         tier_values=tier_values,
         pair_slots=pair_slots,
     )
+
+
+class KeptSnapshots:
+    """Snapshots an indexer serves in windows, kept until their replica has fetched them: the
+    ``limit`` newest, each while asked for within ``keep_s`` seconds (the caller's clock)."""
+
+    def __init__(self, limit: int, keep_s: float) -> None:
+        self.limit = limit
+        self.keep_s = keep_s
+        self._kept: dict[str, tuple[list[SnapshotChunk], float]] = {}  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(self, chunks: list[SnapshotChunk], now: float) -> None:
+        kept = self._kept
+        for sid in [sid for sid, (_, at) in kept.items() if now - at > self.keep_s]:
+            del kept[sid]
+        kept[chunks[0].snapshot_id] = (chunks, now)
+        while len(kept) > self.limit:
+            kept.pop(next(iter(kept)))
+
+    def get(self, snapshot_id: str, now: float) -> list[SnapshotChunk] | None:
+        e = self._kept.get(snapshot_id)
+        if e is None or now - e[1] > self.keep_s:
+            self._kept.pop(snapshot_id, None)
+            return None
+        self._kept[snapshot_id] = (e[0], now)
+        return e[0]
+
+
+def window(chunks: list[SnapshotChunk], first: int, max_chunks: int) -> list[SnapshotChunk]:
+    """The chunks a request for ``max_chunks`` from ``first`` gets, each marked with where its
+    window ends; ``max_chunks`` 0: every chunk, unmarked (replicas before windows)."""
+    if not max_chunks:
+        return chunks
+    end = min(first + max_chunks, len(chunks))
+    part = chunks[first:end]
+    for ch in part:
+        ch.window_end = end
+    return part
+
+
+def error_chunk(epoch: str, snapshot_id: str, delta_seq: int, message: str) -> SnapshotChunk:
+    """The one reply to a snapshot request that cannot be served (the replica starts over)."""
+    return SnapshotChunk(
+        epoch=epoch,
+        snapshot_id=snapshot_id,
+        delta_seq=delta_seq,
+        chunk=0,
+        chunks=1,
+        slots=[],
+        counts=[],
+        row_start=0,
+        keys=b"",
+        masks=[],
+        error=message,
+    )

@@ -54,7 +54,7 @@ from services.common.schemas import (
     to_builtins,
 )
 from services.common.streams import ensure_kv_events_stream
-from services.core.snapshot import state_to_chunks
+from services.core.snapshot import KeptSnapshots, error_chunk, state_to_chunks, window
 from services.kv_indexer.core import IndexerCore, decode_batch
 from services.kv_indexer.verifier import Verifier
 
@@ -75,6 +75,8 @@ EXPIRED = Counter("kvgate_indexer_workers_expired_total", "Workers dropped: hear
 RESTARTS = Counter("kvgate_indexer_worker_restarts_total", "New instance ids seen")
 DELTAS = Counter("kvgate_indexer_deltas_total", "Index deltas published")
 SNAPSHOTS = Counter("kvgate_indexer_snapshots_total", "Snapshots served")
+SNAPSHOTS_KEPT = 4  # snapshots being fetched in windows at once (more: the oldest restarts)
+SNAPSHOT_KEEP_S = 30.0  # a windowed snapshot nobody asked for in this long is dropped
 QUERIES = Counter("kvgate_indexer_queries_total", "kv.query requests answered")
 APPLY_SECONDS = Histogram(
     "kvgate_indexer_burst_apply_seconds",
@@ -167,6 +169,7 @@ class IndexerService:
         self._started_at = time.monotonic()
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._out: asyncio.Queue[tuple[str, bytes, str | None]] = asyncio.Queue()
+        self._snapshots = KeptSnapshots(SNAPSHOTS_KEPT, SNAPSHOT_KEEP_S)  # served in windows
         self._tasks: list[asyncio.Task[Any]] = []
         self._subs: list[Any] = []
         self._counted: dict[str, int] = {}
@@ -472,13 +475,27 @@ class IndexerService:
             return
         try:
             req = decode(SnapshotRequest, msg.data)
-            limit = min(req.max_chunk_bytes or (1 << 20), self.bus.client.max_payload)
-            chunks = self.snapshot_chunks(limit)
+            if req.snapshot_id:  # the next window of a snapshot being fetched
+                chunks = self._snapshots.get(req.snapshot_id, time.monotonic())
+                if chunks is None:
+                    err = error_chunk(
+                        self.epoch,
+                        req.snapshot_id,
+                        self.delta_seq,
+                        "snapshot no longer kept: request a new one",
+                    )
+                    self._out.put_nowait((msg.reply, encode(err), None))
+                    return
+            else:
+                limit = min(req.max_chunk_bytes or (1 << 20), self.bus.client.max_payload)
+                chunks = self.snapshot_chunks(limit)
+                SNAPSHOTS.inc()
+                if req.max_chunks:
+                    self._snapshots.keep(chunks, time.monotonic())
         except Exception as exc:
             self._on_bad("invalid_snapshot_request", None, repr(exc))
             return
-        SNAPSHOTS.inc()
-        for ch in chunks:
+        for ch in window(chunks, req.first_chunk, req.max_chunks):
             self._out.put_nowait((msg.reply, encode(ch), None))
 
     async def _on_query(self, msg: Any) -> None:
