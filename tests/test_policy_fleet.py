@@ -73,7 +73,9 @@ def _view(fv: FleetView) -> dict:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["decide", "decide", "decide", "first", "end", "load", "ctl", "brk", "t"]),
+        st.sampled_from(
+            ["decide", "decide", "decide", "first", "end", "load", "ctl", "brk", "t", "itl"]
+        ),
         st.integers(0, 10_000),
         st.integers(0, 10_000),
     ),
@@ -154,6 +156,10 @@ def _run(
             cs.set_breaker_open(wids[a % n], bool(b % 2))
         elif op == "t":
             now += 0.01 * (b % 100)
+        elif op == "itl":  # a streamed answer's inter-token gap (slo_aware recalibrates)
+            w = wids[a % n]
+            for pol in (fast, slow):
+                pol.impl.observe_decode(w, 0.001 * (1 + b % 90), b % 7, pol.state)
         if check_view:
             fv = fast.state.extra.get("kv_aware_fleet")
             if fv is not None:
@@ -184,13 +190,77 @@ def test_fast_path_with_a_policy_cap(seq) -> None:
     _run(seq, {"name": "kv_aware", "params": {"max_inflight": 3, "routed_ttl": 16}})
 
 
-def test_long_random_sequence_same_decisions() -> None:
+@pytest.mark.parametrize("name", ["kv_aware", "slo_aware"])
+def test_long_random_sequence_same_decisions(name: str) -> None:
     rng = random.Random(7)
-    names = ["decide"] * 5 + ["first", "first", "end", "end", "load", "ctl", "brk", "t"]
+    names = ["decide"] * 5 + ["first", "first", "end", "end", "load", "ctl", "brk", "t", "itl"]
     seq = [(rng.choice(names), rng.randrange(10_000), rng.randrange(10_000)) for _ in range(4000)]
     for roomy in (False, True):
-        chosen = _run(seq, {"name": "kv_aware", "params": {}}, n=24, roomy=roomy)
+        chosen = _run(seq, {"name": name, "params": {}}, n=24, roomy=roomy)
         assert chosen > 500  # the comparison covered real picks, not only waits
+
+
+SLO_PARAMS = [
+    {},
+    {"slo_ttft_ms": 5.0, "slo_tpot_ms": 8.0},  # often nobody meets it: the infeasible search
+    {"slo_ttft_ms": 30.0, "slo_tpot_ms": 9.0, "shed": True},
+    {"imposed_weight": 2.0, "compute_weight": 0.0, "routed_ttl": 0},
+    {"replicate": True, "hot_min_blocks": 1, "hot_margin": 0.0},
+    {"feasible_pick": "headroom"},  # never shortcut: the full path on both sides
+]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.sampled_from(SLO_PARAMS), st.booleans())
+def test_slo_aware_fast_path_decides_as_the_full_evaluation(seq, params, roomy) -> None:
+    _run(seq, {"name": "slo_aware", "params": params}, check_view=True, roomy=roomy)
+
+
+@pytest.mark.parametrize("params", SLO_PARAMS[:-1])
+def test_slo_aware_long_random_sequences_same_decisions(params: dict) -> None:
+    for seed in (1, 2):
+        rng = random.Random(seed)
+        names = ["decide"] * 5 + ["first", "first", "end", "end", "load", "ctl", "brk", "t"]
+        names += ["itl"]
+        seq = [
+            (rng.choice(names), rng.randrange(10_000), rng.randrange(10_000)) for _ in range(2500)
+        ]
+        _run(seq, {"name": "slo_aware", "params": params}, n=24, roomy=bool(seed % 2))
+
+
+def test_slo_aware_long_busy_queues_same_decisions() -> None:
+    """Few first tokens: queues stay busy past the age tie-break's cap (1,000 decisions)."""
+    rng = random.Random(5)
+    names = ["decide"] * 40 + ["first", "end", "load", "t", "itl"]
+    seq = [(rng.choice(names), rng.randrange(10_000), rng.randrange(10_000)) for _ in range(6000)]
+    for roomy in (True, False):
+        _run(seq, {"name": "slo_aware", "params": {}}, n=24, roomy=roomy)
+
+
+def test_slo_aware_fast_path_scores_few_workers_of_a_large_fleet() -> None:
+    """The point of the shortcut: over 512 workers with random load, a decision scores a
+    small part of the fleet (and still picks what the full evaluation picks), also once the
+    queues' age passes the cap of its tie-break (1,000 decisions)."""
+    now = 50.0
+    cs = _cluster(512, now, 64, 4096)
+    rng = random.Random(3)
+    for w in cs.states.values():
+        w.inflight = rng.randint(0, 40)
+        w.pending_prefill_tokens = rng.randint(0, 8000)
+    fast = build_policy({"name": "slo_aware", "params": {}})
+    slow = build_policy({"name": "slo_aware", "params": {}})
+    toks = [rng.randrange(251) for _ in range(1024)]
+    keys = tuple(block_keys(toks, BS))
+    scored = []
+    for i in range(4500):
+        req = RequestInfo(f"r{i}", "m", len(toks), 128, block_keys=keys)
+        ov = {"w007": len(keys), "w100": 8}
+        da = decide(fast, req, cs.snapshot, ov)
+        if i < 50:  # the full evaluation beside it (decisions sent nowhere: it may stop)
+            db = decide(slow, req, ClusterSnapshot(cs.states, now), ov)
+            assert da.worker_id == db.worker_id and len(db.scores) == 512
+        scored.append(len(da.scores))
+    assert max(scored) <= 8, scored
 
 
 def test_view_follows_joins_and_departures() -> None:
@@ -257,3 +327,27 @@ def test_a_copied_or_dropped_policy_state_leaves_the_live_view_alone() -> None:
     assert len(cs.snapshot.watchers) == 1 and live.live(cs.snapshot)
     cs.on_router_load("other", {"w02": 3}, {}, now)
     assert "w02" in live.changed
+
+
+def test_slo_aware_recalibrated_worker_is_rescored() -> None:
+    """A worker whose latency model is recalibrated (here: its inter-token gaps say its steps
+    are fast) must be scored again: its stale bound would prune it."""
+    now = 5.0
+    cs = _cluster(3, now, 64, 4096)
+    fast = build_policy({"name": "slo_aware", "params": {}})
+    slow = build_policy({"name": "slo_aware", "params": {}})
+
+    def both(i: int):
+        req = RequestInfo(f"r{i}", "m", 512, 32)
+        da = decide(fast, req, cs.snapshot, {})
+        db = decide(slow, req, ClusterSnapshot(cs.states, now), {})
+        assert da.worker_id == db.worker_id
+        return da
+
+    both(0)  # every worker scored once: models at the prior, bounds set
+    for pol in (fast, slow):
+        for _ in range(40):
+            pol.impl.observe_decode("w01", 0.003, 0, pol.state)
+            pol.impl.observe_decode("w02", 0.0005, 0, pol.state)
+    cs.on_load(WorkerLoad(worker_id="w01", ts=now, kv_blocks_free=4000, kv_usage=0.1), now)
+    assert both(1).worker_id == "w02"  # the fastest steps now

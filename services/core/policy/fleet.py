@@ -6,14 +6,16 @@ A decision over 1,000 workers cannot afford a Python pass over every worker. The
 model, capacity, in flight, free KV blocks) and aggregates over the routable workers (min / max
 in flight, min free blocks, the block sizes and models), so a policy can tell in O(changes) that
 every routable worker passes the filters for a request, and a policy-defined lower bound of each
-worker's cost in a heap, so it can score the workers in order of that bound and stop where the
+worker's cost in heaps, so it can score the workers in order of that bound and stop where the
 bound passes the best cost found.
 
 Invariants: after :meth:`sync`, every row equals what a from-scratch evaluation of the snapshot
 gives (``rows`` has exactly the snapshot's workers, ``pos`` is their order in it); ``dirty``
 holds every worker changed since the policy last cleared it (the policy's own per-worker
 bookkeeping is due for those only). Heaps are lazy: an entry counts only while its version is
-the worker's current one.
+the worker's current one. The bounds are the policy's: each worker's lower bound of its cost
+(request terms aside), in one heap per group the policy names (``slo_aware`` groups by
+decoding sequences, whose request term differs per request).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from services.core.policy.pickers import TIE_EPS
 from services.core.policy.types import ClusterSnapshot, WorkerState
 
 INF = float("inf")
@@ -40,6 +43,12 @@ class Row:
     seqs: int
     inflight: int
     free: float  # kv_blocks_free, INF when unknown
+
+
+def exceeds(bound: float, best: float) -> bool:
+    """Does a lower bound of a cost prove it above ``best`` + the pick's tie margin? (The
+    margin covers the bound's own rounding: it is summed in another order than the cost.)"""
+    return bound - 1e-6 - 1e-12 * abs(bound) > best + TIE_EPS
 
 
 class FleetView:
@@ -100,10 +109,13 @@ class FleetView:
         self.changed.clear()
         self.rows = {wid: self._row(w, i) for i, (wid, w) in enumerate(self.workers.items())}
         self.dirty = set(self.rows)
-        self._lb: list = []  # (bound, pos, bound version)
+        self._lbs: dict[int, list] = {}  # per group: a heap of (bound, pos, bound version)
+        self._lb_n = 0  # entries in them
         self._bver: dict[int, int] = {}  # pos -> version of its current bound
         self._bseq = 0
+        self._popped: dict[int, list] = {}
         self.bound: dict[str, float] = {}  # worker -> its current bound
+        self.group: dict[str, int] = {}  # worker -> the group of that bound
         self._reaggregate()
 
     def _reaggregate(self) -> None:
@@ -188,34 +200,86 @@ class FleetView:
         return [x.obj for x in self.rows.values() if not x.routable]
 
     # ------------------------------------------------------------------ cost bounds
-    def set_bound(self, wid: str, bound: float) -> None:
+    def set_bound(self, wid: str, bound: float, group: int = 0) -> None:
         """The policy's lower bound of ``wid``'s cost (request terms aside), valid until the
-        worker is next in ``dirty``; it replaces the worker's previous one."""
+        worker is next in ``dirty``; it replaces the worker's previous one. Workers are kept
+        in one heap per ``group`` (a policy whose request terms scale with some per-worker
+        count groups by it, so each group's bound can be completed exactly)."""
         x = self.rows[wid]
         self._bseq += 1
         self._bver[x.pos] = self._bseq
         self.bound[wid] = bound
-        heapq.heappush(self._lb, (bound, x.pos, self._bseq))
-        if len(self._lb) > 2 * len(self.rows) + 64:
+        self.group[wid] = group
+        h = self._lbs.get(group)
+        if h is None:
+            h = self._lbs[group] = []
+        heapq.heappush(h, (bound, x.pos, self._bseq))
+        self._lb_n += 1
+        if self._lb_n > 2 * len(self.rows) + 64:
             bver = self._bver
-            self._lb = [e for e in self._lb if bver.get(e[1]) == e[2]]
-            heapq.heapify(self._lb)
+            live = {}
+            for g, h in self._lbs.items():
+                h = [e for e in h if bver.get(e[1]) == e[2]]
+                if h:
+                    heapq.heapify(h)
+                    live[g] = h
+            self._lbs = live
+            self._lb_n = sum(map(len, live.values()))
 
-    def by_bound(self):
-        """Routable workers in increasing bound, lazily (a generator; entries popped while
-        iterating are pushed back at :meth:`restore`)."""
-        h, by_pos, bver = self._lb, self._by_pos, self._bver
-        self._popped: list = []
+    def groups(self) -> list[int]:
+        """The groups of :meth:`set_bound` (some may have only replaced entries left)."""
+        return list(self._lbs)
+
+    def by_bound(self, group: int = 0):
+        """Routable workers of ``group`` in increasing bound, lazily (a generator; entries
+        popped while iterating are pushed back at :meth:`restore`)."""
+        h, by_pos, bver = self._lbs.get(group, []), self._by_pos, self._bver
+        popped = self._popped[group] = []
         while h:
             e = heapq.heappop(h)
             x = by_pos.get(e[1])
             if x is None or bver.get(e[1]) != e[2]:
+                self._lb_n -= 1
                 continue  # replaced: dropped for good
-            self._popped.append(e)
+            popped.append(e)
             if x.routable:
                 yield e[0], x
 
+    def heads(self) -> list[tuple[float, int, Row]]:
+        """Per group, its routable worker of the lowest bound: (bound, group, row)."""
+        out = []
+        for g, h in self._lbs.items():
+            top = self._top_of(g, h)
+            if top is not None:
+                out.append((top[0], g, top[1]))
+        return out
+
+    def advance(self, group: int) -> tuple[float, Row] | None:
+        """Set ``group``'s head (from :meth:`heads`) aside until :meth:`restore`; its next
+        routable worker of the lowest bound, or None."""
+        h = self._lbs[group]
+        self._popped.setdefault(group, []).append(heapq.heappop(h))
+        return self._top_of(group, h)
+
+    def _top_of(self, group: int, h: list) -> tuple[float, Row] | None:
+        """The routable entry on top of ``group``'s heap ``h``: replaced entries are dropped
+        for good, unroutable ones set aside until :meth:`restore`."""
+        by_pos, bver = self._by_pos, self._bver
+        while h:
+            b, pos, ver = h[0]
+            x = by_pos.get(pos)
+            if x is None or bver.get(pos) != ver:
+                heapq.heappop(h)
+                self._lb_n -= 1
+            elif not x.routable:
+                self._popped.setdefault(group, []).append(heapq.heappop(h))
+            else:
+                return b, x
+        return None
+
     def restore(self) -> None:
-        for e in self._popped:
-            heapq.heappush(self._lb, e)
-        self._popped = []
+        for g, popped in self._popped.items():
+            h = self._lbs[g]
+            for e in popped:
+                heapq.heappush(h, e)
+        self._popped = {}

@@ -122,8 +122,7 @@ from dataclasses import dataclass, field
 from services.core.keys import blocks_needed
 from services.core.policy import filters
 from services.core.policy.base import PolicyImpl, PolicyState, register
-from services.core.policy.fleet import INF, FleetView
-from services.core.policy.pickers import TIE_EPS
+from services.core.policy.fleet import INF, FleetView, Row, exceeds
 from services.core.policy.types import ClusterSnapshot, RequestInfo, WorkerState, replica_id
 
 
@@ -138,6 +137,7 @@ def _int(desc: str, default: int, minimum: int = 1) -> dict:
     return {"type": "integer", "minimum": minimum, "default": default, "description": desc}
 
 
+AGE_CAP = 1000  # decisions of queue age the tie-break counts at most (KvAware.AGE_WEIGHT)
 ROUTED_STRIDE = 8  # routed-prefix memory: one block key every 8 blocks (128 tokens)
 ROUTED_MAX_KEYS = 200_000  # bound on its size (oldest entries go first)
 
@@ -445,6 +445,11 @@ class KvAware(PolicyImpl):
             "(the engine's steps and batching make it slower than its tokens alone)",
         },
     }
+
+    # the queue-age tie-break: a worker's cost is lowered by this much per decision since its
+    # queued prefill started (up to AGE_CAP decisions), so ties go to the oldest queue, which
+    # finishes first; in the cost's own unit (here prefill tokens: 0.1 at most, a tie-break)
+    AGE_WEIGHT = 1e-4
 
     # fleets from this size on are decided through the incremental view (_fast_costs); below
     # it the full loop is faster (at 64 workers all holding the prompt: 93 vs 106 us)
@@ -754,12 +759,13 @@ class KvAware(PolicyImpl):
         own_cost = type(self)._worker_cost is KvAware._worker_cost
         worker_cost = self._worker_cost
         uw, dw, kw = p["uncached_weight"], p["decode_weight"], p["kv_pressure_weight"]
+        aw = self.AGE_WEIGHT
         for w, ov in zip(cands, ovs, strict=True):
             wid = w.worker_id
             queued = w.pending_prefill_tokens
             if queued > 0:
                 since = busy.setdefault(wid, tick)
-                age = tick - since if tick - since < 1000 else 1000
+                age = tick - since if tick - since < AGE_CAP else AGE_CAP
                 # what is left to compute of the queue, by the time since it was sent
                 # (:meth:`_queued`, inline)
                 if fifo.get(wid):
@@ -787,7 +793,7 @@ class KvAware(PolicyImpl):
                 cost = queued + uw * uncached + dw * w.inflight + kw * usage
             else:
                 cost = worker_cost(req, w, queued, uncached, usage, state)
-            out[wid] = cost - 1e-4 * age
+            out[wid] = cost - aw * age
         return out
 
     def _worker_cost(
@@ -812,23 +818,37 @@ class KvAware(PolicyImpl):
         )
 
 
-def _fast_costs(
+@dataclass(slots=True)
+class FastPrelude:
+    """What the large-fleet path's shared part (:func:`_fast_prelude`) hands a policy's cost
+    search: the view, the overlaps (index; with routed memory and replicas), the spread
+    credit, replica compute, block size, tick, and the rows changed since the last decision
+    (their busy-since ticks and prefill-clock observations done, in snapshot order; the
+    clock's speed at each position in ``spt_at``, starting from ``start_spt``)."""
+
+    fv: FleetView
+    idx: dict[str, int]
+    ov_of: dict[str, int]
+    spread_to: int
+    extra: dict[str, int]
+    bs: int
+    tick: int
+    dirty: list[Row]
+    spt_at: list[tuple[int, float | None]]
+    start_spt: float | None
+
+
+def _fast_admit(
     self: KvAware,
     req: RequestInfo,
     snapshot: ClusterSnapshot,
-    overlaps: dict[str, int],
     state: PolicyState,
     filtered: dict[str, str],
-) -> dict[str, float] | None:
-    """:meth:`KvAware.costs` (and the filters before it) over a tracked snapshot, scoring the
-    holders of the prompt and the other workers in order of a lower bound of their cost
-    (:class:`~services.core.policy.fleet.FleetView`) until the bound passes the lowest cost +
-    the tie margin: the same pick, the same state changes, O(holders + changes) per decision.
-    None (nothing changed) unless every routable worker serves the model and passes the fit
-    filters for this request (then :func:`decide` runs the full path), or with replicas to
-    plan (rare: it runs the full path's cost loop)."""
-    if type(self).costs is not KvAware.costs or type(self)._worker_cost is not KvAware._worker_cost:
-        return None
+) -> FleetView | None:
+    """The policy's synced view of a tracked snapshot of ``FAST_MIN_WORKERS`` or more workers
+    when every routable worker serves the request's model and passes the fit filters for it
+    (``filtered`` then holds the unroutable ones' verdicts), else None; changes no policy
+    state but the view."""
     if len(snapshot.workers) < self.FAST_MIN_WORKERS:
         return None
     fv = state.extra.get("kv_aware_fleet")
@@ -853,8 +873,24 @@ def _fast_costs(
     # every routable worker is a candidate: the filters' verdicts are the unroutable ones'
     if len(fv.rows) > n:
         filters.routable_for_model(fv.unroutable_states(), model, filtered)
+    return fv
+
+
+def _fast_prelude(
+    self: KvAware,
+    req: RequestInfo,
+    fv: FleetView,
+    overlaps: dict[str, int],
+    state: PolicyState,
+) -> FastPrelude:
+    """:meth:`KvAware._prelude` with every routable worker as a candidate, in O(holders),
+    then the cost loop's per-worker bookkeeping for the changed workers (where it is not a
+    no-op)."""
     p = self.p
     now = state.now
+    n = fv.n
+    prompt = req.prompt_tokens
+    bs = next(iter(fv.block_sizes))
     rows = fv.rows
     routable = fv.routable
     idx = {w: o for w, o in overlaps.items() if o > 0 and w in routable}
@@ -927,9 +963,7 @@ def _fast_costs(
             ov_of[w] = best
     clock = self._clock(state)
     fifo = clock.fifo
-    own = clock.own
     busy: dict[str, int] = state.extra.setdefault("kv_aware_busy", {})
-    uw, dw, kw = p["uncached_weight"], p["decode_weight"], p["kv_pressure_weight"]
     # the per-worker bookkeeping of the cost loop (busy-since ticks, prefill-clock
     # observations), due only for the workers changed since it last ran there, in snapshot
     # order (observations teach the clock's speed in that order); the speed each position saw
@@ -949,6 +983,55 @@ def _fast_costs(
             if clock.spt != before:
                 spt_at.append((x.pos, clock.spt))
         fv.dirty.discard(wid)
+    return FastPrelude(fv, idx, ov_of, spread_to, extra, bs, tick, dirty, spt_at, start_spt)
+
+
+def _fast_dispatch(state: PolicyState, fp: FastPrelude, out: dict[str, float], prompt: int) -> None:
+    """What :meth:`KvAware.pick` reads: the evaluated workers and the replicas, in snapshot
+    order."""
+    rows, idx, ov_of, extra = fp.fv.rows, fp.idx, fp.ov_of, fp.extra
+    order = sorted(out.keys() | extra.keys(), key=lambda w: rows[w].pos)
+    state.extra["kv_aware_dispatch"] = (
+        [rows[w].obj for w in order],
+        [idx.get(w, 0) for w in order],
+        [ov_of.get(w, 0) for w in order],
+        prompt,
+        extra,
+    )
+
+
+def _fast_costs(
+    self: KvAware,
+    req: RequestInfo,
+    snapshot: ClusterSnapshot,
+    overlaps: dict[str, int],
+    state: PolicyState,
+    filtered: dict[str, str],
+) -> dict[str, float] | None:
+    """:meth:`KvAware.costs` (and the filters before it) over a tracked snapshot, scoring the
+    holders of the prompt and the other workers in order of a lower bound of their cost
+    (:class:`~services.core.policy.fleet.FleetView`) until the bound passes the lowest cost +
+    the tie margin: the same pick, the same state changes, O(holders + changes) per decision.
+    None (nothing changed) unless every routable worker serves the model and passes the fit
+    filters for this request (then :func:`decide` runs the full path)."""
+    if type(self).costs is not KvAware.costs or type(self)._worker_cost is not KvAware._worker_cost:
+        return None
+    fv = _fast_admit(self, req, snapshot, state, filtered)
+    if fv is None:
+        return None
+    fp = _fast_prelude(self, req, fv, overlaps, state)
+    p = self.p
+    now = state.now
+    prompt = req.prompt_tokens
+    rows = fv.rows
+    ov_of, spread_to, extra, bs, tick = fp.ov_of, fp.spread_to, fp.extra, fp.bs, fp.tick
+    dirty, spt_at, start_spt = fp.dirty, fp.spt_at, fp.start_spt
+    clock = self._clock(state)
+    fifo = clock.fifo
+    own = clock.own
+    busy: dict[str, int] = state.extra["kv_aware_busy"]
+    uw, dw, kw = p["uncached_weight"], p["decode_weight"], p["kv_pressure_weight"]
+    aw = self.AGE_WEIGHT
     spt_now = clock.spt
     # bounds: the queued prefill is at least what other routers queued (the clock only adds);
     # without a learned speed the clock counts every entry in full (no time dependence), so
@@ -968,13 +1051,7 @@ def _fast_costs(
             if spt_now is None:
                 for e in entries:
                     q += e[2]
-        cap = w.capacity
-        free = w.kv_blocks_free
-        if free is not None:
-            usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
-        else:
-            usage = w.kv_usage or 0.0
-        fv.set_bound(wid, q + dw * w.inflight + kw * usage)
+        fv.set_bound(wid, q + dw * w.inflight + kw * _kv_usage(w))
 
     def cost_of(w: WorkerState, ov: int, pos: int) -> float:
         # the cost loop's body in :meth:`KvAware.costs` (its bookkeeping done above)
@@ -982,7 +1059,7 @@ def _fast_costs(
         queued = w.pending_prefill_tokens
         if queued > 0:
             since = busy.get(wid, tick)
-            age = tick - since if tick - since < 1000 else 1000
+            age = tick - since if tick - since < AGE_CAP else AGE_CAP
             if fifo.get(wid):
                 if spt_at:
                     clock.spt = _spt_at(spt_at, pos, start_spt)
@@ -994,16 +1071,10 @@ def _fast_costs(
             ov = spread_to
         if extra:
             queued += extra.get(wid, 0)
-        cap = w.capacity
-        cached = ov * cap.block_size
+        cached = ov * w.capacity.block_size
         uncached = prompt - cached if cached < prompt else 0
-        free = w.kv_blocks_free
-        if free is not None:
-            usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
-        else:
-            usage = w.kv_usage or 0.0
-        cost = queued + uw * uncached + dw * w.inflight + kw * usage
-        return cost - 1e-4 * age
+        cost = queued + uw * uncached + dw * w.inflight + kw * _kv_usage(w)
+        return cost - aw * age
 
     out: dict[str, float] = {}
     # the holders (by the index or routed memory) and replicas first, in order of their own
@@ -1017,7 +1088,7 @@ def _fast_costs(
     for o in {*ov_of.values(), 0}:
         o = o if o > spread_to else spread_to
         c = o * bs
-        terms[o] = uw * (prompt - c if c < prompt else 0) - 0.1
+        terms[o] = uw * (prompt - c if c < prompt else 0) - aw * AGE_CAP
     get_ov = ov_of.get
     special = sorted(
         [(bound[w] + terms[o if (o := get_ov(w, 0)) > spread_to else spread_to], w) for w in names]
@@ -1025,7 +1096,7 @@ def _fast_costs(
     if extra:  # a replica's bound counts the prefill it is sent (its queue grows by that)
         special = sorted((lb + extra.get(w, 0), w) for lb, w in special)
     for lb, wid in special:
-        if lb - 1e-6 - 1e-12 * abs(lb) > lowest + TIE_EPS:
+        if exceeds(lb, lowest):
             break
         x = rows[wid]
         c = out[wid] = cost_of(x.obj, ov_of.get(wid, 0), x.pos)
@@ -1033,13 +1104,13 @@ def _fast_costs(
             lowest = c
     special = names
     # every other worker has overlap spread_to: its cost is at least its bound + the request's
-    # uncached term - the age tie-break (at most 0.1)
+    # uncached term - the age tie-break (at most aw * AGE_CAP)
     cached = spread_to * bs
-    rest = uw * (prompt - cached if cached < prompt else 0) - 0.1
+    rest = uw * (prompt - cached if cached < prompt else 0) - aw * AGE_CAP
     try:
         for bound, x in fv.by_bound():
             lb = bound + rest
-            if lb - 1e-6 - 1e-12 * abs(lb) > lowest + TIE_EPS:
+            if exceeds(lb, lowest):
                 break
             wid = x.obj.worker_id
             if wid in out or wid in special:
@@ -1049,17 +1120,17 @@ def _fast_costs(
                 lowest = c
     finally:
         fv.restore()
-    # what pick() reads: the evaluated workers and the replicas, in snapshot order
-    order = sorted(out.keys() | extra.keys(), key=lambda w: rows[w].pos)
-    cands = [rows[w].obj for w in order]
-    state.extra["kv_aware_dispatch"] = (
-        cands,
-        [idx.get(w, 0) for w in order],
-        [ov_of.get(w, 0) for w in order],
-        prompt,
-        extra,
-    )
+    _fast_dispatch(state, fp, out, prompt)
     return out
+
+
+def _kv_usage(w: WorkerState) -> float:
+    """The KV usage the cost counts (:meth:`KvAware.costs` computes it inline, per worker)."""
+    free = w.kv_blocks_free
+    if free is None:
+        return w.kv_usage or 0.0
+    blocks = w.capacity.num_gpu_blocks
+    return 1.0 - free / blocks if free < blocks else 0.0
 
 
 def _spt_at(spt_at: list[tuple[int, float | None]], pos: int, start: float | None):

@@ -54,10 +54,13 @@ Invariant: like ``kv_aware``, state lives in :class:`PolicyState` (``extra["slo_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from services.core.latency import LatencyModel, StepCoefficients, WorkerLoad, predict_fast
 from services.core.policy.base import PolicyState, register
-from services.core.policy.builtin.kv_aware import KvAware
-from services.core.policy.types import RequestInfo, WorkerState
+from services.core.policy.builtin import slo_fast
+from services.core.policy.builtin.kv_aware import AGE_CAP, KvAware
+from services.core.policy.types import ClusterSnapshot, RequestInfo, WorkerState
 
 CTX_DECAY = 0.02  # weight of each request in the running mean context
 INFEASIBLE = 1e6  # added to the cost of a worker predicted to miss the SLO (seconds)
@@ -136,6 +139,21 @@ class SloAware(KvAware):
         base = StepCoefficients.from_engine()
         self.prior = StepCoefficients(**{**_as_dict(base), **params["prior"]})
 
+    INFEASIBLE = INFEASIBLE
+
+    def fast_costs(
+        self,
+        req: RequestInfo,
+        snapshot: ClusterSnapshot,
+        overlaps: dict[str, int],
+        state: PolicyState,
+        filtered: dict[str, str],
+    ) -> dict[str, float] | None:
+        """Large fleets: :func:`services.core.policy.builtin.slo_fast.fast_costs`."""
+        if type(self).costs is not SloAware.costs:
+            return None
+        return slo_fast.fast_costs(self, req, snapshot, overlaps, state, filtered)
+
     def model(self, state: PolicyState, wid: str) -> LatencyModel:
         models: dict[str, LatencyModel] = state.extra.setdefault("slo_models", {})
         m = models.get(wid)
@@ -153,18 +171,42 @@ class SloAware(KvAware):
         if model is not None:
             ctx = state.extra.get("slo_ctx") or 0.0
             model.observe_step(gap_s, decoding, decoding * ctx)
+            self._recalibrated(state, worker_id, model.theta)
+
+    def _recalibrated(self, state: PolicyState, wid: str, theta: list[float]) -> None:
+        """``wid``'s coefficients changed: the large-fleet view's bounds for it are due, and
+        the fleet-wide floor of the coefficients follows (it only ever lowers here)."""
+        fv = state.extra.get("kv_aware_fleet")
+        if fv is not None:
+            fv.dirty.add(wid)
+        floor = state.extra.get("slo_floor")
+        if floor is not None:
+            floor[0] = [a if a < b else b for a, b in zip(floor[0], theta, strict=True)]
+            floor[1] += 1
+
+    def theta_floor(self, state: PolicyState) -> list[float]:
+        """Per coefficient, a lower bound over every worker's model (and the prior, which
+        unseen workers start from): the minimum, recomputed once the updates since the last
+        recomputation outnumber the models (amortised O(1) per update)."""
+        models: dict[str, LatencyModel] = state.extra.get("slo_models") or {}
+        floor = state.extra.get("slo_floor")
+        if floor is None or floor[2] is not self.prior or floor[1] > 64 + len(models):
+            mins = self.prior.as_list()
+            for m in models.values():
+                mins = [a if a < b else b for a, b in zip(mins, m.theta, strict=True)]
+            floor = state.extra["slo_floor"] = [mins, 0, self.prior]
+        return floor[0]
 
     def _decoding(self, w: WorkerState, state: PolicyState) -> int:
         fifo = self._clock(state).fifo.get(w.worker_id)
         return max(0, w.inflight - (len(fifo) if fifo else 0))
 
-    def costs(
-        self,
-        req: RequestInfo,
-        cands: list[WorkerState],
-        overlaps: dict[str, int],
-        state: PolicyState,
-    ) -> dict[str, float]:
+    def _calibrate(
+        self, req: RequestInfo, state: PolicyState, worker: Callable[[str], WorkerState | None]
+    ) -> tuple[float, float]:
+        """The part of a decision before the costs: the running mean context, the models
+        calibrated from the first tokens seen since the last decision (``worker``: a
+        candidate by id, or None), and this request's (TTFT, TPOT) targets in seconds."""
         # KV tokens a decoding sequence reads per step: the mean context of recent requests
         # (the engines' used blocks count cached prefixes too, which no decode reads)
         ctx = req.prompt_tokens + req.max_tokens / 2.0
@@ -178,17 +220,39 @@ class SloAware(KvAware):
             # still computing and more piled on (Mooncake: TTFT p99 25-41 s against 8 s)
             clock.discount = False
         if clock.samples:  # first tokens seen since the last decision calibrate the models
-            by_id = {w.worker_id: w for w in cands}
             for wid, tokens, dur in clock.samples:
-                w = by_id.get(wid)
+                w = worker(wid)
                 d = self._decoding(w, state) if w is not None else 0
                 kv = d * state.extra["slo_ctx"]
                 load = WorkerLoad(0.0, d, kv, self.p["step_budget"])
-                self.model(state, wid).observe_prefill(tokens, dur, load)
+                m = self.model(state, wid)
+                m.observe_prefill(tokens, dur, load)
+                self._recalibrated(state, wid, m.theta)
             clock.samples.clear()
         p = self.p
         ttft_slo = req.slo_ttft_s if req.slo_ttft_s is not None else p["slo_ttft_ms"] / 1000.0
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else p["slo_tpot_ms"] / 1000.0
+        return ttft_slo, tpot_slo
+
+    def shed_for(self, ttft_slo: float, tpot_slo: float, state: PolicyState) -> None:
+        """Refuse this request (nobody is predicted to meet its targets): no dispatch."""
+        state.shed = (
+            f"no worker predicted to meet the SLO (TTFT {ttft_slo * 1000:.0f} ms, "
+            f"TPOT {tpot_slo * 1000:.0f} ms)"
+        )
+        for k in ("kv_aware_last", "kv_aware_leaders", "kv_aware_dispatch"):
+            state.extra.pop(k, None)
+
+    def costs(
+        self,
+        req: RequestInfo,
+        cands: list[WorkerState],
+        overlaps: dict[str, int],
+        state: PolicyState,
+    ) -> dict[str, float]:
+        ttft_slo, tpot_slo = self._calibrate(req, state, _lookup(cands))
+        p = self.p
+        clock = self._clock(state)
         # per worker, the SLO headroom min(1 - ttft/slo_ttft, 1 - tpot/slo_tpot) (>= 0: meets
         # both), filled by _worker_cost
         headroom: dict[str, float] = {}
@@ -206,12 +270,7 @@ class SloAware(KvAware):
         out, missed = self._slo_costs(req, cands, overlaps, state)
         if len(missed) == len(out):  # nobody meets the SLO: the best overall, or shed
             if p["shed"]:
-                state.shed = (
-                    f"no worker predicted to meet the SLO (TTFT {ttft_slo * 1000:.0f} ms, "
-                    f"TPOT {tpot_slo * 1000:.0f} ms)"
-                )
-                for k in ("kv_aware_last", "kv_aware_leaders", "kv_aware_dispatch"):
-                    state.extra.pop(k, None)
+                self.shed_for(ttft_slo, tpot_slo, state)
             return out
         if p["feasible_pick"] == "headroom":
             out = {wid: -h for wid, h in headroom.items()}
@@ -240,6 +299,7 @@ class SloAware(KvAware):
         half_out = out_tokens / 2.0
         context = prompt + half_out  # a decoding sequence's mean context (predict_fast's own)
         keep = self.p["feasible_pick"] == "headroom"  # the headroom is read only then
+        aw = self.AGE_WEIGHT
         out: dict[str, float] = {}
         missed: list[str] = []
         for w, ov in zip(cands, ovs, strict=True):
@@ -248,7 +308,7 @@ class SloAware(KvAware):
             queued = w.pending_prefill_tokens
             if queued > 0:
                 since = busy.setdefault(wid, tick)
-                age = tick - since if tick - since < 1000 else 1000
+                age = tick - since if tick - since < AGE_CAP else AGE_CAP
                 if fifo:
                     if own_of.get(wid, 0) > queued:  # observe's own test: some are done
                         clock.observe(w, now)
@@ -289,7 +349,7 @@ class SloAware(KvAware):
                 headroom[wid] = h
             if h < 0.0:
                 missed.append(wid)
-            out[wid] = ttft + (iw * d + cw) * prefill_s - 1e-4 * age
+            out[wid] = ttft + (iw * d + cw) * prefill_s - aw * age
         return out, missed
 
     def _worker_cost(
@@ -319,6 +379,20 @@ class SloAware(KvAware):
         h2 = 1.0 - tpot * inv_tpot
         headroom[wid] = h if h < h2 else h2
         return ttft + (iw * d + cw) * prefill_s
+
+
+def _lookup(cands: list[WorkerState]) -> Callable[[str], WorkerState | None]:
+    """A candidate by id, its dict built on first use (most decisions have no sample to
+    calibrate from: no pass over the candidates then)."""
+    by_id: dict[str, WorkerState] | None = None
+
+    def worker(wid: str) -> WorkerState | None:
+        nonlocal by_id
+        if by_id is None:
+            by_id = {w.worker_id: w for w in cands}
+        return by_id.get(wid)
+
+    return worker
 
 
 def _as_dict(c: StepCoefficients) -> dict[str, float]:
