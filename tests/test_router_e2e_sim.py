@@ -136,9 +136,9 @@ async def test_shared_system_prompt_live(nats_url, subjects, bus: Bus, policy: s
     try:
         await router.wait_workers(4, timeout=20)
         r = router.router
-        copies = M.REPLICAS.labels("ok")._value.get()
+        copies = M.REPLICAS.labels("ok").value
         used = await _run_shared_prompt(router, 64, 16)
-        copies = M.REPLICAS.labels("ok")._value.get() - copies
+        copies = M.REPLICAS.labels("ok").value - copies
         top = used.most_common(1)[0][1] / sum(used.values())
         if policy == "prefix":
             assert top >= 0.9, used  # the hot spot
@@ -169,7 +169,7 @@ async def test_sim_worker_crash_mid_stream_migrates(nats_url, subjects, bus: Bus
     router = await RouterProc(nats_url, subjects, policy="round_robin").start()
     try:
         await router.wait_workers(2, timeout=20)
-        before = M.MIGRATIONS.labels("completed")._value.get()
+        before = M.MIGRATIONS.labels("completed").value
         body = {"model": "m", "prompt": "tell me a long story", "max_tokens": 60, "stream": True}
         text = ""
         async with aiohttp.ClientSession() as s:
@@ -194,7 +194,7 @@ async def test_sim_worker_crash_mid_stream_migrates(nats_url, subjects, bus: Bus
                     text += ch.get("text", "")
         assert raw.rstrip().endswith(b"data: [DONE]")
         assert len(text) == 60  # byte-level: 60 tokens = 60 characters, across both workers
-        assert M.MIGRATIONS.labels("completed")._value.get() == before + 1
+        assert M.MIGRATIONS.labels("completed").value == before + 1
     finally:
         await shutdown(("router", router.stop()), ("sims", sims.stop()), each_s=10)
 
@@ -255,7 +255,7 @@ async def test_a_follower_is_held_until_its_prefix_is_computed(
     try:
         await router.wait_workers(2, timeout=20)
         r = router.router
-        held = M.HOLDS.labels("token")._value.get()
+        held = M.HOLDS.labels("token").value
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
 
             async def post(rid: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
@@ -275,7 +275,7 @@ async def test_a_follower_is_held_until_its_prefix_is_computed(
             w_lead, _ = await lead
             await asyncio.gather(*busy)
         assert w_follow == w_lead
-        assert M.HOLDS.labels("token")._value.get() == held + 1
+        assert M.HOLDS.labels("token").value == held + 1
         assert usage["prompt_tokens_details"]["cached_tokens"] == 1024
         assert len(r.waits) == 0
     finally:

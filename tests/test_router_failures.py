@@ -53,7 +53,7 @@ async def test_503_and_connect_failure_retry_elsewhere(nats_url, subjects, bus: 
     try:
         workers[0].mode = "503"
         await workers[1].stop()  # heartbeats still claim it is up: connect refused
-        retries0 = M.RETRIES._value.get()
+        retries0 = M.RETRIES.value
         async with aiohttp.ClientSession() as s:
             for i in range(6):
                 st, h, body = await post(
@@ -63,7 +63,7 @@ async def test_503_and_connect_failure_retry_elsewhere(nats_url, subjects, bus: 
                 )
                 assert st == 200, body
                 assert h["x-kvgate-worker"] == "w2"
-        assert M.RETRIES._value.get() > retries0
+        assert M.RETRIES.value > retries0
     finally:
         await _teardown(router, workers, beats)
 
@@ -174,7 +174,7 @@ async def test_stream_migrates_when_worker_dies_mid_stream(
             w.chunks, w.chunk_text = 6, "xy"
         workers[0].mode = "crash_mid"
         workers[0].crash_after = 2
-        migrations0 = M.MIGRATIONS.labels("completed")._value.get()
+        migrations0 = M.MIGRATIONS.labels("completed").value
         path = "/v1/chat/completions" if chat else "/v1/completions"
         body = {"model": "m", "max_tokens": 12, "stream": True}
         body.update(
@@ -198,7 +198,7 @@ async def test_stream_migrates_when_worker_dies_mid_stream(
         cont = workers[1].served[-1]
         assert cont["path"] == "/v1/completions"
         assert cont["body"]["prompt"].endswith("xyxy") and cont["body"]["max_tokens"] == 8
-        assert M.MIGRATIONS.labels("completed")._value.get() == migrations0 + 1
+        assert M.MIGRATIONS.labels("completed").value == migrations0 + 1
         o = await asyncio.wait_for(outs.get(), 10)
         assert (
             o.request_id == "mig-1" and o.migrated == 1 and o.status == "ok" and o.worker_id == "w1"
@@ -225,14 +225,14 @@ async def test_hanging_worker_times_out_and_retries(nats_url, subjects, bus: Bus
             )
             assert st == 200 and h["x-kvgate-worker"] == "w1"
             workers[1].mode = "hang"
-            t0 = M.TIMEOUTS._value.get()
+            t0 = M.TIMEOUTS.value
             st, _, body = await post(
                 s,
                 router.url + "/v1/completions",
                 {"model": "m", "prompt": "b", "max_tokens": 2, "stream": True},
             )
             assert st == 504, body
-            assert M.TIMEOUTS._value.get() == t0 + 1
+            assert M.TIMEOUTS.value == t0 + 1
     finally:
         await _teardown(router, workers, beats)
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter
+from services.common.loop_metrics import LoopCounter
 
 TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"
@@ -28,7 +28,7 @@ DEFAULT_TTFT_MS = 2000.0
 DEFAULT_TPOT_MS = 50.0
 MAX_MS = 3_600_000.0
 
-SLO_REQUESTS = Counter(
+SLO_REQUESTS = LoopCounter(
     "kvgate_router_slo_requests_total",
     "Finished requests by policy and SLO result (met, missed_ttft, missed_tpot, failed, shed)",
     ["policy", "result"],
