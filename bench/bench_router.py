@@ -478,6 +478,7 @@ async def bench_proxy(
     modes: tuple[str, ...] = ("whole", "stream"),
     with_keys: bool = True,
     profile: Path | None = None,
+    policy: str = "kv_aware",
 ) -> dict[str, Any]:
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
@@ -492,7 +493,12 @@ async def bench_proxy(
     state = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvgate-bench-router-{os.getpid()}"
     nats = EmbeddedNats(state / "nats")
     nats.start()
-    results: dict[str, Any] = {"requests": requests, "seconds": seconds, "connections": conns}
+    results: dict[str, Any] = {
+        "requests": requests,
+        "seconds": seconds,
+        "connections": conns,
+        "policy": policy,
+    }
     beat_task = None
     bus = None
     try:
@@ -572,7 +578,7 @@ async def bench_proxy(
                         "--log-level",
                         "warning",
                         "--policy",
-                        "kv_aware",
+                        policy,
                         "--processes",
                         str(n),
                         *extra,
@@ -786,8 +792,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--policy",
         default="kv_aware",
-        help="(decision) the router's policy on the timed path (name or JSON spec, as "
-        "kvgate router --policy); the per-policy comparison always times every baseline",
+        help="the router's policy (name or JSON spec, as kvgate router --policy): on the "
+        "decision bench's timed path and in the proxy bench's router; the decision bench's "
+        "per-policy comparison always times every baseline",
     )
     ap.add_argument("--requests", type=int, default=2000, help="sequential requests (latency)")
     ap.add_argument("--seconds", type=float, default=10.0, help="seconds per throughput run")
@@ -856,6 +863,7 @@ def main(argv: list[str] | None = None) -> int:
                 modes,
                 not a.no_keys,
                 prof,
+                a.policy,
             )
         )
     out = Path(a.out)
