@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from services.common.deadlines import Deadlines
 from services.router.upstream import FastClient, StreamError, UpstreamError, _Conn
 from tests.test_router_support import wait_until
 
@@ -24,7 +25,7 @@ HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding
 
 
 def decode_split(raw: bytes, cuts: list[int]) -> _Conn:
-    conn = _Conn()
+    conn = _Conn(Deadlines())
     prev = 0
     for c in [*cuts, len(raw)]:
         if c > prev:

@@ -23,6 +23,8 @@ import asyncio
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from services.common.deadlines import Deadlines
+
 MAX_IDLE_PER_HOST = 256
 
 
@@ -52,6 +54,9 @@ class FastClient:
         self.connect_timeout = connect_timeout
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._targets: dict[str, tuple[str, int, bytes]] = {}
+        # response and stream timeouts (seconds long; a timer per wait would cost more than
+        # the rest of the wait): checked every Deadlines.tick_s, so they fire up to that late
+        self.deadlines = Deadlines()
 
     def _target(self, base_url: str) -> tuple[str, int, bytes]:
         t = self._targets.get(base_url)
@@ -66,6 +71,7 @@ class FastClient:
             for c in conns:
                 c.close()
         self._idle.clear()
+        await self.deadlines.close()
 
     async def post(
         self, base_url: str, path: str, body: bytes, headers: dict[str, str], timeout: float
@@ -124,7 +130,7 @@ class FastClient:
                 try:
                     async with asyncio.timeout(self.connect_timeout):
                         _t, conn = await asyncio.get_running_loop().create_connection(
-                            _Conn, host, port
+                            lambda: _Conn(self.deadlines), host, port
                         )
                 except TimeoutError as exc:
                     raise UpstreamError("connect", "connect timeout") from exc
@@ -133,11 +139,11 @@ class FastClient:
             conn.begin()
             conn.transport.write(head + body)
             try:
-                async with asyncio.timeout(timeout):
-                    while not (conn.done if whole else conn.head_done):
-                        if conn.error is not None:
-                            raise conn.error
-                        await conn.wait()
+                deadline = conn.loop.time() + timeout
+                while not (conn.done if whole else conn.head_done):
+                    if conn.error is not None:
+                        raise conn.error
+                    await conn.wait(deadline)
             except TimeoutError as exc:
                 conn.close()
                 raise UpstreamError("timeout", "no response in time") from exc
@@ -164,8 +170,10 @@ class _Conn(asyncio.Protocol):
     """One upstream connection reading one response at a time, decoded as bytes arrive
     (the head, then a body framed by Content-Length, chunks, or the connection's end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadlines: Deadlines) -> None:
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.deadlines = deadlines
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self.lost = False
         self.begin()
 
@@ -193,6 +201,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -209,10 +218,12 @@ class _Conn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
+    async def wait(self, deadline: float) -> None:
+        """Until bytes arrive or the connection ends; ``TimeoutError`` past ``deadline`` (the
+        loop's clock)."""
+        self.waiter = self.loop.create_future()
         try:
-            await self.waiter
+            await self.deadlines.wait(self.waiter, deadline)
         finally:
             self.waiter = None
 
@@ -351,8 +362,7 @@ class Stream:
                 raise c.error
             if c.done:
                 return b""
-            async with asyncio.timeout(self.idle_timeout):
-                await c.wait()
+            await c.wait(c.loop.time() + self.idle_timeout)
         out = c.out
         c.out = []
         return out[0] if len(out) == 1 else b"".join(out)
