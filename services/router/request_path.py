@@ -77,8 +77,12 @@ class RequestPath:
     async def handle(self, request: Request, chat: bool) -> Reply:
         t0 = time.perf_counter()
         try:
-            body = _json_decode(await request.read())
-            check_prompt_size(body, self.max_prompt_chars)  # before the tokenizer sees it
+            raw = await request.read()
+            body = _json_decode(raw)
+            # before the tokenizer sees it; a body of at most that many bytes cannot hold more
+            # characters of text (each takes one byte of JSON or more)
+            if len(raw) > self.max_prompt_chars:
+                check_prompt_size(body, self.max_prompt_chars)
             parsed = await self.parser.parse(body, chat, request.path)
         except msgspec.DecodeError as exc:
             return error_response(
