@@ -83,8 +83,6 @@ class HistogramChild:
 class _Metric:
     """A metric family and its children by label values (one child without labels)."""
 
-    kind = ""
-
     def __init__(
         self,
         name: str,
