@@ -470,6 +470,29 @@ class KvAware(PolicyImpl):
             )
         return c
 
+    def _routed_entries(
+        self, rid: str, keys: tuple[int, ...], state: PolicyState, tick: int
+    ) -> tuple[list[tuple[int, dict[str, tuple[int, str, int]]]], dict[str, str]]:
+        """The routed memory's entries for this prompt, deepest first, from ``hot_min_blocks``
+        on: (depth, {worker: (tick, leader, nth)}) at every ``ROUTED_STRIDE``-th block and the
+        last; and the (empty) leaders dict the caller fills. Leaves ``kv_aware_last`` (every
+        depth's entry or None, looked up once: :meth:`pick` writes there) and
+        ``kv_aware_leaders`` for :meth:`pick`."""
+        mem: dict[int, dict[str, tuple[int, str, int]]] = state.extra.setdefault(
+            "kv_aware_routed", {}
+        )
+        n = len(keys)
+        depths = list(range(n - n % ROUTED_STRIDE, 0, -ROUTED_STRIDE))
+        if n % ROUTED_STRIDE:
+            depths.insert(0, n)
+        found = list(map(mem.get, [keys[d - 1] for d in depths]))
+        state.extra["kv_aware_last"] = (keys, depths, found, tick, rid)
+        leaders: dict[str, str] = {}
+        state.extra["kv_aware_leaders"] = leaders
+        floor = self.p["hot_min_blocks"]
+        held = [(d, e) for d, e in zip(depths, found, strict=True) if e and d >= floor]
+        return held, leaders
+
     def _with_routed(
         self,
         rid: str,
@@ -482,21 +505,9 @@ class KvAware(PolicyImpl):
         """Overlaps raised by where this router recently *sent* the same prefix (its KV events
         may not have reached the index yet: the first request of a group is still computing
         it). Remembers the block key at every ``ROUTED_STRIDE``-th block and the last one."""
-        mem: dict[int, dict[str, tuple[int, str, int]]] = state.extra.setdefault(
-            "kv_aware_routed", {}
-        )
-        n = len(keys)
-        depths = list(range(n - n % ROUTED_STRIDE, 0, -ROUTED_STRIDE))
-        if n % ROUTED_STRIDE:
-            depths.insert(0, n)
-        # the memory's entries at those depths (None: none), looked up once: pick() writes there
-        found = list(map(mem.get, [keys[d - 1] for d in depths]))
-        state.extra["kv_aware_last"] = (keys, depths, found, tick, rid)
+        held, leaders = self._routed_entries(rid, keys, state, tick)
         ttl = self.p["routed_ttl"]
-        floor = self.p["hot_min_blocks"]
         routed: dict[str, int] = {}
-        leaders: dict[str, str] = {}
-        state.extra["kv_aware_leaders"] = leaders
         # per candidate, the deepest depth with a fresh entry (and its leader): deepest first,
         # looking only for the candidates not found yet, until every candidate is found. Other
         # workers' entries could change nothing this decision reads (the overlaps are the
@@ -509,7 +520,6 @@ class KvAware(PolicyImpl):
         # prefill is done.
         done_n = self._clock(state).done_n
         missing = {w.worker_id for w in cands}
-        held = [(d, e) for d, e in zip(depths, found, strict=True) if e and d >= floor]
         for j, (d, e) in enumerate(held):
             if len(missing) <= 2:
                 # a few left: each looks down the remaining depths by itself (cheaper than a
@@ -1152,20 +1162,10 @@ def _routed_fast(
 ) -> dict[str, int]:
     """:meth:`KvAware._with_routed` for every routable worker as a candidate: per worker in
     the memory's entries, the deepest depth with a fresh entry (and its leader); O(entries)."""
-    mem: dict[int, dict[str, tuple[int, str, int]]] = state.extra.setdefault("kv_aware_routed", {})
+    held, leaders = self._routed_entries(rid, keys, state, tick)
     done_n = self._clock(state).done_n
-    n = len(keys)
-    depths = list(range(n - n % ROUTED_STRIDE, 0, -ROUTED_STRIDE))
-    if n % ROUTED_STRIDE:
-        depths.insert(0, n)
-    found = list(map(mem.get, [keys[d - 1] for d in depths]))
-    state.extra["kv_aware_last"] = (keys, depths, found, tick, rid)
     ttl = self.p["routed_ttl"]
-    floor = self.p["hot_min_blocks"]
     routed: dict[str, int] = {}
-    leaders: dict[str, str] = {}
-    state.extra["kv_aware_leaders"] = leaders
-    held = [(d, e) for d, e in zip(depths, found, strict=True) if e and d >= floor]
     n = len(routable)
     for d, e in held:
         if len(routed) == n:
