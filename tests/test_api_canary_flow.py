@@ -19,7 +19,7 @@ from services.api.models import Canary
 from services.api.testing import ApiHarness, start_api
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
-from services.common.schemas import PolicyUpdated, RouterOutcome, decode
+from services.common.schemas import PolicyUpdated, RouterOutcome, decode, encode, encode_batch
 from services.common.streams import ensure_outcomes_stream
 
 FAST = {
@@ -331,7 +331,8 @@ async def test_outcomes_are_counted_per_arm_in_the_current_window(
     api: ApiHarness, bus: Bus
 ) -> None:
     """Streamed outcomes count their TTFT, non-streamed ones their end-to-end time; outcomes
-    of other canaries, without a canary or from before the window are not counted."""
+    of other canaries, without a canary or from before the window are not counted. The
+    candidate's arrive as one array (a router's tick), the rest one per message."""
     await setup_policies(api)
     _, c = await api.call(
         "POST", "/api/v1/canaries", {"policy": "cand", **FAST, "step_duration_s": 600}
@@ -360,7 +361,8 @@ async def test_outcomes_are_counted_per_arm_in_the_current_window(
         + [out("control", canary_id=None), out("control", canary_id="other")]
         + [out("control", ts=now - 3600)]  # before the window
     )
-    for m in msgs:
+    await bus.js.publish(bus.subjects.router_outcomes, encode_batch([encode(m) for m in msgs[:8]]))
+    for m in msgs[8:]:
         await bus.js_publish(bus.subjects.router_outcomes, m)
     deadline = time.monotonic() + 10
     while True:

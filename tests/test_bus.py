@@ -9,7 +9,14 @@ import time
 import pytest
 
 from services.common.bus import BUS_DROPPED, BUS_REPLY_FAILED, Bus, RemoteError
-from services.common.schemas import KvDumpRequest, RouterLoad, WorkerControl, encode
+from services.common.schemas import (
+    KvDumpRequest,
+    RouterLoad,
+    RouterOutcome,
+    WorkerControl,
+    encode,
+    encode_batch,
+)
 from services.common.subjects import Subjects
 
 
@@ -37,6 +44,47 @@ async def test_invalid_message_is_counted_and_subscription_survives(bus: Bus) ->
     good = RouterLoad(router_id="r1", ts=2.0)
     await bus.publish(bus.subjects.router_load("r1"), good)
     assert await asyncio.wait_for(got.get(), 5) == good  # delivered in order after the bad one
+    assert BUS_DROPPED.labels("RouterLoad", "invalid")._value.get() == before + 1
+
+
+async def test_a_batched_type_arrives_one_by_one_in_either_form(bus: Bus) -> None:
+    """``router.outcomes`` carries one RouterOutcome or an array of them (a router's tick):
+    the handler sees each, in order; an array with one bad element is dropped whole and
+    counted; an array of a type that is not batched is invalid."""
+    got: asyncio.Queue[RouterOutcome] = asyncio.Queue()
+
+    async def handler(msg: RouterOutcome, _raw) -> None:
+        await got.put(msg)
+
+    def out(i: int) -> RouterOutcome:
+        return RouterOutcome(request_id=f"r{i}", router_id="t", ts=float(i), policy="p")
+
+    invalid = BUS_DROPPED.labels("RouterOutcome", "invalid")._value.get()
+    await bus.subscribe(bus.subjects.router_outcomes, RouterOutcome, handler)
+    subj = bus.subjects.router_outcomes
+    await bus.publish_raw(subj, encode_batch([encode(out(i)) for i in range(3)]))
+    await bus.publish_raw(subj, encode_batch([encode(out(9)), b"\xc0"]))  # nil: not an outcome
+    await bus.publish(subj, out(3))
+    assert [(await asyncio.wait_for(got.get(), 5)).request_id for _ in range(4)] == [
+        "r0",
+        "r1",
+        "r2",
+        "r3",
+    ]
+    assert got.empty()
+    assert BUS_DROPPED.labels("RouterOutcome", "invalid")._value.get() == invalid + 1
+
+    loads: asyncio.Queue[RouterLoad] = asyncio.Queue()
+
+    async def on_load(msg: RouterLoad, _raw) -> None:
+        await loads.put(msg)
+
+    before = BUS_DROPPED.labels("RouterLoad", "invalid")._value.get()
+    await bus.subscribe(bus.subjects.router_load_all, RouterLoad, on_load)
+    one = RouterLoad(router_id="r1", ts=1.0)
+    await bus.publish_raw(bus.subjects.router_load("r1"), encode_batch([encode(one)]))
+    await bus.publish(bus.subjects.router_load("r1"), one)
+    assert await asyncio.wait_for(loads.get(), 5) == one
     assert BUS_DROPPED.labels("RouterLoad", "invalid")._value.get() == before + 1
 
 

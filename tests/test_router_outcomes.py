@@ -1,4 +1,5 @@
-"""The router's outcome publisher over a real NATS server (services/router/outcomes.py)."""
+"""The router's outcome publisher over a real NATS server (services/router/outcomes.py): a
+tick's outcomes as few bus messages as their size allows, never stuck while NATS is down."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import asyncio
 
 from services.common.bus import Bus
 from services.common.embedded import EmbeddedNats
-from services.common.schemas import RouterOutcome
+from services.common.schemas import RouterOutcome, decode_all, encode
 from services.common.subjects import Subjects
 from services.router.outcomes import OutcomePublisher
 
 
-def _outcome(i: int) -> RouterOutcome:
+def _outcome(i: int, model: str = "m") -> RouterOutcome:
     return RouterOutcome(
         request_id=f"r{i}",
         router_id="t",
@@ -20,7 +21,7 @@ def _outcome(i: int) -> RouterOutcome:
         policy_version=1,
         arm="control",
         canary_id=None,
-        model="m",
+        model=model,
         worker_id="w",
         status="ok",
         http_status=200,
@@ -70,5 +71,88 @@ async def test_publisher_never_spins_while_its_connection_is_down(tmp_path) -> N
         assert pub.published == 4 and pub.dropped == 0
     finally:
         await pub.stop(0.5)
+        await bus.close()
+        server.stop()
+
+
+async def _collect(bus: Bus, want: int) -> tuple[list[bytes], asyncio.Event, list]:
+    """Raw messages on router.outcomes until ``want`` outcomes arrived."""
+    payloads: list[bytes] = []
+    outcomes: list[RouterOutcome] = []
+    done = asyncio.Event()
+
+    async def on(msg) -> None:
+        payloads.append(msg.data)
+        outcomes.extend(decode_all(RouterOutcome, msg.data))
+        if len(outcomes) >= want:
+            done.set()
+
+    await bus.client.subscribe(bus.subjects.router_outcomes, cb=on)
+    return payloads, done, outcomes
+
+
+async def test_a_ticks_outcomes_go_out_as_one_message_cut_at_message_bytes(tmp_path) -> None:
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    bus = Bus(server.url, "outcomes-test", Subjects("outb"))
+    await bus.connect(max_wait_s=10)
+    try:
+        # the default size: a tick's 40 outcomes in one message, in order
+        payloads, done, got = await _collect(bus, 40)
+        pub = OutcomePublisher(bus, tick_s=0.05)
+        pub.start()
+        for i in range(40):
+            pub.submit(_outcome(i))
+        await asyncio.wait_for(done.wait(), 10)
+        await pub.stop(1.0)
+        assert [o.request_id for o in got] == [f"r{i}" for i in range(40)]
+        assert len(payloads) == 1 and pub.messages == 1 and pub.published == 40
+
+        # a small limit: several messages, none over it, each as full as it could be
+        size = len(encode(_outcome(10)))  # r10..r49 all encode to this size
+        limit = 7 * size + size // 2
+        bus2 = Bus(server.url, "outcomes-test2", Subjects("outc"))
+        await bus2.connect(max_wait_s=10)
+        payloads, done, got = await _collect(bus2, 40)
+        pub = OutcomePublisher(bus2, tick_s=0.05, message_bytes=limit)
+        pub.start()
+        for i in range(10, 50):
+            pub.submit(_outcome(i))
+        await asyncio.wait_for(done.wait(), 10)
+        await pub.stop(1.0)
+        await bus2.close()
+        assert [o.request_id for o in got] == [f"r{i}" for i in range(10, 50)]
+        counts = [len(decode_all(RouterOutcome, p)) for p in payloads]
+        assert counts == [7, 7, 7, 7, 7, 5] and pub.messages == 6
+        assert all(len(p) <= limit + 16 for p in payloads)
+    finally:
+        await bus.close()
+        server.stop()
+
+
+async def test_an_outcome_over_the_servers_max_payload_is_dropped_and_counted(tmp_path) -> None:
+    """One outcome larger than the server takes goes alone and is counted as ``too_large``;
+    the tick's other outcomes still go out."""
+    from services.router.metrics import OUTCOMES_DROPPED
+
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    bus = Bus(server.url, "outcomes-test", Subjects("outd"))
+    await bus.connect(max_wait_s=10)
+    try:
+        payloads, done, got = await _collect(bus, 2)
+        pub = OutcomePublisher(bus, tick_s=0.05)
+        pub.start()
+        before = OUTCOMES_DROPPED.labels("too_large").value
+        huge = "x" * (bus.client.max_payload + 1)
+        for o in (_outcome(0), _outcome(1, model=huge), _outcome(2)):
+            pub.submit(o)
+        await asyncio.wait_for(done.wait(), 10)
+        await asyncio.wait_for(pub.queue.join(), 10)
+        await pub.stop(1.0)
+        assert [o.request_id for o in got] == ["r0", "r2"]
+        assert (pub.published, pub.dropped) == (2, 1)
+        assert OUTCOMES_DROPPED.labels("too_large").value == before + 1
+    finally:
         await bus.close()
         server.stop()

@@ -165,3 +165,25 @@ def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
     payload = _batch(new_field_from_v1_1="hello")
     batch = s.decode(s.KvEventBatch, msgpack.packb(payload))
     assert batch.seq == 0 and batch.events[0].keys == [1, 2]
+
+
+def test_a_batched_type_decodes_from_one_message_or_an_array() -> None:
+    """``decode_all``: a RouterOutcome alone or a msgpack array of them (as another msgpack
+    library writes it: the format is the contract, not our encoder); every element is
+    validated and version-checked, one bad element rejects the message."""
+    o = {"request_id": "r", "router_id": "rt", "ts": 1.0, "policy": "p", "v": s.SCHEMA_VERSION}
+    one = s.decode_all(s.RouterOutcome, msgpack.packb(o))
+    many = s.decode_all(s.RouterOutcome, msgpack.packb([o, {**o, "request_id": "r2"}]))
+    assert [x.request_id for x in one] == ["r"]
+    assert [x.request_id for x in many] == ["r", "r2"]
+    assert s.decode_all(s.RouterOutcome, msgpack.packb([])) == []
+    assert s.decode_all(s.RouterOutcome, s.encode_batch([s.encode(x) for x in many])) == many
+    with pytest.raises(s.SchemaError, match=r"RouterOutcome.*\$\[1\]\.ts"):
+        s.decode_all(s.RouterOutcome, msgpack.packb([o, {**o, "ts": "soon"}]))
+    with pytest.raises(s.SchemaError, match="unsupported schema version v=99"):
+        s.decode_all(s.RouterOutcome, msgpack.packb([o, {**o, "v": 99}]))
+    # a type that never travels in arrays
+    load = {"router_id": "r1", "ts": 1.0, "v": s.SCHEMA_VERSION}
+    assert len(s.decode_all(s.RouterLoad, msgpack.packb(load))) == 1
+    with pytest.raises(s.SchemaError, match="RouterLoad: Expected `object`, got `array`"):
+        s.decode_all(s.RouterLoad, msgpack.packb([load]))

@@ -44,7 +44,7 @@ from prometheus_client import Counter
 from services.common.aio import cancel_and_wait
 from services.common.logging import RateLimiter, get_logger
 from services.common.redact import redact_text, redact_url
-from services.common.schemas import SchemaError, decode, encode
+from services.common.schemas import SchemaError, decode, decode_all, encode
 from services.common.signing import Signer
 from services.common.subjects import Subjects
 
@@ -344,14 +344,16 @@ class Bus:
 
         async def on_msg(raw: Msg) -> None:
             try:
-                obj = decode(msg_type, raw.data)
+                # one message, or several for a batched type (schemas: decode_all)
+                objs = decode_all(msg_type, raw.data)
             except SchemaError as exc:
                 self._count_drop(type_name, "invalid", raw.subject, str(exc))
                 return
-            try:
-                await handler(obj, raw)
-            except Exception as exc:  # a bad message must not kill the subscription
-                self._count_drop(type_name, "handler_error", raw.subject, repr(exc))
+            for obj in objs:
+                try:
+                    await handler(obj, raw)
+                except Exception as exc:  # a bad message must not kill the subscription
+                    self._count_drop(type_name, "handler_error", raw.subject, repr(exc))
 
         return on_msg
 
@@ -362,7 +364,8 @@ class Bus:
         handler: Handler[T],
         queue: str = "",
     ) -> Any:
-        """Core NATS subscription delivering decoded, validated messages to ``handler``."""
+        """Core NATS subscription delivering decoded, validated messages to ``handler`` (each
+        one of a batch, for a ``batched`` type)."""
         return await self.client.subscribe(subject, queue=queue, cb=self._wrap(msg_type, handler))
 
     async def request(

@@ -7,6 +7,9 @@ Invariants:
 - :func:`decode` either returns a fully type-checked object or raises :class:`SchemaError`
   whose message names the message type and the offending field. Nothing half-valid escapes.
 - Block keys are canonical kvgate keys (:mod:`services.core.keys`): unsigned 64-bit ints.
+- A type with ``batched = True`` may also travel as a msgpack array of several messages in one
+  bus message (:func:`encode_batch`); :func:`decode_all` reads either form, so a consumer of
+  such a subject handles both (``router.outcomes``: a router sends one array per tick).
 
 Other issues extend this module with their own messages; keep every wire type here.
 """
@@ -14,7 +17,7 @@ Other issues extend this module with their own messages; keep every wire type he
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -38,6 +41,8 @@ class SchemaError(ValueError):
 
 class Message(Struct, kw_only=True):
     v: int = SCHEMA_VERSION
+    # may several travel as one array in a bus message (module invariants)
+    batched: ClassVar[bool] = False
 
 
 def now() -> float:
@@ -215,6 +220,12 @@ class RouterLoad(Message):
 
 
 class RouterOutcome(Message):
+    """One finished request. Routers send the outcomes of one tick as an array of these
+    (:func:`encode_batch`): a message per request would cost the broker's stream more than
+    the router's whole request."""
+
+    batched: ClassVar[bool] = True
+
     request_id: str
     router_id: Token
     ts: float
@@ -434,24 +445,48 @@ class KvQueryReply(Message):
 # --------------------------------------------------------------------------- codec
 
 _encoder = msgspec.msgpack.Encoder()
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 
 
 def encode(msg: Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+def encode_batch(encoded: list[bytes]) -> bytes:
+    """One bus message carrying several already-encoded messages of a ``batched`` type (a
+    msgpack array of them; :func:`decode_all` reads it)."""
+    return _encoder.encode([msgspec.Raw(b) for b in encoded])
+
+
 def decode(msg_type: type[Struct], data: bytes | bytearray | memoryview) -> Any:
     """Decode and validate ``data`` as ``msg_type`` or raise SchemaError naming the problem."""
-    dec = _decoders.get(msg_type)
+    return _checked(msg_type, _decode(msg_type, msg_type, data))
+
+
+def decode_all(msg_type: type[Struct], data: bytes | bytearray | memoryview) -> list[Any]:
+    """The messages in ``data``: one ``msg_type``, or for a ``batched`` type an array of them
+    (all valid, or SchemaError for the whole message)."""
+    if not getattr(msg_type, "batched", False):
+        return [decode(msg_type, data)]
+    obj = _decode(msg_type, msg_type | list[msg_type], data)  # type: ignore[operator]
+    if isinstance(obj, list):
+        return [_checked(msg_type, o) for o in obj]
+    return [_checked(msg_type, obj)]
+
+
+def _decode(msg_type: type[Struct], spec: Any, data: bytes | bytearray | memoryview) -> Any:
+    dec = _decoders.get(spec)
     if dec is None:
-        dec = _decoders[msg_type] = msgspec.msgpack.Decoder(msg_type)
+        dec = _decoders[spec] = msgspec.msgpack.Decoder(spec)
     try:
-        obj = dec.decode(data)
+        return dec.decode(data)
     except msgspec.ValidationError as exc:
         raise SchemaError(f"{msg_type.__name__}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise SchemaError(f"{msg_type.__name__}: malformed msgpack ({exc})") from None
+
+
+def _checked(msg_type: type[Struct], obj: Any) -> Any:
     version = getattr(obj, "v", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
         raise SchemaError(

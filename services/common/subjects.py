@@ -20,7 +20,7 @@ kv.index.snapshot                       SnapshotRequest -> snapshot (req/reply) 
 kv.query                                KvQuery -> KvQueryReply (req/reply)        core
 kv.index.verify                         IndexVerifyRequest -> IndexVerifyReply     core
 router.load.<router>                    RouterLoad (in-flight per worker)          core
-router.outcomes                         RouterOutcome                              JetStream OUTCOMES
+router.outcomes                         RouterOutcome, or an array of them         JetStream OUTCOMES
 policy.updated                          PolicyUpdated                              core + JetStream POLICY
 policy.revision                         PolicyRevisionRequest -> Reply (req/reply) core (the api answers)
 alerting.signals.<source>               Alert (raw signal, not yet de-duplicated)  JetStream ALERT_SIGNALS

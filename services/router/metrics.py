@@ -87,7 +87,9 @@ OUTLIER_EJECTIONS = LoopCounter(
     ["worker"],
 )
 OUTCOMES_DROPPED = LoopCounter(
-    "kvgate_router_outcomes_dropped_total", "Outcome messages not published", ["reason"]
+    "kvgate_router_outcomes_dropped_total",
+    "Outcomes not published (buffer_full, publish_error, too_large)",
+    ["reason"],
 )
 POLICY_UPDATES = LoopCounter(
     "kvgate_router_policy_updates_total", "policy.updated notices", ["result"]

@@ -31,7 +31,7 @@ from services.api.pull import PullLoop
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
-from services.common.schemas import RouterOutcome, SchemaError, decode
+from services.common.schemas import RouterOutcome, SchemaError, decode_all
 from services.common.streams import ensure_outcomes_stream
 
 log = get_logger("api.canary")
@@ -85,13 +85,14 @@ class OutcomeCollector:
 
     async def _on_raw(self, raw) -> bool:
         try:
-            outcome = decode(RouterOutcome, raw.data)
+            outcomes = decode_all(RouterOutcome, raw.data)  # a router's tick: an array of them
         except SchemaError as exc:
             OUTCOMES.labels("invalid").inc()
             if self._log.allow("invalid"):
                 log.warning("invalid router outcome dropped", error=str(exc))
             return True
-        await self._on_outcome(outcome)
+        for outcome in outcomes:
+            await self._on_outcome(outcome)
         return True
 
     async def _on_outcome(self, o: RouterOutcome) -> None:
