@@ -254,6 +254,65 @@ def test_prefill_clock_learns_the_speed_from_first_tokens() -> None:
     assert small.spt is None and not small.fifo["w0"]
 
 
+def _queued_by_entry(c: PrefillClock, w: WorkerState, now: float) -> float:
+    """PrefillClock.queued written out entry by entry (the definition in its docstring)."""
+    q = c.fifo.get(w.worker_id)
+    if not q:
+        return w.pending_prefill_tokens
+    left = float(max(0, w.pending_prefill_tokens - sum(p for _, p, _ in q)))
+    spt = c.spt * c.slack if c.discount and c.spt is not None else None
+    free = c.last_done.get(w.worker_id, 0.0)
+    for at, _, comp in q:
+        if spt is None:
+            left += comp
+            continue
+        start = max(at, free)
+        end = start + comp * spt
+        if now < end:
+            left += comp if now <= start else comp * (end - now) / (end - start)
+        free = end
+    return left
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefill_clock_queued_equals_its_entry_by_entry_definition(seed: int) -> None:
+    """Random dispatches, first tokens, other routers' load and FIFO overflow (MAX_ENTRIES):
+    ``queued`` (a running sum where every entry counts in full) is the same float as adding
+    up the entries, with and without a learned speed, discounting or not (slo_aware)."""
+    rng = random.Random(seed)
+    clocks = [PrefillClock(min_tokens=64, slack=1.5), PrefillClock(min_tokens=64, discount=False)]
+    for c in clocks:
+        c.MAX_ENTRIES = 40
+    ws = [WorkerState(f"w{i}", capacity=CAP) for i in range(3)]
+    other = {w.worker_id: 0 for w in ws}
+    now = 0.0
+    for _ in range(1500):
+        now += rng.expovariate(200.0)
+        w = rng.choice(ws)
+        r = rng.random()
+        for c in clocks:
+            if r < 0.55:
+                pend = rng.choice([0, rng.randint(1, 5000)])
+                c.dispatched(w.worker_id, now, pend, rng.randint(0, pend))
+            elif r < 0.85:  # some of this clock's oldest prefills are done
+                q = c.fifo.get(w.worker_id)
+                done = rng.randint(0, len(q)) if q else 0
+                own = c.own.get(w.worker_id, 0)
+                w.pending_prefill_tokens = own - sum(p for _, p, _ in list(q)[:done]) if q else 0
+                w.pending_prefill_tokens += other[w.worker_id]
+                w.first_token_at = now - rng.random() * 0.01
+                c.observe(w, now)
+            else:
+                other[w.worker_id] = rng.choice([0, rng.randint(1, 3000)])
+            w.pending_prefill_tokens = c.own.get(w.worker_id, 0) + other[w.worker_id]
+            for x in ws:
+                x.pending_prefill_tokens = c.own.get(x.worker_id, 0) + other[x.worker_id]
+                assert c.queued(x, now) == _queued_by_entry(c, x, now)
+                q = c.fifo.get(x.worker_id) or ()
+                assert c.computing.get(x.worker_id, 0) == sum(comp for _, _, comp in q)
+    assert clocks[0].spt is not None  # the learned-speed branch ran too
+
+
 def test_ties_go_to_the_worker_whose_queued_prefill_is_oldest() -> None:
     ws = workers(2)
     p = build_policy({"name": "kv_aware"})

@@ -252,9 +252,11 @@ class PrefillClock:
     :meth:`queued` is what is left to compute at ``now`` (each entry starts when the one before
     it ends and takes ``slack`` x ``spt`` per token), plus other routers' part of the worker's
     ``pending_prefill_tokens``: a worker whose cold prefill is almost done is almost free, which
-    ``pending_prefill_tokens`` (it drops only at the first token) cannot tell. Invariant:
-    ``own[w]`` = sum of ``fifo[w]``'s pending; without a clock (``now`` always 0) no sample is
-    ever taken, ``spt`` stays None and every entry counts in full.
+    ``pending_prefill_tokens`` (it drops only at the first token) cannot tell. Invariants:
+    ``own[w]`` = sum of ``fifo[w]``'s pending, ``computing[w]`` = sum of its compute (so
+    counting every entry in full is O(1), not O(entries): a worker with hundreds of requests
+    before their first token is decided on as fast as an idle one); without a clock (``now``
+    always 0) no sample is ever taken, ``spt`` stays None and every entry counts in full.
     """
 
     min_tokens: int
@@ -265,6 +267,7 @@ class PrefillClock:
     tok_sum: float = 0.0
     fifo: dict[str, deque] = field(default_factory=dict)
     own: dict[str, int] = field(default_factory=dict)
+    computing: dict[str, int] = field(default_factory=dict)
     last_done: dict[str, float] = field(default_factory=dict)
     # when a list: every sample taken is appended as (worker, computed tokens, seconds), for a
     # caller that calibrates its own model from them (``slo_aware``)
@@ -289,9 +292,12 @@ class PrefillClock:
             q = self.fifo[wid] = deque()
         q.append((now, pending, compute))
         self.own[wid] = self.own.get(wid, 0) + pending
+        self.computing[wid] = self.computing.get(wid, 0) + compute
         self.sent_n[wid] = self.sent_n.get(wid, 0) + 1
         if len(q) > self.MAX_ENTRIES:
-            self.own[wid] -= q.popleft()[1]
+            _, pend, comp = q.popleft()
+            self.own[wid] -= pend
+            self.computing[wid] -= comp
             self.done_n[wid] = self.done_n.get(wid, 0) + 1
 
     def observe(self, w: WorkerState, now: float) -> None:
@@ -311,6 +317,7 @@ class PrefillClock:
             compute += comp
             n += 1
         self.own[wid] = own
+        self.computing[wid] -= compute
         self.done_n[wid] = self.done_n.get(wid, 0) + n
         done = w.first_token_at
         if done is None or done < first or done > now:
@@ -339,9 +346,9 @@ class PrefillClock:
         left = float(other) if other > 0 else 0.0
         spt = self.spt if self.discount else None
         if spt is None:
-            for _, _, comp in q:
-                left += comp
-            return left
+            # every entry in full: integers below 2**53, so the same float as adding them one
+            # by one
+            return left + self.computing[wid]
         spt *= self.slack
         free = self.last_done.get(wid, 0.0)
         for at, _, comp in q:
