@@ -75,58 +75,56 @@ async def test_publisher_never_spins_while_its_connection_is_down(tmp_path) -> N
         server.stop()
 
 
-async def _collect(bus: Bus, want: int) -> tuple[list[bytes], asyncio.Event, list]:
-    """Raw messages on router.outcomes until ``want`` outcomes arrived."""
+async def _published(
+    bus: Bus, outcomes: list[RouterOutcome], want: int, **publisher: int
+) -> tuple[list[bytes], list[RouterOutcome], OutcomePublisher]:
+    """Submit ``outcomes`` in one tick; the raw messages on router.outcomes until ``want``
+    outcomes arrived, the outcomes in them, and the stopped publisher."""
     payloads: list[bytes] = []
-    outcomes: list[RouterOutcome] = []
-    done = asyncio.Event()
+    got: list[RouterOutcome] = []
+    arrived = asyncio.Event()
 
     async def on(msg) -> None:
         payloads.append(msg.data)
-        outcomes.extend(decode_all(RouterOutcome, msg.data))
-        if len(outcomes) >= want:
-            done.set()
+        got.extend(decode_all(RouterOutcome, msg.data))
+        if len(got) >= want:
+            arrived.set()
 
     await bus.client.subscribe(bus.subjects.router_outcomes, cb=on)
-    return payloads, done, outcomes
+    pub = OutcomePublisher(bus, tick_s=0.05, **publisher)
+    pub.start()
+    for o in outcomes:
+        pub.submit(o)
+    await asyncio.wait_for(arrived.wait(), 10)
+    await asyncio.wait_for(pub.queue.join(), 10)
+    await pub.stop(1.0)
+    return payloads, got, pub
 
 
 async def test_a_ticks_outcomes_go_out_as_one_message_cut_at_message_bytes(tmp_path) -> None:
     server = EmbeddedNats(tmp_path / "nats")
     server.start()
-    bus = Bus(server.url, "outcomes-test", Subjects("outb"))
-    await bus.connect(max_wait_s=10)
+    buses = [Bus(server.url, f"outcomes-test{i}", Subjects(f"outb{i}")) for i in range(2)]
     try:
+        for b in buses:
+            await b.connect(max_wait_s=10)
         # the default size: a tick's 40 outcomes in one message, in order
-        payloads, done, got = await _collect(bus, 40)
-        pub = OutcomePublisher(bus, tick_s=0.05)
-        pub.start()
-        for i in range(40):
-            pub.submit(_outcome(i))
-        await asyncio.wait_for(done.wait(), 10)
-        await pub.stop(1.0)
+        payloads, got, pub = await _published(buses[0], [_outcome(i) for i in range(40)], 40)
         assert [o.request_id for o in got] == [f"r{i}" for i in range(40)]
         assert len(payloads) == 1 and pub.messages == 1 and pub.published == 40
 
         # a small limit: several messages, none over it, each as full as it could be
         size = len(encode(_outcome(10)))  # r10..r49 all encode to this size
         limit = 7 * size + size // 2
-        bus2 = Bus(server.url, "outcomes-test2", Subjects("outc"))
-        await bus2.connect(max_wait_s=10)
-        payloads, done, got = await _collect(bus2, 40)
-        pub = OutcomePublisher(bus2, tick_s=0.05, message_bytes=limit)
-        pub.start()
-        for i in range(10, 50):
-            pub.submit(_outcome(i))
-        await asyncio.wait_for(done.wait(), 10)
-        await pub.stop(1.0)
-        await bus2.close()
+        outs = [_outcome(i) for i in range(10, 50)]
+        payloads, got, pub = await _published(buses[1], outs, 40, message_bytes=limit)
         assert [o.request_id for o in got] == [f"r{i}" for i in range(10, 50)]
         counts = [len(decode_all(RouterOutcome, p)) for p in payloads]
         assert counts == [7, 7, 7, 7, 7, 5] and pub.messages == 6
         assert all(len(p) <= limit + 16 for p in payloads)
     finally:
-        await bus.close()
+        for b in buses:
+            await b.close()
         server.stop()
 
 
@@ -138,18 +136,12 @@ async def test_an_outcome_over_the_servers_max_payload_is_dropped_and_counted(tm
     server = EmbeddedNats(tmp_path / "nats")
     server.start()
     bus = Bus(server.url, "outcomes-test", Subjects("outd"))
-    await bus.connect(max_wait_s=10)
     try:
-        payloads, done, got = await _collect(bus, 2)
-        pub = OutcomePublisher(bus, tick_s=0.05)
-        pub.start()
+        await bus.connect(max_wait_s=10)
         before = OUTCOMES_DROPPED.labels("too_large").value
         huge = "x" * (bus.client.max_payload + 1)
-        for o in (_outcome(0), _outcome(1, model=huge), _outcome(2)):
-            pub.submit(o)
-        await asyncio.wait_for(done.wait(), 10)
-        await asyncio.wait_for(pub.queue.join(), 10)
-        await pub.stop(1.0)
+        outs = [_outcome(0), _outcome(1, model=huge), _outcome(2)]
+        _payloads, got, pub = await _published(bus, outs, 2)
         assert [o.request_id for o in got] == ["r0", "r2"]
         assert (pub.published, pub.dropped) == (2, 1)
         assert OUTCOMES_DROPPED.labels("too_large").value == before + 1
