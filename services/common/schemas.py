@@ -221,8 +221,8 @@ class RouterLoad(Message):
 
 class RouterOutcome(Message):
     """One finished request. Routers send the outcomes of one tick as an array of these
-    (:func:`encode_batch`): a message per request would cost the broker's stream more than
-    the router's whole request."""
+    (:func:`encode_batch`): a message per request cost the broker ~5 % of a core at 8,000
+    requests/s (docs/benchmarks.md, proxy)."""
 
     batched: ClassVar[bool] = True
 

@@ -1,8 +1,8 @@
 """A request's outcome: its metrics and one ``RouterOutcome``, published off the request path
 through a bounded buffer and a background publisher that sends what gathered per tick
 (``tick_s``, 20 ms) as one bus message (a msgpack array of outcomes, cut at ``message_bytes``):
-the OUTCOMES stream stores one message per tick instead of one per request, which at 8,000
-requests/s took the broker more CPU than the router's cheapest request
+the OUTCOMES stream stores one message per tick instead of one per request, which cost the
+broker ~5 % of a core and the router a few µs per request at 8,000 requests/s
 (docs/benchmarks.md, proxy).
 
 Invariants: :meth:`OutcomeRecorder.record` runs exactly once per request (the request path
