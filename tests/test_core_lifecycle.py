@@ -3,6 +3,10 @@ on a hand-driven clock (no I/O, no event loop)."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from services.common.schemas import WorkerCapacity, WorkerHeartbeat, WorkerLoad
 from services.core.cluster import ClusterState
 from services.core.lifecycle import AdmissionQueue, FirstTokenHolds, RequestLifecycle
@@ -80,6 +84,51 @@ def test_a_reservation_counts_against_a_sample_taken_at_or_before_its_dispatch()
     life.end("at", at)
     life.end("old", before)
     assert w0.kv_blocks_free == 60
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_free_blocks_follow_their_definition_through_samples_dispatches_and_releases(
+    seed: int,
+) -> None:
+    """Random telemetry samples (some stale, some without free blocks, some repeating a ts),
+    dispatches at wall times around them and releases in any order: after every step each
+    worker's ``kv_blocks_free`` is the sample's free blocks minus the blocks of the tickets
+    dispatched at or after its ts (the state keeps that sum as it goes)."""
+    rng = random.Random(seed)
+    life = _lifecycle(2)
+    st = life.state
+    live: list[tuple[str, object]] = []
+    samples: dict[str, WorkerLoad] = {}
+    wall = 10.0
+    for step in range(600):
+        wid = rng.choice(["w0", "w1"])
+        r = rng.random()
+        if r < 0.45:
+            wall += rng.choice([0.0, rng.random()])
+            rid = f"r{step}"
+            live.append(
+                (rid, life.dispatch(rid, wid, rng.randint(1, 400), rng.randint(0, 64), 0, wall))
+            )
+        elif r < 0.8 and live:
+            rid, t = live.pop(rng.randrange(len(live)))
+            life.end(rid, t)
+        else:
+            ts = rng.choice(
+                [wall, wall - rng.random(), samples[wid].ts if wid in samples else wall]
+            )
+            free = rng.choice([None, rng.randint(0, 100)])
+            samples[wid] = WorkerLoad(worker_id=wid, ts=ts, kv_blocks_free=free)
+            st.on_load(samples[wid], now=wall)
+        for w, s in st.states.items():
+            load = samples.get(w)
+            if load is not None and load.kv_blocks_free is not None and not s.telemetry_stale:
+                reserved = sum(
+                    t.blocks for rid, t in live if t.worker_id == w and t.wall >= load.ts
+                )
+                assert s.kv_blocks_free == max(0, load.kv_blocks_free - reserved)
+            else:
+                held = sum(t.blocks for rid, t in live if t.worker_id == w)
+                assert s.kv_blocks_free == max(0, CAP.num_gpu_blocks - held)
 
 
 def test_decide_excludes_workers_without_touching_the_state() -> None:

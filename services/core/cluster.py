@@ -14,7 +14,9 @@ Invariants:
 - ``states[w].inflight == local inflight + sum of fresh remote router reports``;
 - ``states[w].kv_blocks_free`` = telemetry free blocks minus blocks this router reserved for
   requests dispatched at or after that sample's ``ts`` (or, without telemetry, total minus all
-  reservations);
+  reservations); that reserved sum is kept per worker for the current sample (``_reserved``:
+  recounted when a new sample arrives, then moved by each reserve and release), so a dispatch
+  costs O(1) however many requests the worker has in flight;
 - cordon / drain from ``workers.control`` stick until ``uncordon`` (drain also from heartbeats);
 - every change this class makes to a worker's state (and its arrival or removal) adds the
   worker's id to each set in ``snapshot.watchers`` (the policies' incremental views).
@@ -73,6 +75,8 @@ class ClusterState:
         self._entries: dict[str, _Entry] = {}
         self._local: dict[str, _Local] = {}
         self._tickets: dict[str, list[Ticket]] = {}
+        # per worker: [telemetry sample ts, blocks reserved by tickets dispatched at or after it]
+        self._reserved: dict[str, list[float]] = {}
         self._remote: dict[str, tuple[float, dict[str, int], dict[str, int]]] = {}
         self._controls: dict[str, str] = {}  # control may arrive before the first heartbeat
         self._breaker_open: set[str] = set()
@@ -200,6 +204,9 @@ class ClusterState:
         loc.prefill += t.prefill
         loc.blocks += t.blocks
         self._tickets[worker_id].append(t)
+        r = self._reserved.get(worker_id)
+        if r is not None and wall >= r[0]:
+            r[1] += t.blocks
         self._refresh_load(worker_id)
         self._refresh_kv(worker_id)
         return t
@@ -232,6 +239,9 @@ class ClusterState:
         for i, x in enumerate(tickets):
             if x is t:
                 tickets.pop(i)
+                r = self._reserved.get(t.worker_id)
+                if r is not None and t.wall >= r[0]:
+                    r[1] -= t.blocks
                 break
         if t.worker_id in self.states:
             self._refresh_load(t.worker_id)
@@ -330,8 +340,10 @@ class ClusterState:
             since = load.ts
             # a sample taken at ts does not contain a request dispatched at ts (the simulator samples,
             # then dispatches, at one virtual instant)
-            reserved = sum(t.blocks for t in tickets if t.wall >= since)
-            free = max(0, load.kv_blocks_free - reserved)
+            r = self._reserved.get(wid)
+            if r is None or r[0] != since:  # a new sample: count once, then keep it moving
+                r = self._reserved[wid] = [since, sum(t.blocks for t in tickets if t.wall >= since)]
+            free = max(0, load.kv_blocks_free - int(r[1]))
         else:
             loc = self._local.get(wid)
             free = max(0, s.capacity.num_gpu_blocks - (loc.blocks if loc else 0))
