@@ -74,7 +74,8 @@ class ClusterState:
         self.states: dict[str, WorkerState] = {}
         self._entries: dict[str, _Entry] = {}
         self._local: dict[str, _Local] = {}
-        self._tickets: dict[str, list[Ticket]] = {}
+        # per worker, its live tickets by id(): released in any order in O(1)
+        self._tickets: dict[str, dict[int, Ticket]] = {}
         # per worker: [telemetry sample ts, blocks reserved by tickets dispatched at or after it]
         self._reserved: dict[str, list[float]] = {}
         self._remote: dict[str, tuple[float, dict[str, int], dict[str, int]]] = {}
@@ -95,7 +96,7 @@ class ClusterState:
         if e is None:
             e = self._entries[hb.worker_id] = _Entry(hb, now)
             self._local.setdefault(hb.worker_id, _Local())
-            self._tickets.setdefault(hb.worker_id, [])
+            self._tickets.setdefault(hb.worker_id, {})
         e.hb, e.seen = hb, now
         if hb.loras != old_loras:
             self._refresh_loras()
@@ -203,7 +204,7 @@ class ClusterState:
         loc.inflight += 1
         loc.prefill += t.prefill
         loc.blocks += t.blocks
-        self._tickets[worker_id].append(t)
+        self._tickets[worker_id][id(t)] = t
         r = self._reserved.get(worker_id)
         if r is not None and wall >= r[0]:
             r[1] += t.blocks
@@ -235,14 +236,10 @@ class ClusterState:
             return
         loc.inflight -= 1
         loc.blocks -= t.blocks
-        tickets = self._tickets[t.worker_id]
-        for i, x in enumerate(tickets):
-            if x is t:
-                tickets.pop(i)
-                r = self._reserved.get(t.worker_id)
-                if r is not None and t.wall >= r[0]:
-                    r[1] -= t.blocks
-                break
+        if self._tickets[t.worker_id].pop(id(t), None) is t:
+            r = self._reserved.get(t.worker_id)
+            if r is not None and t.wall >= r[0]:
+                r[1] -= t.blocks
         if t.worker_id in self.states:
             self._refresh_load(t.worker_id)
             self._refresh_kv(t.worker_id)
@@ -334,7 +331,7 @@ class ClusterState:
     def _refresh_kv(self, wid: str) -> None:
         s = self.states[wid]
         e = self._entries[wid]
-        tickets = self._tickets.get(wid, ())
+        tickets = self._tickets.get(wid, {})
         load = e.load
         if load is not None and not s.telemetry_stale and load.kv_blocks_free is not None:
             since = load.ts
@@ -342,7 +339,10 @@ class ClusterState:
             # then dispatches, at one virtual instant)
             r = self._reserved.get(wid)
             if r is None or r[0] != since:  # a new sample: count once, then keep it moving
-                r = self._reserved[wid] = [since, sum(t.blocks for t in tickets if t.wall >= since)]
+                r = self._reserved[wid] = [
+                    since,
+                    sum(t.blocks for t in tickets.values() if t.wall >= since),
+                ]
             free = max(0, load.kv_blocks_free - int(r[1]))
         else:
             loc = self._local.get(wid)
