@@ -226,10 +226,6 @@ class FleetView:
             self._lbs = live
             self._lb_n = sum(map(len, live.values()))
 
-    def groups(self) -> list[int]:
-        """The groups of :meth:`set_bound` (some may have only replaced entries left)."""
-        return list(self._lbs)
-
     def by_bound(self, group: int = 0):
         """Routable workers of ``group`` in increasing bound, lazily (a generator; entries
         popped while iterating are pushed back at :meth:`restore`)."""

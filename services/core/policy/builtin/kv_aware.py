@@ -1060,14 +1060,13 @@ def _fast_costs(
     for x in dirty:
         w = x.obj
         wid = w.worker_id
-        q = w.pending_prefill_tokens
-        entries = fifo.get(wid)
-        if entries:
-            q = q - own[wid]
-            q = float(q) if q > 0 else 0.0
-            if spt_now is None:
-                for e in entries:
-                    q += e[2]
+        if spt_now is None:
+            q = clock.queued(w, now)
+        else:
+            q = w.pending_prefill_tokens
+            if fifo.get(wid):
+                q = q - own[wid]
+                q = float(q) if q > 0 else 0.0
         fv.set_bound(wid, q + dw * w.inflight + kw * _kv_usage(w))
 
     def cost_of(w: WorkerState, ov: int, pos: int) -> float:
