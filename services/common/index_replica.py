@@ -2,9 +2,10 @@
 
 Protocol (see docs/kv-index.md): subscribe to ``kv.index.delta`` first and buffer; request a
 snapshot on ``kv.index.snapshot`` (the indexer replies with SnapshotChunk messages to our
-inbox, ``window_chunks`` at a time, at most two windows in flight); load it; apply buffered deltas with ``seq`` above the snapshot's ``delta_seq``;
-then apply deltas live. A delta of another epoch (indexer restarted) or a seq gap triggers a
-new snapshot; while none can be had the replica keeps what it has and retries with backoff.
+inbox, ``window_chunks`` at a time, at most two windows in flight); load it; apply buffered
+deltas with ``seq`` above the snapshot's ``delta_seq``; then apply deltas live. A delta of
+another epoch (indexer restarted) or a seq gap triggers a new snapshot; while none can be had
+the replica keeps what it has and retries with backoff.
 
 Invariants:
 - ``index`` is the same PrefixIndex object for the replica's life (a snapshot is loaded into

@@ -2,9 +2,10 @@
 
 Every metric is ``kvgate_router_*``. All are updated from the router's event loop only, so they
 are loop metrics (``services.common.loop_metrics``: plain numbers per request, turned into
-prometheus-client's families at a scrape; a request's dozen updates cost ~1 µs instead of ~5). ``kv_cache_hit_rate`` and ``request_timeout_total``
-are kept as aliases of ``kvgate_router_kv_cache_hit_ratio`` and
-``kvgate_router_timeouts_total`` (the names of the first release; same values).
+prometheus-client's families at a scrape; a request's dozen updates cost ~1 µs instead of ~5).
+``kv_cache_hit_rate`` and ``request_timeout_total`` are kept as aliases of
+``kvgate_router_kv_cache_hit_ratio`` and ``kvgate_router_timeouts_total`` (the names of the
+first release; same values).
 """
 
 from __future__ import annotations
