@@ -485,17 +485,15 @@ class KvAware(PolicyImpl):
         last; and the (empty) leaders dict the caller fills. Leaves ``kv_aware_last`` (every
         depth's entry or None, looked up once: :meth:`pick` writes there) and
         ``kv_aware_leaders`` for :meth:`pick`."""
-        mem: dict[int, dict[str, tuple[int, str, int]]] = state.extra.setdefault(
-            "kv_aware_routed", {}
-        )
+        extra = state.extra
+        mem: dict[int, dict[str, tuple[int, str, int]]] = extra.setdefault("kv_aware_routed", {})
         n = len(keys)
-        depths = list(range(n - n % ROUTED_STRIDE, 0, -ROUTED_STRIDE))
-        if n % ROUTED_STRIDE:
-            depths.insert(0, n)
-        found = list(map(mem.get, [keys[d - 1] for d in depths]))
-        state.extra["kv_aware_last"] = (keys, depths, found, tick, rid)
+        below = range(n - n % ROUTED_STRIDE, 0, -ROUTED_STRIDE)
+        depths = [n, *below] if n % ROUTED_STRIDE else below
+        found = [mem.get(keys[d - 1]) for d in depths]
+        extra["kv_aware_last"] = (keys, depths, found, tick, rid)
         leaders: dict[str, str] = {}
-        state.extra["kv_aware_leaders"] = leaders
+        extra["kv_aware_leaders"] = leaders
         floor = self.p["hot_min_blocks"]
         held = [(d, e) for d, e in zip(depths, found, strict=True) if e and d >= floor]
         return held, leaders
@@ -513,6 +511,8 @@ class KvAware(PolicyImpl):
         may not have reached the index yet: the first request of a group is still computing
         it). Remembers the block key at every ``ROUTED_STRIDE``-th block and the last one."""
         held, leaders = self._routed_entries(rid, keys, state, tick)
+        if not held:
+            return ovs
         ttl = self.p["routed_ttl"]
         routed: dict[str, int] = {}
         # per candidate, the deepest depth with a fresh entry (and its leader): deepest first,
@@ -571,25 +571,22 @@ class KvAware(PolicyImpl):
         last = state.extra.pop("kv_aware_last", None)
         leaders = state.extra.pop("kv_aware_leaders", None)
         disp = state.extra.pop("kv_aware_dispatch", None)
-        ids = [w.worker_id for w in disp[0]] if disp is not None else []
+        cands: list[WorkerState] = disp[0] if disp is not None else []
+        ids = [w.worker_id for w in cands]
+        chosen = ids.index(wid) if disp is not None else -1
         if last is not None:
             keys, depths, found, tick, rid = last
             ttl = self.p["routed_ttl"]
-            # a request sent to an idle worker starts its prefill at once: nobody need wait
-            # for it ("" = no leader to wait for)
             mem: dict[int, dict[str, tuple[int, str, int]]] = state.extra["kv_aware_routed"]
-            sent = [(wid, rid)]
-            sent += [(rw, replica_id(rid, rw)) for rw in state.replicate_to if rw != wid]
-            if disp:
-                # which of the workers sent to are idle (the rest of the candidates do not
-                # matter here)
-                cands = disp[0]
-                idle = {w for w, _ in sent if cands[ids.index(w)].inflight == 0}
-                if idle:
-                    sent = [(w, "" if w in idle else r) for w, r in sent]
-            # with the number the leader's prefill will have in the clock's FIFO of that worker
             clock = self._clock(state)
             done_n, sent_n = clock.done_n, clock.sent_n
+            # (worker, its leader) for the chosen worker and the replicas: a request sent to an
+            # idle worker starts its prefill at once, nobody need wait for it ("" = no leader)
+            sent = [(wid, "" if cands and cands[chosen].inflight == 0 else rid)]
+            for rw in state.replicate_to:
+                if rw != wid:
+                    idle = cands and cands[ids.index(rw)].inflight == 0
+                    sent.append((rw, "" if idle else replica_id(rid, rw)))
             fresh = [(w, (tick, r, sent_n.get(w, 0) + 1)) for w, r in sent]
             for d, e in zip(depths, found, strict=True):
                 if e is None:
@@ -613,7 +610,7 @@ class KvAware(PolicyImpl):
             cands, idx, ovs, prompt, extra = disp
             clock = self._clock(state)
             # the chosen worker and the replicas, in candidate order
-            at = [ids.index(wid)]
+            at = [chosen]
             if extra:
                 at = sorted(at + [ids.index(x) for x in extra if x != wid])
             for j in at:
