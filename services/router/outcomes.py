@@ -149,11 +149,31 @@ class OutcomeRecorder:
         self.hit_pred = M.HitRate("predicted")
         self.hit_reported = M.HitRate("reported")
         self.outliers: Any = None  # services.router.ejection.RouterOutliers, set by the router
+        # per (policy, arm, worker, status): the labelled metric children a request of that
+        # kind updates, found in one lookup (six label lookups were a µs per request)
+        self._children: dict[tuple[str, str, str, str], tuple[Any, ...]] = {}
+
+    def _metric_children(self, pol: str, arm: str, wid: str, status: str) -> tuple[Any, ...]:
+        key = (pol, arm, wid, status)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = (
+                M.REQUESTS.labels(pol, wid, status),
+                M.ARM_REQUESTS.labels(arm, status),
+                M.E2E.labels(pol),
+                M.ARM_TTFT.labels(arm),
+                M.ITL.labels(pol),
+                M.TTFT.labels(pol),
+            )
+        return c
 
     def record(self, ctx: Ctx) -> None:
         e2e = time.perf_counter() - ctx.t0
         pol = ctx.arm.policy.name
-        M.child(M.REQUESTS, pol, ctx.worker_id or "none", ctx.status).inc()
+        requests, arm_requests, e2e_h, arm_ttft, itl, ttft = self._metric_children(
+            pol, ctx.arm.name, ctx.worker_id or "none", ctx.status
+        )
+        requests.inc()
         slo.record(
             pol,
             slo.result(
@@ -166,16 +186,16 @@ class OutcomeRecorder:
                 ctx.shed,
             ),
         )
-        M.child(M.ARM_REQUESTS, ctx.arm.name, ctx.status).inc()
+        arm_requests.inc()
         if ctx.status == "ok":
             if self.outliers is not None:
                 self.outliers.record(ctx, e2e)
-            M.child(M.E2E, pol).observe(e2e)
-            M.child(M.ARM_TTFT, ctx.arm.name).observe(ctx.ttft if ctx.ttft is not None else e2e)
+            e2e_h.observe(e2e)
+            arm_ttft.observe(ctx.ttft if ctx.ttft is not None else e2e)
             if ctx.ttft is not None and ctx.completion_tokens > 1:
-                M.child(M.ITL, pol).observe((e2e - ctx.ttft) / (ctx.completion_tokens - 1))
+                itl.observe((e2e - ctx.ttft) / (ctx.completion_tokens - 1))
             if ctx.ttft is not None:
-                M.child(M.TTFT, pol).observe(ctx.ttft)
+                ttft.observe(ctx.ttft)
             prompt = len(ctx.parsed.token_ids)
             M.PROMPT_TOKENS.inc(prompt)
             self.hit_pred.add(ctx.predicted_cached, prompt)
