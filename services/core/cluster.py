@@ -26,14 +26,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from services.common.schemas import WorkerControl, WorkerHeartbeat, WorkerLoad
 from services.core.keys import blocks_needed
 from services.core.policy import Capacity, ClusterSnapshot, WorkerState
 
 
-@dataclass
-class Ticket:
-    """One dispatched request's claim on a worker (released exactly once)."""
+class Ticket(msgspec.Struct):
+    """One dispatched request's claim on a worker (released exactly once). A msgspec struct:
+    one per dispatch, live and in the simulator."""
 
     worker_id: str
     blocks: int

@@ -32,7 +32,7 @@ def arm_for(canary_id: str, key: str, fraction: float) -> str:
     return "candidate" if h / _U64 < fraction else "control"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Arm:
     name: str  # "control" | "candidate"
     policy: Policy
@@ -64,6 +64,7 @@ class PolicySet:
         self.source = "default"
         self.control_label = policy_label(default.name, None)
         self.candidate_label = ""
+        self._build_arms()
 
     def apply(self, msg: PolicyUpdated) -> bool:
         """Apply a notice; returns False if it was stale. Raises PolicyError if invalid."""
@@ -88,23 +89,35 @@ class PolicySet:
             if msg.canary is not None
             else ""
         )
+        self._build_arms()
         return True
+
+    def _build_arms(self) -> None:
+        """The arms a request can get until the next notice (shared by every request, so
+        none is built per request): without a canary the control alone; with one, both."""
+        self._plain = Arm("control", self.control, None, self.control.version, self.control_label)
+        self._control_arm = Arm(
+            "control", self.control, self.canary_id, self.control.version, self.control_label
+        )
+        self._candidate_arm = (
+            Arm(
+                "candidate",
+                self.candidate,
+                self.canary_id,
+                self.candidate.version,
+                self.candidate_label,
+            )
+            if self.candidate is not None
+            else None
+        )
 
     def arm(self, request_id: str, session_id: str | None) -> Arm:
         if self.candidate is not None and self.canary_id is not None:
             which = arm_for(self.canary_id, session_id or request_id, self.fraction)
-            if which == "candidate":
-                return Arm(
-                    "candidate",
-                    self.candidate,
-                    self.canary_id,
-                    self.candidate.version,
-                    self.candidate_label,
-                )
-            return Arm(
-                "control", self.control, self.canary_id, self.control.version, self.control_label
-            )
-        return Arm("control", self.control, None, self.control.version, self.control_label)
+            if which == "candidate" and self._candidate_arm is not None:
+                return self._candidate_arm
+            return self._control_arm
+        return self._plain
 
     def describe(self) -> dict:
         out = {

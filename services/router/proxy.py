@@ -15,10 +15,10 @@ The flow for a request (driven by :meth:`services.router.request_path.RequestPat
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from services.router import sse
 from services.router.canary import Arm
@@ -49,9 +49,9 @@ class StreamBroken(Exception):
         self.reason = reason
 
 
-@dataclass
-class Ctx:
-    """Everything one request accumulates on its way through the router."""
+class Ctx(msgspec.Struct):
+    """Everything one request accumulates on its way through the router (a msgspec struct:
+    one per request, built in a third of a dataclass's time)."""
 
     request_id: str
     parsed: Parsed
@@ -63,19 +63,19 @@ class Ctx:
     predicted_cached: int = 0
     cached_reported: int | None = None
     completion_tokens: int = 0
-    text_parts: list[str] = field(default_factory=list)  # generated text, see ``generated``
+    text_parts: list[str] = msgspec.field(default_factory=list)  # generated text, see ``generated``
     chunks: int = 0  # stream chunks with output passed to the client (tokens, without usage)
     ttft: float | None = None
     retries: int = 0
     migrated: int = 0
     status: str = "ok"
     http_status: int = 200
-    excluded: set[str] = field(default_factory=set)
+    excluded: set[str] = msgspec.field(default_factory=set)
     last_failure: WorkerFailed | None = None
     template: dict[str, Any] | None = None  # first chunk the client got (ids for re-framing)
     client_wants_usage: bool = False
     out: StreamResponse | None = None
-    overlaps: dict[str, int] = field(default_factory=dict)  # of the last decision
+    overlaps: dict[str, int] = msgspec.field(default_factory=dict)  # of the last decision
     slo: SloTargets = NO_TARGETS  # x-slo-* headers (services/router/slo.py)
     shed: bool = False  # the policy refused it (no worker meets its SLO): 429
     sent_at: float = 0.0  # monotonic time the current worker was sent the request (breaker)

