@@ -16,6 +16,10 @@
     python -m bench.bench_router proxy --seconds 10 --requests 2000
     python -m bench.bench_router proxy --tls --no-sglang   # + the same router over https
     python -m bench.bench_router proxy --modes stream --no-sglang --profile DIR  # py-spy
+    python -m bench.bench_router proxy --modes whole --rounds 4   # targets take turns
+
+``--rounds N`` splits each target's throughput time into N turns, the targets taking turns, so
+a ratio is not the difference between two minutes of a noisy machine.
 
 With ``--tls`` the proxy bench adds the router serving https itself (``--tls-cert``, a
 self-signed P-256 certificate): the same load, plain and TLS side by side.
@@ -417,9 +421,11 @@ async def _latency(url: str, n: int, body: dict[str, Any] = BODY) -> list[float]
     return lat
 
 
-async def _throughput(
+async def _throughput_run(
     url: str, conns: int, seconds: float, body: dict[str, Any] = BODY
-) -> tuple[float, int]:
+) -> tuple[int, float, int]:
+    """``conns`` connections sending ``body`` for ``seconds``: (complete answers, seconds
+    measured, errors)."""
     import aiohttp
 
     data = json.dumps(body).encode()
@@ -448,7 +454,7 @@ async def _throughput(
         t0 = time.monotonic()
         await asyncio.gather(*(loop(s) for _ in range(conns)))
         el = time.monotonic() - t0
-    return done / el, errors
+    return done, el, errors
 
 
 def _stop_children(pid: int) -> None:
@@ -479,6 +485,7 @@ async def bench_proxy(
     with_keys: bool = True,
     profile: Path | None = None,
     policy: str = "kv_aware",
+    rounds: int = 1,
 ) -> dict[str, Any]:
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
@@ -498,6 +505,7 @@ async def bench_proxy(
         "seconds": seconds,
         "connections": conns,
         "policy": policy,
+        "rounds": rounds,
     }
     beat_task = None
     bus = None
@@ -623,7 +631,9 @@ async def bench_proxy(
                 results["sglang_error"] = repr(exc)
         for mode in modes:
             results[mode] = _measure_mode(
-                await _measure_targets(targets, pids, MODES[mode], requests, conns, seconds, mode),
+                await _measure_targets(
+                    targets, pids, MODES[mode], requests, conns, seconds, mode, rounds
+                ),
                 mode,
             )
         _summary(results, modes, conns)
@@ -711,18 +721,36 @@ async def _measure_targets(
     conns: int,
     seconds: float,
     mode: str,
+    rounds: int = 1,
 ) -> dict[str, dict[str, float]]:
-    """Each target in turn: p50 / p99 at one connection, then req/s at ``conns``."""
+    """Each target in turn: p50 / p99 at one connection; then req/s at ``conns``, each
+    target for ``seconds`` in all, in ``rounds`` turns (with 2 or more the targets take
+    turns, so each sees the same minutes of a noisy machine)."""
     out: dict[str, dict[str, float]] = {}
+    urls = {}
+    lats = {}
     for name, target in targets.items():
         base, _, key = target.partition("#")
-        url = base + "/v1/completions" + (f"#{key}" if key else "")
-        lat = await _latency(url, requests, body)
-        cpu0 = _tree_cpu_s(pids[name])
-        rps, errs = await _throughput(url, conns, seconds, body)
-        # CPU per request of the target's processes (for a router: the router's whole cost,
-        # beside the worker's and the load generator's on the same cores)
-        cpu_us = (_tree_cpu_s(pids[name]) - cpu0) / max(1.0, rps * seconds) * 1e6
+        urls[name] = base + "/v1/completions" + (f"#{key}" if key else "")
+        lats[name] = await _latency(urls[name], requests, body)
+    done = dict.fromkeys(targets, 0)
+    spent = dict.fromkeys(targets, 0.0)
+    cpu = dict.fromkeys(targets, 0.0)
+    errors = dict.fromkeys(targets, 0)
+    for _ in range(rounds):
+        for name in targets:
+            cpu0 = _tree_cpu_s(pids[name])
+            n, el, errs = await _throughput_run(urls[name], conns, seconds / rounds, body)
+            # CPU of the target's processes (for a router: the router's whole cost, beside
+            # the worker's and the load generator's on the same cores)
+            cpu[name] += _tree_cpu_s(pids[name]) - cpu0
+            done[name] += n
+            spent[name] += el
+            errors[name] += errs
+    for name in targets:
+        lat = lats[name]
+        rps, errs = done[name] / spent[name], errors[name]
+        cpu_us = cpu[name] / max(1, done[name]) * 1e6
         out[name] = {
             "cpu_us_per_request": cpu_us,
             "p50_ms": pct(lat, 50) * 1e3,
@@ -817,6 +845,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-keys", action="store_true", help="(proxy) skip the API-key router")
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="(proxy) split each target's throughput time into this many turns, the targets "
+        "taking turns (2 or more: every target sees the same minutes of a noisy machine)",
+    )
+    ap.add_argument(
         "--profile",
         default="",
         help="(proxy) run the kvgate router under py-spy; collapsed stacks go to this directory",
@@ -846,6 +881,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.what in ("all", "proxy"):
         procs = tuple(int(x) for x in a.kvgate_processes.split(",") if x.strip())
         modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
+        if a.rounds < 1:
+            ap.error("--rounds must be at least 1")
         bad = [m for m in modes if m not in MODES]
         if bad:
             ap.error(f"--modes: unknown {bad}; choose from {sorted(MODES)}")
@@ -864,6 +901,7 @@ def main(argv: list[str] | None = None) -> int:
                 not a.no_keys,
                 prof,
                 a.policy,
+                a.rounds,
             )
         )
     out = Path(a.out)
