@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import time
 from typing import Any
 
@@ -119,17 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.inflight} in flight, the proxy bench's request)"
     )
     print(f"{'policy':20s} {'total':>7s} " + " ".join(f"{s:>11s}" for s in STEPS))
-    floor = None
+    # each policy's median run (by total): its row, and its total against round_robin's
+    med = {n: sorted(runs[n], key=lambda x: x["total"])[len(runs[n]) // 2] for n in names}
     for n in names:
-        med = sorted(runs[n], key=lambda x: x["total"])[len(runs[n]) // 2]
-        if n == "round_robin":
-            floor = med["total"]
-        print(f"{n:20s} {med['total']:7.1f} " + " ".join(f"{med[s]:11.1f}" for s in STEPS))
-    if floor is not None:
-        spread = {n: statistics.median(x["total"] for x in runs[n]) - floor for n in names}
+        print(f"{n:20s} {med[n]['total']:7.1f} " + " ".join(f"{med[n][s]:11.1f}" for s in STEPS))
+    if "round_robin" in med:
+        floor = med["round_robin"]["total"]
         print(
             "over round_robin: "
-            + ", ".join(f"{n} {v:+.1f}" for n, v in spread.items() if n != "round_robin")
+            + ", ".join(f"{n} {med[n]['total'] - floor:+.1f}" for n in names if n != "round_robin")
         )
     return 0
 

@@ -93,9 +93,9 @@ class PolicySet:
         return True
 
     def _build_arms(self) -> None:
-        """The arms a request can get until the next notice (shared by every request, so
-        none is built per request): without a canary the control alone; with one, both."""
-        self._plain = Arm("control", self.control, None, self.control.version, self.control_label)
+        """The arms a request can get until the next notice, shared by every request (none
+        is built per request): the control (with the canary's id while there is one) and
+        the candidate (None without a canary)."""
         self._control_arm = Arm(
             "control", self.control, self.canary_id, self.control.version, self.control_label
         )
@@ -107,17 +107,16 @@ class PolicySet:
                 self.candidate.version,
                 self.candidate_label,
             )
-            if self.candidate is not None
+            if self.candidate is not None and self.canary_id is not None
             else None
         )
 
     def arm(self, request_id: str, session_id: str | None) -> Arm:
-        if self.candidate is not None and self.canary_id is not None:
-            which = arm_for(self.canary_id, session_id or request_id, self.fraction)
-            if which == "candidate" and self._candidate_arm is not None:
+        if self._candidate_arm is not None:
+            assert self.canary_id is not None
+            if arm_for(self.canary_id, session_id or request_id, self.fraction) == "candidate":
                 return self._candidate_arm
-            return self._control_arm
-        return self._plain
+        return self._control_arm
 
     def describe(self) -> dict:
         out = {

@@ -573,7 +573,7 @@ class KvAware(PolicyImpl):
         disp = state.extra.pop("kv_aware_dispatch", None)
         cands: list[WorkerState] = disp[0] if disp is not None else []
         ids = [w.worker_id for w in cands]
-        chosen = ids.index(wid) if disp is not None else -1
+        chosen = ids.index(wid) if cands else None  # its position among the candidates
         if last is not None:
             keys, depths, found, tick, rid = last
             ttl = self.p["routed_ttl"]
@@ -582,7 +582,7 @@ class KvAware(PolicyImpl):
             done_n, sent_n = clock.done_n, clock.sent_n
             # (worker, its leader) for the chosen worker and the replicas: a request sent to an
             # idle worker starts its prefill at once, nobody need wait for it ("" = no leader)
-            sent = [(wid, "" if cands and cands[chosen].inflight == 0 else rid)]
+            sent = [(wid, "" if chosen is not None and cands[chosen].inflight == 0 else rid)]
             for rw in state.replicate_to:
                 if rw != wid:
                     idle = cands and cands[ids.index(rw)].inflight == 0
@@ -610,6 +610,7 @@ class KvAware(PolicyImpl):
             cands, idx, ovs, prompt, extra = disp
             clock = self._clock(state)
             # the chosen worker and the replicas, in candidate order
+            assert chosen is not None
             at = [chosen]
             if extra:
                 at = sorted(at + [ids.index(x) for x in extra if x != wid])
