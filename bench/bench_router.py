@@ -486,6 +486,7 @@ async def bench_proxy(
     profile: Path | None = None,
     policy: str = "kv_aware",
     rounds: int = 1,
+    also_policies: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
@@ -506,6 +507,7 @@ async def bench_proxy(
         "connections": conns,
         "policy": policy,
         "rounds": rounds,
+        "also_policies": list(also_policies),
     }
     beat_task = None
     bus = None
@@ -542,15 +544,19 @@ async def bench_proxy(
         beat_task = asyncio.create_task(beats())
         targets = {"direct": wurl}
         pids = {"direct": procs[-1].pid}  # whose CPU time is measured per target
-        # (name, processes, extra flags): the same router with client API keys checked
-        variants = [("kvgate" if n == 1 else f"kvgate-{n}proc", n, []) for n in processes]
+        # (name, processes, policy, extra flags): the same router with client API keys
+        # checked, over https, with other policies (what a policy's own work costs end to end)
+        variants = [("kvgate" if n == 1 else f"kvgate-{n}proc", n, policy, []) for n in processes]
         if with_keys:
-            variants.append(("kvgate-keys", 1, ["--api-keys", f"other-key,{CLIENT_KEY}"]))
+            variants.append(("kvgate-keys", 1, policy, ["--api-keys", f"other-key,{CLIENT_KEY}"]))
         if with_tls:  # the same router serving https itself (--tls-cert / --tls-key)
             cert, key = _self_signed_cert(state / "tls")
             TLS_TRUST["ctx"] = ssl.create_default_context(cafile=str(cert))
-            variants.append(("kvgate-tls", 1, ["--tls-cert", str(cert), "--tls-key", str(key)]))
-        for name, n, extra in variants:
+            variants.append(
+                ("kvgate-tls", 1, policy, ["--tls-cert", str(cert), "--tls-key", str(key)])
+            )
+        variants += [(f"kvgate-{p}", 1, p, []) for p in also_policies]
+        for name, n, pol, extra in variants:
             rport = _free_port()
             # --profile: the single-process router runs under py-spy (collapsed stacks)
             wrap = (
@@ -586,7 +592,7 @@ async def bench_proxy(
                         "--log-level",
                         "warning",
                         "--policy",
-                        policy,
+                        pol,
                         "--processes",
                         str(n),
                         *extra,
@@ -632,7 +638,15 @@ async def bench_proxy(
         for mode in modes:
             results[mode] = _measure_mode(
                 await _measure_targets(
-                    targets, pids, MODES[mode], requests, conns, seconds, mode, rounds
+                    targets,
+                    pids,
+                    MODES[mode],
+                    requests,
+                    conns,
+                    seconds,
+                    mode,
+                    rounds,
+                    worker_pid=pids["direct"],
                 ),
                 mode,
             )
@@ -697,6 +711,9 @@ async def bench_proxy(
     return results
 
 
+_own_cpu_s = time.process_time  # the load generator's CPU seconds (this process)
+
+
 def _tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its descendants (py-spy's own excluded)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -722,10 +739,14 @@ async def _measure_targets(
     seconds: float,
     mode: str,
     rounds: int = 1,
+    worker_pid: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """Each target in turn: p50 / p99 at one connection; then req/s at ``conns``, each
     target for ``seconds`` in all, in ``rounds`` turns (with 2 or more the targets take
-    turns, so each sees the same minutes of a noisy machine)."""
+    turns, so each sees the same minutes of a noisy machine). Besides each target's own CPU
+    per request, the worker's (``worker_pid``) and this process's (the load generator's)
+    while that target is measured: the three share the cores, so their sum per request is
+    what sets the throughput."""
     out: dict[str, dict[str, float]] = {}
     urls = {}
     lats = {}
@@ -736,14 +757,23 @@ async def _measure_targets(
     done = dict.fromkeys(targets, 0)
     spent = dict.fromkeys(targets, 0.0)
     cpu = dict.fromkeys(targets, 0.0)
+    # the other processes on the same cores, per target: the worker's and this process's
+    # (the load generator) CPU while that target is measured
+    worker_cpu = dict.fromkeys(targets, 0.0)
+    client_cpu = dict.fromkeys(targets, 0.0)
     errors = dict.fromkeys(targets, 0)
     for _ in range(rounds):
         for name in targets:
             cpu0 = _tree_cpu_s(pids[name])
+            wcpu0 = _tree_cpu_s(worker_pid) if worker_pid is not None else 0.0
+            ccpu0 = _own_cpu_s()
             n, el, errs = await _throughput_run(urls[name], conns, seconds / rounds, body)
             # CPU of the target's processes (for a router: the router's whole cost, beside
             # the worker's and the load generator's on the same cores)
             cpu[name] += _tree_cpu_s(pids[name]) - cpu0
+            if worker_pid is not None:
+                worker_cpu[name] += _tree_cpu_s(worker_pid) - wcpu0
+            client_cpu[name] += _own_cpu_s() - ccpu0
             done[name] += n
             spent[name] += el
             errors[name] += errs
@@ -753,6 +783,14 @@ async def _measure_targets(
         cpu_us = cpu[name] / max(1, done[name]) * 1e6
         out[name] = {
             "cpu_us_per_request": cpu_us,
+            "worker_cpu_us_per_request": worker_cpu[name] / max(1, done[name]) * 1e6,
+            "client_cpu_us_per_request": client_cpu[name] / max(1, done[name]) * 1e6,
+            # the three processes together (the direct target's process is the worker)
+            "all_cpu_us_per_request": (
+                cpu[name] + client_cpu[name] + (worker_cpu[name] if pids[name] != worker_pid else 0)
+            )
+            / max(1, done[name])
+            * 1e6,
             "p50_ms": pct(lat, 50) * 1e3,
             "p99_ms": pct(lat, 99) * 1e3,
             "mean_ms": statistics.fmean(lat) * 1e3,
@@ -782,16 +820,19 @@ def _measure_mode(res: dict[str, Any], mode: str) -> dict[str, Any]:
 def _summary(results: dict[str, Any], modes: tuple[str, ...], conns: int) -> None:
     """One table: each mode, each target side by side (targets: issue 20)."""
     print(
-        f"\n{'mode':7s} {'target':14s} {'1-conn p50':>11s} {'added':>8s} {f'{conns}-conn req/s':>14s}"
-        f" {'÷ sglang':>9s} {'CPU us/req':>10s}"
+        f"\n{'mode':7s} {'target':20s} {'1-conn p50':>11s} {'added':>8s} {f'{conns}-conn req/s':>14s}"
+        f" {'÷ sglang':>9s} {'CPU us/req':>10s} {'worker':>7s} {'client':>7s} {'all':>6s}"
     )
     for mode in modes:
         for name, r in results[mode].items():
             ratio = f"{r['ratio_vs_sglang']:.2f}x" if "ratio_vs_sglang" in r else ""
             added = f"{r['added_p50_ms']:+.3f}" if "added_p50_ms" in r else ""
             print(
-                f"{mode:7s} {name:14s} {r['p50_ms']:9.3f}ms {added:>8s} "
+                f"{mode:7s} {name:20s} {r['p50_ms']:9.3f}ms {added:>8s} "
                 f"{r['throughput_rps']:14,.0f} {ratio:>9s} {r['cpu_us_per_request']:10.0f}"
+                f" {r.get('worker_cpu_us_per_request', 0):7.0f}"
+                f" {r.get('client_cpu_us_per_request', 0):7.0f}"
+                f" {r.get('all_cpu_us_per_request', 0):6.0f}"
             )
         k = results[mode].get("kvgate", {})
         if "ratio_vs_sglang" in k:
@@ -852,6 +893,13 @@ def main(argv: list[str] | None = None) -> int:
         "taking turns (2 or more: every target sees the same minutes of a noisy machine)",
     )
     ap.add_argument(
+        "--also-policies",
+        default="",
+        help="(proxy) comma-separated built-in policies: one more single-process router each "
+        "(kvgate-NAME), measured beside the others (round_robin: the router without a "
+        "policy's own work)",
+    )
+    ap.add_argument(
         "--profile",
         default="",
         help="(proxy) run the kvgate router under py-spy; collapsed stacks go to this directory",
@@ -883,6 +931,12 @@ def main(argv: list[str] | None = None) -> int:
         modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
         if a.rounds < 1:
             ap.error("--rounds must be at least 1")
+        from services.core.policy import policy_names
+
+        also = tuple(p.strip() for p in a.also_policies.split(",") if p.strip())
+        unknown = [p for p in also if p not in policy_names()]
+        if unknown:
+            ap.error(f"--also-policies: unknown {unknown}; choose from {policy_names()}")
         bad = [m for m in modes if m not in MODES]
         if bad:
             ap.error(f"--modes: unknown {bad}; choose from {sorted(MODES)}")
@@ -902,6 +956,7 @@ def main(argv: list[str] | None = None) -> int:
                 prof,
                 a.policy,
                 a.rounds,
+                also,
             )
         )
     out = Path(a.out)
