@@ -17,9 +17,13 @@
     python -m bench.bench_router proxy --tls --no-sglang   # + the same router over https
     python -m bench.bench_router proxy --modes stream --no-sglang --profile DIR  # py-spy
     python -m bench.bench_router proxy --modes whole --rounds 4   # targets take turns
+    python -m bench.bench_router proxy --modes whole --rounds 4 --also-policies round_robin,slo_aware
 
 ``--rounds N`` splits each target's throughput time into N turns, the targets taking turns, so
-a ratio is not the difference between two minutes of a noisy machine.
+a ratio is not the difference between two minutes of a noisy machine. Beside each target's
+CPU per request the table shows the worker's and the load generator's while that target ran,
+and the three together: on shared cores that sum sets the throughput. ``--also-policies``
+adds a router per named policy (``round_robin``: the request path without a policy's work).
 
 With ``--tls`` the proxy bench adds the router serving https itself (``--tls-cert``, a
 self-signed P-256 certificate): the same load, plain and TLS side by side.
