@@ -650,7 +650,7 @@ async def bench_proxy(
                     seconds,
                     mode,
                     rounds,
-                    worker_pid=pids["direct"],
+                    worker_pid=pids["direct"],  # the worker answers the direct target
                 ),
                 mode,
             )
@@ -743,7 +743,8 @@ async def _measure_targets(
     seconds: float,
     mode: str,
     rounds: int = 1,
-    worker_pid: int | None = None,
+    *,
+    worker_pid: int,
 ) -> dict[str, dict[str, float]]:
     """Each target in turn: p50 / p99 at one connection; then req/s at ``conns``, each
     target for ``seconds`` in all, in ``rounds`` turns (with 2 or more the targets take
@@ -760,23 +761,18 @@ async def _measure_targets(
         lats[name] = await _latency(urls[name], requests, body)
     done = dict.fromkeys(targets, 0)
     spent = dict.fromkeys(targets, 0.0)
+    # CPU seconds while each target is measured: its own processes' (for a router, its
+    # whole cost), the worker's and this process's (the load generator's)
     cpu = dict.fromkeys(targets, 0.0)
-    # the other processes on the same cores, per target: the worker's and this process's
-    # (the load generator) CPU while that target is measured
     worker_cpu = dict.fromkeys(targets, 0.0)
     client_cpu = dict.fromkeys(targets, 0.0)
     errors = dict.fromkeys(targets, 0)
     for _ in range(rounds):
         for name in targets:
-            cpu0 = _tree_cpu_s(pids[name])
-            wcpu0 = _tree_cpu_s(worker_pid) if worker_pid is not None else 0.0
-            ccpu0 = _own_cpu_s()
+            cpu0, wcpu0, ccpu0 = _tree_cpu_s(pids[name]), _tree_cpu_s(worker_pid), _own_cpu_s()
             n, el, errs = await _throughput_run(urls[name], conns, seconds / rounds, body)
-            # CPU of the target's processes (for a router: the router's whole cost, beside
-            # the worker's and the load generator's on the same cores)
             cpu[name] += _tree_cpu_s(pids[name]) - cpu0
-            if worker_pid is not None:
-                worker_cpu[name] += _tree_cpu_s(worker_pid) - wcpu0
+            worker_cpu[name] += _tree_cpu_s(worker_pid) - wcpu0
             client_cpu[name] += _own_cpu_s() - ccpu0
             done[name] += n
             spent[name] += el
@@ -784,17 +780,15 @@ async def _measure_targets(
     for name in targets:
         lat = lats[name]
         rps, errs = done[name] / spent[name], errors[name]
-        cpu_us = cpu[name] / max(1, done[name]) * 1e6
+        per_request_us = 1e6 / max(1, done[name])
+        cpu_us = cpu[name] * per_request_us
+        # the three processes together (the direct target's process is the worker)
+        own_and_worker = cpu[name] if pids[name] == worker_pid else cpu[name] + worker_cpu[name]
         out[name] = {
             "cpu_us_per_request": cpu_us,
-            "worker_cpu_us_per_request": worker_cpu[name] / max(1, done[name]) * 1e6,
-            "client_cpu_us_per_request": client_cpu[name] / max(1, done[name]) * 1e6,
-            # the three processes together (the direct target's process is the worker)
-            "all_cpu_us_per_request": (
-                cpu[name] + client_cpu[name] + (worker_cpu[name] if pids[name] != worker_pid else 0)
-            )
-            / max(1, done[name])
-            * 1e6,
+            "worker_cpu_us_per_request": worker_cpu[name] * per_request_us,
+            "client_cpu_us_per_request": client_cpu[name] * per_request_us,
+            "all_cpu_us_per_request": (own_and_worker + client_cpu[name]) * per_request_us,
             "p50_ms": pct(lat, 50) * 1e3,
             "p99_ms": pct(lat, 99) * 1e3,
             "mean_ms": statistics.fmean(lat) * 1e3,
@@ -834,9 +828,8 @@ def _summary(results: dict[str, Any], modes: tuple[str, ...], conns: int) -> Non
             print(
                 f"{mode:7s} {name:20s} {r['p50_ms']:9.3f}ms {added:>8s} "
                 f"{r['throughput_rps']:14,.0f} {ratio:>9s} {r['cpu_us_per_request']:10.0f}"
-                f" {r.get('worker_cpu_us_per_request', 0):7.0f}"
-                f" {r.get('client_cpu_us_per_request', 0):7.0f}"
-                f" {r.get('all_cpu_us_per_request', 0):6.0f}"
+                f" {r['worker_cpu_us_per_request']:7.0f} {r['client_cpu_us_per_request']:7.0f}"
+                f" {r['all_cpu_us_per_request']:6.0f}"
             )
         k = results[mode].get("kvgate", {})
         if "ratio_vs_sglang" in k:
