@@ -5,10 +5,13 @@
 #
 #   bench/routing_v2_sweep.sh                      # everything, results under bench/results/rv2/
 #   SEEDS="0 1" WORKERS=8 CONFIGS=pb WORKLOADS="mt mc" bench/routing_v2_sweep.sh
+#   BOUNDS=1 bench/routing_v2_sweep.sh             # + each run's latency bounds (bound.json):
+#                                                  # slo_table then prints what no policy can beat
 #
 # Environment: SEEDS (default "0 1 2 3 4"), WORKERS ("8 32"), CONFIGS ("default pb"),
-# WORKLOADS ("ssp gsp mt mc az"), POLICIES (default kv_aware, slo_aware and the four peer
-# baselines), OURS (the policy compared, default kv_aware), OUT (bench/results/rv2),
+# WORKLOADS ("ssp gsp mt mc az"), BOUNDS (set: also bench.latency_bound per run), POLICIES
+# (default kv_aware, slo_aware and the four peer baselines), OURS (the policy compared, default
+# kv_aware), OUT (bench/results/rv2),
 # TRACES (../shared/traces), KVGATE (kvgate), PYTHON (python). Runs already present are not run again.
 #
 # Scaling with workers (k = workers / 8): bursts get k x the requests, arrivals k x the rate
@@ -60,10 +63,16 @@ for n in $WORKERS; do
       for s in $SEEDS; do
         name=$w-$c-n$n-s$s
         dirs+=("$OUT/$name")
-        [ -f "$OUT/$name/results.json" ] && continue
-        # shellcheck disable=SC2046
-        nice -n 10 $KVGATE simulate $(args "$w" "$n" "$s") $eng -n "$n" --policies "$POLICIES" \
-          -j 1 --no-plots --no-progress --out-dir "$OUT" --name "$name" > /dev/null
+        if [ ! -f "$OUT/$name/results.json" ]; then
+          # shellcheck disable=SC2046
+          nice -n 10 $KVGATE simulate $(args "$w" "$n" "$s") $eng -n "$n" --policies "$POLICIES" \
+            -j 1 --no-plots --no-progress --out-dir "$OUT" --name "$name" > /dev/null
+        fi
+        if [ -n "${BOUNDS:-}" ] && [ ! -f "$OUT/$name/bound.json" ]; then
+          # shellcheck disable=SC2046
+          $PYTHON -m bench.latency_bound $(args "$w" "$n" "$s") $eng -n "$n" \
+            --out "$OUT/$name/bound.json" > /dev/null
+        fi
       done
       slo=2000; [ "$c" = pb ] && slo=6250
       echo "#### $w, $c, $n workers, seeds $SEEDS"

@@ -4,7 +4,10 @@ over seeds, and the candidate policy against the best peer baseline on each figu
 Reads the ``results.json`` of one or more simulate runs (one per seed, same policies) and
 prints a Markdown table: TTFT mean / p99, ITL p99, e2e mean, prefix hit rate and SLO
 attainment (TTFT and TPOT within targets, requests not completed count as misses), as the mean
-over the runs, then the ratio of ``--ours`` to the best of ``--peers`` on each figure::
+over the runs, then the ratio of ``--ours`` to the best of ``--peers`` on each figure. When every
+directory also holds a ``bound.json`` (``python -m bench.latency_bound``), two more rows: what
+no policy can beat (TTFT mean and p99, e2e mean; the hit rate's infinite-cache bound), and that
+bound against the best peer: a target is *unreachable* where the bound alone misses it::
 
     python -m bench.slo_table bench/results/mt-pb-s{0,1,2,3,4} --ours slo_aware \\
         --slo-ttft-ms 2000 --slo-tpot-ms 50
@@ -61,7 +64,51 @@ def collect(dirs: list[Path], ttft_s: float, tpot_s: float) -> dict[str, list[di
     return per
 
 
-def table(per: dict[str, list[dict]], ours: str, peers: list[str]) -> str:
+# the figures latency_bound bounds: figure -> its field in bound.json
+BOUNDED = {"ttft_mean": "ttft_mean", "ttft_p99": "ttft_p99", "e2e_mean": "e2e_mean"}
+
+
+def collect_bounds(dirs: list[Path]) -> list[dict[str, float]] | None:
+    """Each run's bounds (figures in the table's units, hit rate included), or None unless
+    every directory has a ``bound.json``."""
+    if not all((d / "bound.json").exists() for d in dirs):
+        return None
+    out = []
+    for d in dirs:
+        b = json.loads((d / "bound.json").read_text())
+        w = json.loads((d / "results.json").read_text())["workload"]
+        row = {k: float(b[f]) for k, f in BOUNDED.items()}
+        row["hit"] = 100.0 * w["infinite_cache_hit_rate"]
+        out.append(row)
+    return out
+
+
+def bound_rows(
+    bounds: list[dict[str, float]], mean: dict[str, dict[str, float]], present: list[str]
+) -> list[str]:
+    """The bound's row (mean over the runs) and the bound against the best peer's figure."""
+    keys = list(FIGURES)
+    b = {k: statistics.fmean(r[k] for r in bounds) for k in bounds[0]}
+    cells = [FIGURES[k][2].format(b[k]) if k in b else "–" for k in keys]
+    rows = [f"| bound (any policy) | {len(bounds)} | " + " | ".join(cells) + " |"]
+    vs = []
+    for k in keys:
+        if k not in BOUNDED or not present:
+            vs.append("–")
+            continue
+        best = min(mean[p][k] for p in present)
+        ratio = b[k] / best if best else float("inf")
+        vs.append(f"{ratio:.2f}x {'reachable' if ratio <= TARGETS[k] else '**unreachable**'}")
+    rows.append("| bound vs best peer | | " + " | ".join(vs) + " |")
+    return rows
+
+
+def table(
+    per: dict[str, list[dict]],
+    ours: str,
+    peers: list[str],
+    bounds: list[dict[str, float]] | None = None,
+) -> str:
     keys = list(FIGURES)
     head = "| policy | runs | " + " | ".join(FIGURES[k][0] for k in keys) + " |"
     lines = [head, "|---|---:|" + "---:|" * len(keys)]
@@ -73,6 +120,8 @@ def table(per: dict[str, list[dict]], ours: str, peers: list[str]) -> str:
     for one in split_labels(ours):
         if one in mean and present:
             lines.append(_versus(mean, one, present, keys))
+    if bounds:
+        lines.extend(bound_rows(bounds, mean, present))
     return "\n".join(lines)
 
 
@@ -127,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0, help="TPOT target (default 50)")
     a = ap.parse_args(argv)
     per = collect(a.dirs, a.slo_ttft_ms / 1000.0, a.slo_tpot_ms / 1000.0)
-    print(table(per, a.ours, split_labels(a.peers)))
+    print(table(per, a.ours, split_labels(a.peers), collect_bounds(a.dirs)))
 
 
 if __name__ == "__main__":
