@@ -19,7 +19,8 @@ from services.core.policy import (
     build_policy,
     decide,
 )
-from services.core.policy.builtin.kv_aware import ColdEntry, Demand, PrefillClock
+from services.core.policy.demand import ColdEntry, Demand
+from services.core.policy.prefill_clock import PrefillClock
 
 CAP = Capacity(block_size=16, num_gpu_blocks=100_000, max_num_seqs=64, max_model_len=8192)
 

@@ -140,7 +140,7 @@ def test_queued_prefill_counts_in_full_until_its_first_token() -> None:
     """kv_aware's prefill clock discounts a queued prefill by the time elapsed at the learned
     speed; slo_aware counts it in full until its first token (long prompts looked done while
     still computing). Same clock, same samples: 500 tokens left by elapsed time, 1000 in full."""
-    from services.core.policy.builtin.kv_aware import PrefillClock
+    from services.core.policy.prefill_clock import PrefillClock
 
     def run(discount: bool) -> float:
         c = PrefillClock(min_tokens=1, slack=1.0)
