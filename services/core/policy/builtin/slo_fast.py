@@ -35,12 +35,8 @@ import heapq
 from typing import TYPE_CHECKING
 
 from services.core.policy.base import PolicyState
-from services.core.policy.builtin.kv_aware import (
-    AGE_CAP,
-    _fast_admit,
-    _fast_dispatch,
-    _fast_prelude,
-)
+from services.core.policy.builtin.kv_aware import AGE_CAP
+from services.core.policy.builtin.kv_fast import fast_admit, fast_dispatch, fast_prelude
 from services.core.policy.fleet import INF, Row, exceeds
 from services.core.policy.types import ClusterSnapshot, RequestInfo, WorkerState
 
@@ -61,7 +57,7 @@ def fast_costs(
     p = self.p
     if p["feasible_pick"] != "cost":
         return None
-    fv = _fast_admit(self, req, snapshot, state, filtered)
+    fv = fast_admit(self, req, snapshot, state, filtered)
     if fv is None:
         return None
     rows = fv.rows
@@ -71,7 +67,7 @@ def fast_costs(
         return x.obj if x is not None and x.routable else None
 
     ttft_slo, tpot_slo = self._calibrate(req, state, routable_worker)
-    fp = _fast_prelude(self, req, fv, overlaps, state)
+    fp = fast_prelude(self, req, fv, overlaps, state)
     now = state.now
     tick = fp.tick
     clock = self._clock(state)
@@ -156,7 +152,7 @@ def fast_costs(
     state.extra["slo_x"] = (fifo, models, ctx, out_tokens, iw, cw, inv_ttft, inv_tpot, headroom)
 
     def score(w: WorkerState, ov: int) -> None:
-        # SloAware._slo_costs's loop body (its bookkeeping done by _fast_prelude), with
+        # SloAware._slo_costs's loop body (its bookkeeping done by fast_prelude), with
         # SloAware._worker_cost (the same floats: tests/test_policy_fleet.py)
         nonlocal lowest, lowest_ok
         wid = w.worker_id
@@ -236,7 +232,7 @@ def fast_costs(
                 heapq.heapreplace(heads, (a + d * per_d + r, g, a, nxt[1]))
     finally:
         fv.restore()
-    _fast_dispatch(state, fp, out, prompt)
+    fast_dispatch(state, fp, out, prompt)
     if lowest_ok == INF:  # nobody meets the SLO: the best overall, or shed
         if p["shed"]:
             self.shed_for(ttft_slo, tpot_slo, state)
