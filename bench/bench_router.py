@@ -1,23 +1,24 @@
 """Router benchmarks (issue 5), side by side in one run; results recorded in docs/router.md.
 
 1. **decision**: the router's own decision path (parse + tokenize a 4096-token prompt, lazy
-   prefix match against a PrefixIndex of 1 M blocks over 64 workers, kv_aware over 64 worker
-   states) through the live router's code (``Decider.decide_for``), N times: p50 / p99.
-   Target p50 <= 150 us.
+   prefix match against a PrefixIndex of 1 M blocks over 64 workers, the router's default
+   policy, ``slo_aware``, over 64 worker states; ``--policy`` picks another) through the live
+   router's code (``Decider.decide_for``), N times: p50 / p99. Target p50 <= 150 us.
 2. **proxy**: an instant-answer worker (separate process), then the same requests sent
-   directly, through ``kvgate router`` and through ``sglang-router`` (cache_aware), in this run,
-   non-streaming (``whole``) and streaming (``stream``: 24 one-token SSE chunks + usage):
-   added p50 latency at 1 connection (target <= 0.4 ms), throughput at 64 connections
-   (target >= 0.8x sglang-router's) and each target's CPU time per request.
+   directly, through ``kvgate router`` (its default policy unless ``--policy``) and through
+   ``sglang-router`` (cache_aware), in this run, non-streaming (``whole``) and streaming
+   (``stream``: 24 one-token SSE chunks + usage): added p50 latency at 1 connection (target
+   <= 0.4 ms), throughput at 64 connections (target >= 0.8x sglang-router's) and each
+   target's CPU time per request.
 
     python -m bench.bench_router                 # everything
     python -m bench.bench_router decision        # only the decision path
-    python -m bench.bench_router decision --policy slo_aware
+    python -m bench.bench_router decision --policy kv_aware
     python -m bench.bench_router proxy --seconds 10 --requests 2000
     python -m bench.bench_router proxy --tls --no-sglang   # + the same router over https
     python -m bench.bench_router proxy --modes stream --no-sglang --profile DIR  # py-spy
     python -m bench.bench_router proxy --modes whole --rounds 4   # targets take turns
-    python -m bench.bench_router proxy --modes whole --rounds 4 --also-policies round_robin,slo_aware
+    python -m bench.bench_router proxy --modes whole --rounds 4 --also-policies round_robin,kv_aware
 
 ``--rounds N`` splits each target's throughput time into N turns, the targets taking turns, so
 a ratio is not the difference between two minutes of a noisy machine. Beside each target's
@@ -47,6 +48,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from services.core.policy import DEFAULT_POLICY
 
 RESULTS = Path(__file__).parent / "results" / "router"
 
@@ -107,7 +110,7 @@ def offline_router(
 
 
 def decision_setup(
-    workers: int = 64, blocks: int = 1_000_000, policy: str = "kv_aware"
+    workers: int = 64, blocks: int = 1_000_000, policy: str = DEFAULT_POLICY["name"]
 ) -> tuple[Any, dict[str, Any], Any]:
     """The decision bench's router (no network), request body and index: a 4096-token prompt
     whose first 64 blocks 8 workers hold and whose first 200 one worker holds, ``blocks``
@@ -150,7 +153,7 @@ def decision_loop(n: int, workers: int, blocks: int, policy: str) -> None:
 
 
 def bench_decision(
-    iters: int, workers: int = 64, blocks: int = 1_000_000, policy: str = "kv_aware"
+    iters: int, workers: int = 64, blocks: int = 1_000_000, policy: str = DEFAULT_POLICY["name"]
 ) -> dict[str, Any]:
     router, body, index = decision_setup(workers, blocks, policy)
     policy = router.policies.control
@@ -488,7 +491,7 @@ async def bench_proxy(
     modes: tuple[str, ...] = ("whole", "stream"),
     with_keys: bool = True,
     profile: Path | None = None,
-    policy: str = "kv_aware",
+    policy: str = DEFAULT_POLICY["name"],
     rounds: int = 1,
     also_policies: tuple[str, ...] = (),
 ) -> dict[str, Any]:
@@ -857,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=64, help="workers in the decision bench")
     ap.add_argument(
         "--policy",
-        default="kv_aware",
+        default=DEFAULT_POLICY["name"],
         help="the router's policy (name or JSON spec, as kvgate router --policy): on the "
         "decision bench's timed path and in the proxy bench's router; the decision bench's "
         "per-policy comparison always times every baseline",
