@@ -23,6 +23,11 @@ engine ``workers`` times as fast gives the least total wait any schedule of that
 (the requests' prefill work without step overheads, released at their arrivals); the bound is
 the larger of the two means.
 
+For a workload whose last arrivals are a burst sharing one prefix (the shared system prompt),
+:func:`burst_copies` adds the trade between hits and TTFT there: per number of workers that
+compute the prefix during the burst, the highest hit rate and the lowest TTFT mean any policy
+can have.
+
 They hold for any policy when every request completes (a run that refuses some averages over
 fewer). The engines must generate what the workloads never put in a later prompt (true of every
 workload here: the simulator's generated text is hashed, the workloads' turns are their own),
@@ -30,6 +35,7 @@ so a cache holds nothing a later prompt can use beyond earlier prompts.
 
     python -m bench.latency_bound -w multi-turn -p sessions=200 -p turns=8 -n 8
     python -m bench.latency_bound -w generated-shared-prefix -p groups=64 --out bound.json
+    python -m bench.latency_bound -w shared-system-prompt -n 8   # + the burst's hit/TTFT trade
 
 ``bench.slo_table`` prints these beside the policies when a run directory has ``bound.json``
 (``BOUNDS=1 bench/routing_v2_sweep.sh`` writes one per run).
@@ -168,6 +174,87 @@ def latency_bound(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class BurstCopies:
+    """A burst that shares one prefix, with the prefix computed during the burst on ``copies``
+    workers that did not hold it: the workload's hit rate is at most ``hit_rate_max`` and its
+    TTFT mean (every request's) at least ``ttft_mean_min``, under any routing policy."""
+
+    copies: int
+    hit_rate_max: float
+    ttft_mean_min: float
+
+
+def burst_copies(
+    requests: Sequence[BenchRequest],
+    keys: Sequence[Sequence[int]],
+    cfg: EngineConfig,
+    workers: int,
+) -> list[BurstCopies]:
+    """The trade between cache hits and TTFT on a burst of requests that share a prefix (the
+    requests arriving at the workload's last arrival instant, if there are two or more and
+    they share at least one leading full block); [] for a workload without one.
+
+    A worker serves a burst request only after the prefix is on it: it held the prefix when
+    the burst came (at most one worker per earlier request that contains it) or it computes
+    the prefix during the burst (a *copy*; an engine reuses only blocks computed in an
+    earlier step, so every copy computes it at least once). Per worker, the j-th burst request
+    to get its first token there waits at least one step's overhead plus the work the worker
+    must have done by then (:func:`prefill_work_s`, no overheads): the prefix once on a copy,
+    and j requests' own tokens after the prefix, at least the j smallest of the burst's. The
+    fewest seconds in all are the burst-size smallest of those per-slot bounds over the
+    holders and ``copies`` copies; earlier requests count their own prefill alone. Each copy
+    costs the workload a prefix of hits against one shared cache that never evicts. Decoding
+    and the step budget only add to these, so the bounds hold for every policy."""
+    if not requests:
+        return []
+    t = max(r.arrival_s for r in requests)
+    burst = [i for i, r in enumerate(requests) if r.arrival_s == t]
+    if len(burst) < 2:
+        return []
+    bs = cfg.block_size
+    depth = min(max(0, (requests[i].prompt_tokens - 1) // bs) for i in burst)
+    first = keys[burst[0]]
+    shared = 0
+    while shared < depth and all(keys[i][shared] == first[shared] for i in burst):
+        shared += 1
+    if shared == 0:
+        return []
+    prefix = shared * bs
+    head = first[0]
+    earlier = [i for i, r in enumerate(requests) if r.arrival_s < t]
+    holders = min(workers, sum(1 for i in earlier if keys[i][:1] == (head,)))
+    own = request_bounds(requests, keys, cfg)
+    before = sum(own[i][0] for i in earlier)
+    works = sorted(
+        prefill_work_s(cfg, requests[i].prompt_tokens, requests[i].prompt_tokens - prefix)
+        for i in burst
+    )
+    cum, acc = [], 0.0
+    for w in works:
+        acc += w
+        cum.append(acc)
+    a = cfg.step_overhead_s
+    w_prefix = prefill_work_s(cfg, prefix, prefix)
+    prompt_total = sum(r.prompt_tokens for r in requests)
+    hits = prompt_total - sum(uncached_tokens(requests, keys, bs))
+    out: list[BurstCopies] = []
+    for copies in range(0 if holders else 1, workers - holders + 1):
+        # the burst's smallest per-slot bounds: each worker's j-th slot is a + its start + cum[j]
+        heap = [(a + cum[0], 0, 0.0)] * holders + [(a + w_prefix + cum[0], 0, w_prefix)] * copies
+        heapq.heapify(heap)
+        total = before
+        for _ in burst:
+            v, j, start = heapq.heappop(heap)
+            total += v
+            if j + 1 < len(cum):
+                heapq.heappush(heap, (a + start + cum[j + 1], j + 1, start))
+        # one shared cache computes the prefix once (before the burst when someone held it)
+        lost = (copies - (0 if holders else 1)) * prefix
+        out.append(BurstCopies(copies, (hits - lost) / prompt_total, total / len(requests)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.latency_bound",
@@ -211,9 +298,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{b.ttft_mean:.4f} s (alone {b.own_ttft_mean:.4f}, queueing {b.queue_ttft_mean:.4f}), "
         f"TTFT p99 >= {b.ttft_p99:.4f} s, e2e mean >= {b.e2e_mean:.3f} s"
     )
+    burst = burst_copies(workload.requests, keys, cfg, a.workers)
+    if burst:
+        print("a burst sharing one prefix, computed during it on C more workers (any policy):")
+        print(f"{'C':>4s} {'hit rate <=':>12s} {'TTFT mean >=':>14s}")
+        for row in burst:
+            print(f"{row.copies:4d} {100 * row.hit_rate_max:11.2f}% {row.ttft_mean_min:13.4f}s")
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(asdict(b), indent=1) + "\n")
+        doc = asdict(b) | {"burst_copies": [asdict(r) for r in burst]}
+        a.out.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 
 

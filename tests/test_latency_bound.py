@@ -4,11 +4,13 @@ exactly by a request alone on an idle engine."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from bench.latency_bound import (
+    burst_copies,
     latency_bound,
     main,
     pooled_srpt_mean,
@@ -196,3 +198,64 @@ def test_slo_table_prints_the_bound_beside_the_best_peer(tmp_path, capsys):
     hit = sum(doc["workload"]["infinite_cache_hit_rate"] for doc in results) / 2
     assert rows["bound (any policy)"][5] == f"{100 * hit:.1f}"
     assert rows["bound vs best peer"][3] == "–"  # ITL p99: not bounded
+
+
+def test_burst_copies_by_hand():
+    # one request at t=0 holds a 2-block prefix; three arrive together at t=1, each with 16
+    # tokens of its own. Per-slot bounds: a + the work done by then; on a copy the prefix too.
+    cfg = make_engine_config({})
+    prefix = "p" * 32
+    reqs = [BenchRequest("w", prefix + "a" * 16, 2)] + [
+        BenchRequest(f"b{i}", prefix + c * 16, 2, arrival_s=1.0) for i, c in enumerate("xyz")
+    ]
+    rows = burst_copies(reqs, _keys(reqs, cfg), cfg, 2)
+    a, pt, pa = cfg.step_overhead_s, cfg.prefill_token_s, cfg.prefill_attn_s
+    own = 16 * pt + pa * sum(range(33, 49))  # 16 tokens after the prefix: 33..48 positions
+    pre = 32 * pt + pa * sum(range(1, 33))
+    warm = a + 48 * pt + pa * sum(range(1, 49))  # the first request alone
+    assert [r.copies for r in rows] == [0, 1]
+    # no copy: the holder serves all three in turn
+    assert rows[0].ttft_mean_min == pytest.approx((warm + 3 * a + 6 * own) / 4)
+    # one copy: the holder's first two slots (a + own, a + 2 own) and the copy's first
+    # (a + pre + own), whichever are the three smallest
+    slots = sorted([a + own, a + 2 * own, a + 3 * own, a + pre + own, a + pre + 2 * own])
+    assert rows[1].ttft_mean_min == pytest.approx((warm + sum(slots[:3])) / 4)
+    # hits: the burst's prefix once per request with no copy; a copy computes it once
+    total = 4 * 48
+    assert rows[0].hit_rate_max == pytest.approx(3 * 32 / total)
+    assert rows[1].hit_rate_max == pytest.approx(2 * 32 / total)
+
+
+def test_burst_copies_needs_one_shared_prefix():
+    cfg = make_engine_config({})
+    spread = [BenchRequest("a", "x" * 40, 2), BenchRequest("b", "y" * 40, 2, arrival_s=1.0)]
+    assert burst_copies(spread, _keys(spread, cfg), cfg, 2) == []  # a burst of one
+    groups = build_workload("generated-shared-prefix", WORKLOADS["generated-shared-prefix"])
+    assert burst_copies(groups.requests, _keys(groups.requests, cfg), cfg, 4) == []
+    # one shared prefix and nobody holding it: the first worker to serve it is a copy
+    alone = [BenchRequest(f"r{i}", "p" * 32 + c * 8, 2) for i, c in enumerate("xyz")]
+    rows = burst_copies(alone, _keys(alone, cfg), cfg, 3)
+    assert [r.copies for r in rows] == [1, 2, 3]
+    assert rows[0].hit_rate_max == pytest.approx(2 * 32 / (3 * 40))
+
+
+@pytest.mark.parametrize(
+    "policy", ["slo_aware", "kv_aware", "llmd_default", "sglang_cache_aware", "round_robin"]
+)
+def test_no_policy_beats_the_burst_trade(policy):
+    # the shared system prompt: one request at t=0, the rest together; a run that computed
+    # the prompt on C more workers has at most row C's hit rate and at least its TTFT mean
+    wl = build_workload("shared-system-prompt", {"num_requests": 48, "system_len": 512})
+    cfg = make_engine_config({})
+    rows = burst_copies(wl.requests, _keys(wl.requests, cfg), cfg, 4)
+    assert [r.copies for r in rows] == [0, 1, 2, 3]
+    assert all(x.ttft_mean_min > y.ttft_mean_min for x, y in itertools.pairwise(rows))
+    run = simulate(wl.requests, {"name": policy, "params": {}}, SimOptions(num_workers=4))
+    assert all(r.status == OK for r in run.results)
+    first = next(r for r in run.results if r.request_id == wl.requests[0].request_id)
+    served = {r.worker for r in run.results if r.request_id != first.request_id}
+    row = rows[len(served - {first.worker})]
+    ttft = sum(r.ttft_s for r in run.results) / len(run.results)
+    hit = sum(r.cached_tokens for r in run.results) / sum(r.prompt_tokens for r in run.results)
+    assert ttft >= row.ttft_mean_min
+    assert hit <= row.hit_rate_max + 1e-12
