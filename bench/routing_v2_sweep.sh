@@ -10,8 +10,8 @@
 #
 # Environment: SEEDS (default "0 1 2 3 4"), WORKERS ("8 32"), CONFIGS ("default pb"),
 # WORKLOADS ("ssp gsp mt mc az"), BOUNDS (set: also bench.latency_bound per run), POLICIES
-# (default kv_aware, slo_aware and the four peer baselines), OURS (the policy compared, default
-# kv_aware), OUT (bench/results/rv2),
+# (default kv_aware, slo_aware and the four peer baselines), OURS (the policies compared, as
+# POLICIES names them; default slo_aware,kv_aware), OUT (bench/results/rv2),
 # TRACES (../shared/traces), KVGATE (kvgate), PYTHON (python). Runs already present are not run again.
 #
 # Scaling with workers (k = workers / 8): bursts get k x the requests, arrivals k x the rate
@@ -29,7 +29,7 @@ WORKERS=${WORKERS:-"8 32"}
 CONFIGS=${CONFIGS:-"default pb"}
 WORKLOADS=${WORKLOADS:-"ssp gsp mt mc az"}
 POLICIES=${POLICIES:-kv_aware,slo_aware,sglang_cache_aware,dynamo_kv,llmd_default,llmd_kv_util}
-OURS=${OURS:-kv_aware}
+OURS=${OURS:-slo_aware,kv_aware}
 OUT=${OUT:-bench/results/rv2}
 TRACES=${TRACES:-../shared/traces}
 KVGATE=${KVGATE:-kvgate}

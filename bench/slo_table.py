@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
+from bench.common import parse_policies
 from bench.metrics import slo_attainment
 
 PEERS = "sglang_cache_aware,dynamo_kv,llmd_default,llmd_kv_util"
@@ -105,7 +107,7 @@ def bound_rows(
 
 def table(
     per: dict[str, list[dict]],
-    ours: str,
+    ours: list[str],
     peers: list[str],
     bounds: list[dict[str, float]] | None = None,
 ) -> str:
@@ -117,7 +119,7 @@ def table(
         cells = " | ".join(FIGURES[k][2].format(mean[p][k]) for k in keys)
         lines.append(f"| `{p}` | {len(rs)} | {cells} |")
     present = [p for p in peers if p in mean]
-    for one in split_labels(ours):
+    for one in ours:
         if one in mean and present:
             lines.append(_versus(mean, one, present, keys))
     if bounds:
@@ -146,19 +148,10 @@ def _versus(
     return f"| `{ours}` vs best peer | | " + " | ".join(cells) + " |"
 
 
-def split_labels(text: str) -> list[str]:
-    """Comma-separated run labels; commas inside a label's ``{json params}`` do not split."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        if ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-            continue
-        depth += (ch == "{") - (ch == "}")
-        cur += ch
-    if cur:
-        out.append(cur)
-    return out
+def run_labels(text: str) -> list[str]:
+    """The run labels of comma-separated policies, written as ``kvgate simulate --policies``
+    takes them (``name:{json params}``) or as the runs are labelled (``name{json params}``)."""
+    return [label for label, _spec in parse_policies(text)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,15 +161,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("dirs", nargs="+", type=Path, help="simulate result directories (one per seed)")
     ap.add_argument(
         "--ours",
-        default="kv_aware",
-        help="the policies compared, comma-separated (default kv_aware)",
+        default="slo_aware,kv_aware",
+        help="the policies compared, comma-separated, as --policies names them (NAME or "
+        "NAME:{json params}; default slo_aware,kv_aware)",
     )
     ap.add_argument("--peers", default=PEERS, help=f"comma-separated baselines (default {PEERS})")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target (default 2000)")
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0, help="TPOT target (default 50)")
     a = ap.parse_args(argv)
+    try:
+        ours, peers = run_labels(a.ours), run_labels(a.peers)
+    except ValueError as exc:
+        ap.error(str(exc))
     per = collect(a.dirs, a.slo_ttft_ms / 1000.0, a.slo_tpot_ms / 1000.0)
-    print(table(per, a.ours, split_labels(a.peers), collect_bounds(a.dirs)))
+    missing = [x for x in ours + peers if x not in per]
+    if missing:
+        print(f"slo_table: no runs labelled {', '.join(missing)}", file=sys.stderr)
+    print(table(per, ours, peers, collect_bounds(a.dirs)))
 
 
 if __name__ == "__main__":
