@@ -1,4 +1,5 @@
-"""Built-in policies, one small module each. Importing this package registers them all.
+"""Built-in policies, one small module each (and the large-fleet paths of two of them,
+``kv_fast`` and ``slo_fast``). Importing this package registers them all.
 
 To add a policy: write a module here with a :class:`~services.core.policy.base.PolicyImpl`
 subclass decorated with ``@register`` and import it below.
