@@ -13,13 +13,12 @@ worse on some figure and better on none; ours dominates where the reverse holds:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 from bench.common import parse_policies
-from bench.slo_table import FIGURES, PEERS, collect
+from bench.slo_table import FIGURES, PEERS, collect, seed_means
 
 # the sweep's SLO targets per engine configuration: (TTFT s, TPOT s)
 SLO = {"default": (2.0, 0.05), "pb": (6.25, 0.05)}
@@ -37,6 +36,13 @@ def compare(ours: dict[str, float], peer: dict[str, float]) -> tuple[int, int]:
         else:
             worse += 1
     return better, worse
+
+
+def verdict(better: int, worse: int) -> str:
+    """Ours against one peer, from :func:`compare`'s counts."""
+    if not worse:
+        return "ours dominates" if better else "equal"
+    return "mixed" if better else "peer dominates"
 
 
 def configurations(root: Path) -> dict[str, list[Path]]:
@@ -60,10 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default=PEERS, help=f"comma-separated (default {PEERS})")
     a = ap.parse_args(argv)
     try:
-        (ours,) = [label for label, _ in parse_policies(a.ours)]
+        ours_labels = [label for label, _ in parse_policies(a.ours)]
         peers = [label for label, _ in parse_policies(a.peers)]
     except ValueError as exc:
-        ap.error(f"{exc} (--ours names one policy)")
+        ap.error(str(exc))
+    if len(ours_labels) != 1:
+        ap.error("--ours names one policy")
+    (ours,) = ours_labels
     configs = configurations(a.root) if a.root.is_dir() else {}
     if not configs:
         print(f"dominance: no sweep runs under {a.root}", file=sys.stderr)
@@ -74,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, dirs in configs.items():
         engine = name.split("-")[1] if name.count("-") >= 2 else "default"
         per = collect(dirs, *SLO.get(engine, SLO["default"]))
-        mean = {
-            p: {k: statistics.fmean(r[k] for r in rs) for k in FIGURES} for p, rs in per.items()
-        }
+        mean = seed_means(per)
         if ours not in mean:
             print(f"dominance: no runs of {ours} in {name}", file=sys.stderr)
             return 2
@@ -86,15 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append("–")
                 continue
             better, worse = compare(mean[ours], mean[p])
-            kind = (
-                "equal"
-                if not better and not worse
-                else "peer dominates"
-                if not better
-                else "ours dominates"
-                if not worse
-                else "mixed"
-            )
+            kind = verdict(better, worse)
             tally[kind] += 1
             mark = " **dominated**" if kind == "peer dominates" else ""
             cells.append(f"+{better} / -{worse}{mark}")

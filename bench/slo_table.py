@@ -66,6 +66,11 @@ def collect(dirs: list[Path], ttft_s: float, tpot_s: float) -> dict[str, list[di
     return per
 
 
+def seed_means(per: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Each policy's figures averaged over its runs (one per seed)."""
+    return {p: {k: statistics.fmean(r[k] for r in rs) for k in FIGURES} for p, rs in per.items()}
+
+
 # the figures latency_bound bounds: figure -> its field in bound.json
 BOUNDED = {"ttft_mean": "ttft_mean", "ttft_p99": "ttft_p99", "e2e_mean": "e2e_mean"}
 
@@ -114,7 +119,7 @@ def table(
     keys = list(FIGURES)
     head = "| policy | runs | " + " | ".join(FIGURES[k][0] for k in keys) + " |"
     lines = [head, "|---|---:|" + "---:|" * len(keys)]
-    mean = {p: {k: statistics.fmean(r[k] for r in rs) for k in keys} for p, rs in per.items()}
+    mean = seed_means(per)
     for p, rs in per.items():
         cells = " | ".join(FIGURES[k][2].format(mean[p][k]) for k in keys)
         lines.append(f"| `{p}` | {len(rs)} | {cells} |")
