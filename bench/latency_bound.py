@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import math
 import sys
@@ -226,14 +227,15 @@ def burst_copies(
     holders = min(workers, sum(1 for i in earlier if keys[i][:1] == (head,)))
     own = request_bounds(requests, keys, cfg)
     before = sum(own[i][0] for i in earlier)
-    works = sorted(
-        prefill_work_s(cfg, requests[i].prompt_tokens, requests[i].prompt_tokens - prefix)
-        for i in burst
+    # the j smallest own works after the prefix, summed, for every j
+    cum = list(
+        itertools.accumulate(
+            sorted(
+                prefill_work_s(cfg, requests[i].prompt_tokens, requests[i].prompt_tokens - prefix)
+                for i in burst
+            )
+        )
     )
-    cum, acc = [], 0.0
-    for w in works:
-        acc += w
-        cum.append(acc)
     a = cfg.step_overhead_s
     w_prefix = prefill_work_s(cfg, prefix, prefix)
     prompt_total = sum(r.prompt_tokens for r in requests)
