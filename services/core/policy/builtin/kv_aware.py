@@ -106,6 +106,7 @@ decision without a pass over every worker (:mod:`services.core.policy.builtin.kv
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from services.core.policy.base import PolicyImpl, PolicyState, register
 from services.core.policy.builtin import kv_fast
@@ -433,6 +434,77 @@ class KvAware(PolicyImpl):
         others.sort()
         return tuple(wid for _, wid in others[:need])
 
+    def _hot_prefix(
+        self,
+        state: PolicyState,
+        keys: tuple[int, ...],
+        best: int,
+        holders: list[WorkerState],
+        n: int,
+        least: Callable[[], int],
+        plan: Callable[[float], tuple[str, ...]],
+    ) -> tuple[int, tuple[str, ...]]:
+        """The hot-prefix rule (module docstring) for a prompt matched ``best`` >=
+        ``hot_min_blocks`` blocks deep by ``holders`` (in candidate order) among ``n``
+        candidates: records the decision in the demand windows and returns (the spread credit
+        for non-holders, the workers to copy the prefix to). ``least`` gives the fewest requests
+        in flight on a candidate and ``plan`` the replicas for a demand of ``want`` workers'
+        worth; both are called only when needed. Shared by the full and the large-fleet path."""
+        p = self.p
+        demand, hdemand = self._demand(state)
+        hdemand.add(tuple(w.worker_id for w in holders))
+        # the prefix's identity: its deepest matched block key (none without keys)
+        pid = keys[best - 1] if best <= len(keys) else None
+        if pid is not None:
+            demand.claim(pid, best)
+        demand.add(pid)
+        if len(holders) >= n:
+            return 0, ()
+        replicas: tuple[str, ...] = ()
+        lead = min(holders, key=lambda w: (w.inflight, w.worker_id))
+        low = least()
+        excess = lead.inflight - low
+        # under heavy load an absolute excess is noise: balancing and overload also need the
+        # holder busier by a ratio (what sglang-router checks too)
+        lopsided = lead.inflight >= p["overload_ratio"] * low
+        busy_holder = hdemand.fraction(lead.worker_id) * n > p["hot_share"]
+        if pid is not None:
+            # a prefix wanted by more workers' worth of traffic than it has holders: hot when
+            # even a low estimate of its demand says so (a few decisions say little); how many
+            # workers it wants is the window's own fraction
+            sure = demand.fraction_low(pid, p["hot_confidence"]) * n - p["hot_margin"]
+            want = demand.fraction(pid) * n - p["hot_margin"]
+            hot = sure > len(holders)
+            if hot and p["replicate"] and p["routed_ttl"] > 0:
+                # like spreading, only once the holders are busier than the least loaded (an
+                # idle cluster, e.g. after a restart, copies nothing)
+                if (
+                    excess >= p["spread_margin"]
+                    and demand.count.get(pid, 0) >= p["replicate_min_requests"]
+                ):
+                    replicas = plan(want)
+                # it spreads by copies (or is about to), never by this request
+                hot = False
+            spread = (hot and excess >= p["spread_margin"]) or (
+                busy_holder
+                and excess >= p["balance_margin"]
+                and lopsided
+                # a copy pays only when the holder's queue is longer than the prefix
+                and self._queued(lead, state) >= best * lead.capacity.block_size
+            )
+        else:  # without keys prefixes are told apart only by their holders
+            spread = busy_holder and excess >= p["spread_margin"]
+        if spread or (excess >= p["overload_margin"] and lopsided):
+            return int(best * p["spread_credit"]), replicas
+        return 0, replicas
+
+    def _cold(self, state: PolicyState, keys: tuple[int, ...]) -> None:
+        """A decision that matched no shared prefix, in the demand windows (with its keys, so
+        a prefix it turns out to have created can claim it)."""
+        demand, hdemand = self._demand(state)
+        demand.add(ColdEntry(keys) if keys else None)
+        hdemand.add(())
+
     def _prelude(
         self,
         req: RequestInfo,
@@ -455,59 +527,21 @@ class KvAware(PolicyImpl):
         if keys and p["routed_ttl"] > 0:
             ovs = self._with_routed(req.request_id, keys, cands, idx, state, tick)
         best = max(idx)
-        demand, hdemand = self._demand(state)
         spread_to = 0
         replicas: tuple[str, ...] = ()
         extra: dict[str, int] = {}
         if best >= p["hot_min_blocks"]:
-            holders = [w for w, o in zip(cands, idx, strict=True) if o >= best]
-            hids = tuple(w.worker_id for w in holders)
-            hdemand.add(hids)
-            # the prefix's identity: its deepest matched block key (none without keys)
-            pid = keys[best - 1] if best <= len(keys) else None
-            if pid is not None:
-                demand.claim(pid, best)
-            demand.add(pid)
-            if len(holders) < len(cands):
-                lead = min(holders, key=lambda w: (w.inflight, w.worker_id))
-                least = min([w.inflight for w in cands])
-                excess = lead.inflight - least
-                # under heavy load an absolute excess is noise: balancing and overload also
-                # need the holder busier by a ratio (what sglang-router checks too)
-                lopsided = lead.inflight >= p["overload_ratio"] * least
-                n = len(cands)
-                busy_holder = hdemand.fraction(lead.worker_id) * n > p["hot_share"]
-                if pid is not None:
-                    # a prefix wanted by more workers' worth of traffic than it has holders
-                    # hot when even a low estimate of its demand says so (a few decisions say
-                    # little); how many workers it wants is the window's own fraction
-                    sure = demand.fraction_low(pid, p["hot_confidence"]) * n - p["hot_margin"]
-                    want = demand.fraction(pid) * n - p["hot_margin"]
-                    hot = sure > len(holders)
-                    if hot and p["replicate"] and p["routed_ttl"] > 0:
-                        # like spreading, only once the holders are busier than the least
-                        # loaded (an idle cluster, e.g. after a restart, copies nothing)
-                        if (
-                            excess >= p["spread_margin"]
-                            and demand.count.get(pid, 0) >= p["replicate_min_requests"]
-                        ):
-                            replicas = self._plan_replicas(want, best, cands, ovs, state)
-                        # it spreads by copies (or is about to), never by this request
-                        hot = False
-                    spread = (hot and excess >= p["spread_margin"]) or (
-                        busy_holder
-                        and excess >= p["balance_margin"]
-                        and lopsided
-                        # a copy pays only when the holder's queue is longer than the prefix
-                        and self._queued(lead, state) >= best * lead.capacity.block_size
-                    )
-                else:  # without keys prefixes are told apart only by their holders
-                    spread = busy_holder and excess >= p["spread_margin"]
-                if spread or (excess >= p["overload_margin"] and lopsided):
-                    spread_to = int(best * p["spread_credit"])
+            spread_to, replicas = self._hot_prefix(
+                state,
+                keys,
+                best,
+                [w for w, o in zip(cands, idx, strict=True) if o >= best],
+                len(cands),
+                lambda: min([w.inflight for w in cands]),
+                lambda want: self._plan_replicas(want, best, cands, ovs, state),
+            )
         else:
-            demand.add(ColdEntry(keys) if keys else None)
-            hdemand.add(())
+            self._cold(state, keys)
         if replicas:
             state.replicate_to = replicas
             # the copies go out with this request: those workers will hold the prefix, after

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from services.core.keys import blocks_needed
 from services.core.policy import filters
 from services.core.policy.base import PolicyState
-from services.core.policy.demand import ColdEntry
 from services.core.policy.fleet import INF, FleetView, Row, exceeds
 from services.core.policy.types import ClusterSnapshot, RequestInfo, WorkerState
 
@@ -123,55 +122,27 @@ def fast_prelude(
                 if d > ov_of.get(w, 0):
                     ov_of[w] = d
     best = max(idx.values(), default=0)
-    demand, hdemand = self._demand(state)
     spread_to = 0
     replicas: tuple[str, ...] = ()
     extra: dict[str, int] = {}
     if best >= p["hot_min_blocks"]:
+
+        def plan(want: float) -> tuple[str, ...]:
+            # _plan_replicas names nobody (and reads nothing) unless the prefix wants more
+            # workers than hold it or were sent it
+            have = sum(1 for o in ov_of.values() if o >= best)
+            if math.ceil(want) - have <= 0:
+                return ()
+            cands = fv.routable_states()
+            ovs = [ov_of.get(w.worker_id, 0) for w in cands]
+            return self._plan_replicas(want, best, cands, ovs, state)
+
         holders = sorted((rows[w] for w, o in idx.items() if o >= best), key=lambda x: x.pos)
-        holders = [x.obj for x in holders]
-        hids = tuple(w.worker_id for w in holders)
-        hdemand.add(hids)
-        pid = keys[best - 1] if best <= len(keys) else None
-        if pid is not None:
-            demand.claim(pid, best)
-        demand.add(pid)
-        if len(holders) < n:
-            lead = min(holders, key=lambda w: (w.inflight, w.worker_id))
-            least = fv.min_inflight()
-            excess = lead.inflight - least
-            lopsided = lead.inflight >= p["overload_ratio"] * least
-            busy_holder = hdemand.fraction(lead.worker_id) * n > p["hot_share"]
-            if pid is not None:
-                sure = demand.fraction_low(pid, p["hot_confidence"]) * n - p["hot_margin"]
-                want = demand.fraction(pid) * n - p["hot_margin"]
-                hot = sure > len(holders)
-                if hot and p["replicate"] and p["routed_ttl"] > 0:
-                    if (
-                        excess >= p["spread_margin"]
-                        and demand.count.get(pid, 0) >= p["replicate_min_requests"]
-                    ):
-                        # _plan_replicas names nobody (and reads nothing) unless the prefix
-                        # wants more workers than hold it or were sent it
-                        have = sum(1 for o in ov_of.values() if o >= best)
-                        if math.ceil(want) - have > 0:
-                            cands = fv.routable_states()
-                            ovs = [ov_of.get(w.worker_id, 0) for w in cands]
-                            replicas = self._plan_replicas(want, best, cands, ovs, state)
-                    hot = False
-                spread = (hot and excess >= p["spread_margin"]) or (
-                    busy_holder
-                    and excess >= p["balance_margin"]
-                    and lopsided
-                    and self._queued(lead, state) >= best * lead.capacity.block_size
-                )
-            else:
-                spread = busy_holder and excess >= p["spread_margin"]
-            if spread or (excess >= p["overload_margin"] and lopsided):
-                spread_to = int(best * p["spread_credit"])
+        spread_to, replicas = self._hot_prefix(
+            state, keys, best, [x.obj for x in holders], n, fv.min_inflight, plan
+        )
     else:
-        demand.add(ColdEntry(keys) if keys else None)
-        hdemand.add(())
+        self._cold(state, keys)
     if replicas:
         state.replicate_to = replicas
         extra = {w: max(0, prompt - ov_of.get(w, 0) * bs) for w in replicas}
