@@ -353,3 +353,62 @@ async def test_processes_option_runs_replicas_on_one_port(nats_url, subjects, bu
         await asyncio.to_thread(proc.wait, 20)
         await beats.stop()
         await w.stop()
+
+
+async def test_a_router_alone_publishes_its_counts_only_periodically(
+    nats_url, subjects, bus: Bus
+) -> None:
+    """A router nobody hears from announces its counts at start and then every
+    ``load_interval``, not on every change (nobody reads them; at ~200 messages a second they
+    cost it CPU under load); a router heard for the first time gets its counts at once, and
+    changes follow within milliseconds from then on."""
+    from services.common.schemas import RouterLoad
+
+    w = await FakeWorker("w0").start(bus)
+    beats = Beats(bus, [w]).start()
+    got: list[RouterLoad] = []
+    arrived = asyncio.Event()
+
+    async def on_load(rl: RouterLoad, _raw) -> None:
+        if rl.router_id == "solo":
+            got.append(rl)
+            arrived.set()
+
+    await bus.subscribe(bus.subjects.router_load_all, RouterLoad, on_load)
+    # an interval far beyond the test: every message seen is the start's or a change's
+    r = await RouterProc(nats_url, subjects, router_id="solo", load_interval=600.0).start()
+    try:
+        await wait_until(lambda: len(got) >= 1, what="the start announcement")
+        await r.wait_workers(1)
+        async with aiohttp.ClientSession() as s:
+            for i in range(5):
+                st, _h, _b = await post(
+                    s, r.url + "/v1/completions", {"model": "m", "prompt": f"{i}"}
+                )
+                assert st == 200
+        # another router appears: the answer is this router's counts, published after anything
+        # the requests above made it publish (one connection: NATS keeps its order)
+        arrived.clear()
+        await bus.publish(
+            bus.subjects.router_load("peer"),
+            RouterLoad(router_id="peer", ts=time.time(), seq=1, inflight={"w0": 3}),
+        )
+        await asyncio.wait_for(arrived.wait(), 10)
+        assert len(got) == 2, [m.seq for m in got]  # the announcement, then the answer
+        # heard by another router: a change is published at once
+        hold = asyncio.Event()
+        w.hold = hold
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(
+                post(s, r.url + "/v1/completions", {"model": "m", "prompt": "held"})
+            )
+            await wait_until(
+                lambda: any(m.inflight.get("w0") == 1 for m in got[2:]),
+                what="the held request's count published",
+            )
+            hold.set()
+            assert (await task)[0] == 200
+    finally:
+        await r.stop()
+        await beats.stop()
+        await w.stop()

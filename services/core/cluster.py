@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import KeysView
 from dataclasses import dataclass
 
 import msgspec
@@ -139,6 +140,11 @@ class ClusterState:
         touched = set(inflight) | (set(old[1]) if old else set())
         for wid in touched:
             self._refresh_load(wid)
+
+    @property
+    def remote_routers(self) -> KeysView[str]:
+        """The other routers heard from (their last load message within ``remote_ttl_s``)."""
+        return self._remote.keys()
 
     def set_breaker_open(self, worker_id: str, is_open: bool) -> None:
         if is_open:

@@ -1,9 +1,14 @@
 """Load sharing between routers: this router's in-flight counts out on ``router.load.<id>``,
 other routers' in (they count in every worker's ``inflight`` / ``pending_prefill_tokens``).
 
-Invariants: a change is published within ~5 ms (bursts coalesce into one message) and at
-least every ``load_interval`` seconds; nothing is published while NATS is down; this router's
-own messages are ignored on the way in.
+Invariants: the counts are published at start and at least every ``load_interval`` seconds
+(how routers find each other); while another router is heard (its last message within the
+cluster state's ``remote_ttl_s``), a change is published within ~5 ms (bursts coalesce into
+one message), and a router heard for the first time gets this one's counts at once. A router
+alone publishes only the periodic message: nobody reads its changes, and at ~200 messages a
+second, sending them and reading its own back cost it ~7% of its CPU under load
+(docs/benchmarks.md, "What keeps the router's CPU down"). Nothing is published while NATS is down;
+this router's own messages are ignored on the way in.
 """
 
 from __future__ import annotations
@@ -41,18 +46,24 @@ class LoadSharing:
         self._log = RateLimiter(30.0)
 
     def mark_dirty(self) -> None:
-        """This router's counts changed (a dispatch or a release)."""
-        self._dirty.set()
+        """This router's counts changed (a dispatch or a release): published soon when another
+        router hears them."""
+        if self.state.remote_routers:
+            self._dirty.set()
 
     async def on_router_load(self, rl: RouterLoad, _raw: Any) -> None:
         if rl.router_id == self.router_id:
             return
+        if rl.router_id not in self.state.remote_routers:
+            self._dirty.set()  # a router heard for the first time: our counts at once
         self.state.on_router_load(rl.router_id, rl.inflight, rl.pending_prefill, time.monotonic())
         if self.capacity.waiting:
             self.capacity.notify()
 
     async def run(self) -> None:
-        """Publish this router's in-flight counts on change (coalesced) and every interval."""
+        """Publish this router's in-flight counts at start, every interval, and on change
+        (coalesced) while another router is heard."""
+        self._dirty.set()  # announce this router at once
         while True:
             await wait_event(self._dirty, self.interval_s)
             self._dirty.clear()
