@@ -7,8 +7,8 @@ cluster state's ``remote_ttl_s``), a change is published within ~5 ms (bursts co
 one message), and a router heard for the first time gets this one's counts at once. A router
 alone publishes only the periodic message: nobody reads its changes, and at ~200 messages a
 second, sending them and reading its own back cost it ~7% of its CPU under load
-(docs/benchmarks.md, "What keeps the router's CPU down"). Nothing is published while NATS is down;
-this router's own messages are ignored on the way in.
+(docs/benchmarks.md, "What keeps the router's CPU down"). Nothing is published while NATS is
+down; this router's own messages are ignored on the way in.
 """
 
 from __future__ import annotations
