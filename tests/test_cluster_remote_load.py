@@ -81,3 +81,24 @@ def test_a_message_with_nothing_new_refreshes_no_worker() -> None:
     assert not seen
     cs.on_router_load("ra", {"w0": 2}, {"w0": 300}, 0.2)  # w1's request ended there
     assert seen == {"w1"} and cs.states["w1"].inflight == 0
+
+
+def test_the_bench_reference_and_the_state_agree() -> None:
+    """``bench.load_share_cost`` times the state against its reference: same messages, same
+    loads (and it runs)."""
+    from bench.load_share_cost import ReferenceState, main, messages
+
+    msgs = messages(50, 3, 60, seed=1)
+    states = []
+    for cls in (ClusterState, ReferenceState):
+        cs = cls()
+        for i in range(50):
+            hb = WorkerHeartbeat(
+                worker_id=f"w{i:05d}", instance_id="i", url="http://w", model="m", capacity=CAP
+            )
+            cs.on_heartbeat(hb, 0.0)
+        for rid, inflight, prefill in msgs:
+            cs.on_router_load(rid, inflight, prefill, 0.0)
+        states.append({w: (s.inflight, s.pending_prefill_tokens) for w, s in cs.states.items()})
+    assert states[0] == states[1] and any(v != (0, 0) for v in states[0].values())
+    assert main(["--workers", "20", "--routers", "2", "--messages", "20", "--runs", "1"]) == 0
