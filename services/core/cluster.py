@@ -155,7 +155,8 @@ class ClusterState:
 
     @property
     def remote_routers(self) -> KeysView[str]:
-        """The other routers heard from (their last load message within ``remote_ttl_s``)."""
+        """The other routers heard from (their last load message within ``remote_ttl_s``);
+        a live view, valid for the state's lifetime."""
         return self._remote.keys()
 
     def set_breaker_open(self, worker_id: str, is_open: bool) -> None:

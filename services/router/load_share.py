@@ -42,19 +42,20 @@ class LoadSharing:
         self.capacity = capacity
         self.interval_s = interval_s
         self._dirty = asyncio.Event()
+        self._peers = state.remote_routers  # a live view: read on every dispatch and release
         self._seq = 0
         self._log = RateLimiter(30.0)
 
     def mark_dirty(self) -> None:
         """This router's counts changed (a dispatch or a release): published soon when another
         router hears them."""
-        if self.state.remote_routers:
+        if self._peers:
             self._dirty.set()
 
     async def on_router_load(self, rl: RouterLoad, _raw: Any) -> None:
         if rl.router_id == self.router_id:
             return
-        if rl.router_id not in self.state.remote_routers:
+        if rl.router_id not in self._peers:
             self._dirty.set()  # a router heard for the first time: our counts at once
         self.state.on_router_load(rl.router_id, rl.inflight, rl.pending_prefill, time.monotonic())
         if self.capacity.waiting:
