@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import random
 import resource
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -329,19 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/telemetry")
     args = p.parse_args(argv)
 
-    from services.common.embedded import EmbeddedNats, free_port, port_open
+    from services.common.embedded import free_port, nats_or_embedded
     from services.common.logging import configure_logging
 
     configure_logging("bench-telemetry", "warning", "console")
-    server = None
-    nats_url = args.nats_url
-    if not nats_url:
-        if port_open("127.0.0.1", 4222):
-            nats_url = "nats://127.0.0.1:4222"
-        else:
-            server = EmbeddedNats(Path(tempfile.mkdtemp(prefix="bench-nats-")))
-            server.start()
-            nats_url = server.url
+    nats = contextlib.ExitStack()
+    nats_url = nats.enter_context(nats_or_embedded(args.nats_url))
     ports: list[int] = []
     while len(ports) < args.workers:  # free_port() may hand out the same port twice
         port = free_port()
@@ -394,8 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.join(5)
-        if server is not None:
-            server.stop()
+        nats.close()
     ok = result["cpu_pct_of_one_core"] <= TARGET_PCT
     print(json.dumps(result, indent=2))
     print(

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 from services.common.bus import Bus
+from services.common.embedded import nats_or_embedded
 from services.common.schemas import (
     GpuSample,
     WorkerCapacity,
@@ -160,18 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per count")
     ap.add_argument("--nats-url", default="", help="default: 127.0.0.1:4222, else embedded")
     a = ap.parse_args(argv)
-    from services.common.embedded import EmbeddedNats, port_open
-
-    server = None
-    url = a.nats_url
-    if not url:
-        if port_open("127.0.0.1", 4222):
-            url = "nats://127.0.0.1:4222"
-        else:
-            server = EmbeddedNats(Path(tempfile.mkdtemp(prefix="bench-nats-")))
-            server.start()
-            url = server.url
-    try:
+    with nats_or_embedded(a.nats_url) as url:
         print(
             f"{'workers':>8s} {'msgs/s':>8s} {'% of a core':>12s} {'µs/msg':>8s} {'decode+apply µs':>16s}"
         )
@@ -182,12 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['apply_us']:16.1f}",
                 flush=True,
             )
-    finally:
-        if server is not None:
-            server.stop()
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     raise SystemExit(main())

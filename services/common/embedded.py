@@ -13,8 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -90,6 +91,26 @@ def nats_server_binary() -> str:
 def nats_url_reachable(url: str) -> bool:
     parsed = urlparse(url.split(",")[0].strip())
     return port_open(parsed.hostname or "127.0.0.1", parsed.port or 4222)
+
+
+@contextlib.contextmanager
+def nats_or_embedded(url: str = "") -> Iterator[str]:
+    """A NATS URL for a bench: ``url`` when given, else the development machine's server on
+    127.0.0.1:4222 when it answers, else an embedded server (in a temporary directory) that
+    stops when the block ends."""
+    if url:
+        yield url
+        return
+    if port_open("127.0.0.1", 4222):
+        yield "nats://127.0.0.1:4222"
+        return
+    with tempfile.TemporaryDirectory(prefix="nats-") as tmp:
+        server = EmbeddedNats(Path(tmp))
+        server.start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
 
 
 class EmbeddedNats:
