@@ -17,8 +17,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import parse_policies
-from bench.slo_table import FIGURES, PEERS, collect, seed_means
+from bench.slo_table import FIGURES, PEERS, collect, run_labels, seed_means
 
 # the sweep's SLO targets per engine configuration: (TTFT s, TPOT s)
 SLO = {"default": (2.0, 0.05), "pb": (6.25, 0.05)}
@@ -66,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default=PEERS, help=f"comma-separated (default {PEERS})")
     a = ap.parse_args(argv)
     try:
-        ours_labels = [label for label, _ in parse_policies(a.ours)]
-        peers = [label for label, _ in parse_policies(a.peers)]
+        ours_labels = run_labels(a.ours)
+        peers = run_labels(a.peers)
     except ValueError as exc:
         ap.error(str(exc))
     if len(ours_labels) != 1:
