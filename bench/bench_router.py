@@ -338,6 +338,15 @@ def serve_worker(port: int) -> None:
 
 
 # =============================================================================== proxy
+async def _get_json(url: str, key: str) -> Any:
+    """``key`` of the JSON at ``url`` (a router's /health)."""
+    import aiohttp
+
+    conn = aiohttp.TCPConnector(ssl=_client_tls(url))
+    async with aiohttp.ClientSession(connector=conn) as s, s.get(url) as r:
+        return (await r.json(content_type=None))[key]
+
+
 async def _wait_http(url: str, timeout: float, pred=None) -> None:
     import aiohttp
 
@@ -494,6 +503,7 @@ async def bench_proxy(
     policy: str = DEFAULT_POLICY["name"],
     rounds: int = 1,
     also_policies: tuple[str, ...] = (),
+    peered: bool = False,
 ) -> dict[str, Any]:
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
@@ -528,9 +538,12 @@ async def bench_proxy(
         )
         wurl = f"http://127.0.0.1:{wport}"
         await _wait_http(wurl + "/health", 20)
-        # our router(s), with heartbeats for the worker published from here
-        prefix = "benchrouter"
-        bus = Bus(nats.url, "bench", Subjects(prefix))
+        # our router(s), with heartbeats for the worker published from here. Each router gets
+        # its own subject prefix: the targets are separate deployments, and routers sharing one
+        # would hear each other and share their in-flight counts on every change
+        # (services/router/load_share.py), a cost a lone router does not pay
+        prefixes: list[Subjects] = []
+        bus = Bus(nats.url, "bench", Subjects("benchrouter"))
         await bus.connect(max_wait_s=10)
         hb = WorkerHeartbeat(
             worker_id="bench-w0",
@@ -545,7 +558,8 @@ async def bench_proxy(
         async def beats() -> None:
             while True:
                 hb.ts = time.time()
-                await bus.publish(bus.subjects.heartbeat(hb.worker_id), hb)
+                for subjects in prefixes:
+                    await bus.publish(subjects.heartbeat(hb.worker_id), hb)
                 await asyncio.sleep(0.5)
 
         beat_task = asyncio.create_task(beats())
@@ -563,8 +577,35 @@ async def bench_proxy(
                 ("kvgate-tls", 1, policy, ["--tls-cert", str(cert), "--tls-key", str(key)])
             )
         variants += [(f"kvgate-{p}", 1, p, []) for p in also_policies]
+        if peered:  # the router with another one on its bus (not a target: it stays idle)
+            variants.append(("kvgate-peered", 1, policy, []))
+
+        def router_argv(port: int, prefix: str, pol: str, n: int, extra: list[str]) -> list[str]:
+            return [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "router",
+                "--port",
+                str(port),
+                "--nats-url",
+                nats.url,
+                "--subject-prefix",
+                prefix,
+                "--log-level",
+                "warning",
+                "--policy",
+                pol,
+                "--processes",
+                str(n),
+                *extra,
+            ]
+
+        health: dict[str, str] = {}  # each router's /health (peers heard, read after the runs)
         for name, n, pol, extra in variants:
             rport = _free_port()
+            prefix = f"benchrouter-{len(prefixes)}"
+            prefixes.append(Subjects(prefix))
             # --profile: the single-process router runs under py-spy (collapsed stacks)
             wrap = (
                 [
@@ -582,36 +623,16 @@ async def bench_proxy(
             )
             if wrap:
                 profiled.append(len(procs))
-            procs.append(
-                _spawn(
-                    [
-                        *wrap,
-                        sys.executable,
-                        "-m",
-                        "services.cli",
-                        "router",
-                        "--port",
-                        str(rport),
-                        "--nats-url",
-                        nats.url,
-                        "--subject-prefix",
-                        prefix,
-                        "--log-level",
-                        "warning",
-                        "--policy",
-                        pol,
-                        "--processes",
-                        str(n),
-                        *extra,
-                    ],
-                    env=env,
-                )
-            )
+            procs.append(_spawn([*wrap, *router_argv(rport, prefix, pol, n, extra)], env=env))
             tls = "--tls-cert" in extra
             rurl = f"{'https' if tls else 'http'}://127.0.0.1:{rport}"
             await _wait_http(rurl + "/health", 30, lambda j: j.get("workers", 0) >= 1)
             targets[name] = rurl + ("#key" if "--api-keys" in extra else "")
             pids[name] = procs[-1].pid
+            health[name] = rurl + "/health"
+            if name == "kvgate-peered":
+                procs.append(_spawn(router_argv(_free_port(), prefix, pol, 1, []), env=env))
+                await _wait_http(rurl + "/health", 30, lambda j: bool(j.get("peer_routers")))
         if with_sglang:
             try:
                 import sglang_router  # noqa: F401
@@ -657,7 +678,13 @@ async def bench_proxy(
                 ),
                 mode,
             )
+        # who heard whom: a single-process target with a peer would pay for sharing its counts
+        # (services/router/load_share.py); only kvgate-peered and the multi-process ones do
+        peers = results["peer_routers"] = {
+            name: len(await _get_json(url, "peer_routers")) for name, url in health.items()
+        }
         _summary(results, modes, conns)
+        print("peer routers heard: " + ", ".join(f"{n} {k}" for n, k in peers.items()))
         if "whole" not in modes:
             return results
         results.update(results["whole"])  # the non-streaming figures at the top level too
@@ -900,6 +927,13 @@ def main(argv: list[str] | None = None) -> int:
         "policy's own work)",
     )
     ap.add_argument(
+        "--peered",
+        action="store_true",
+        help="(proxy) add kvgate-peered: the router with a second, idle router on its bus, "
+        "so it shares its in-flight counts on every change (what load sharing costs a router "
+        "under load; the other targets each have a bus of their own)",
+    )
+    ap.add_argument(
         "--profile",
         default="",
         help="(proxy) run the kvgate router under py-spy; collapsed stacks go to this directory",
@@ -957,6 +991,7 @@ def main(argv: list[str] | None = None) -> int:
                 a.policy,
                 a.rounds,
                 also,
+                a.peered,
             )
         )
     out = Path(a.out)

@@ -14,6 +14,7 @@ from services.common.bus import Bus
 from services.common.schemas import CanaryAssignment, PolicyUpdated, RouterOutcome
 from services.common.streams import ensure_outcomes_stream, ensure_policy_stream
 from services.common.subjects import Subjects
+from services.router import metrics as M
 from tests.test_router_support import Beats, FakeWorker, RouterProc, post, wait_until
 
 
@@ -386,6 +387,10 @@ async def test_a_router_alone_publishes_its_counts_only_periodically(
                     s, r.url + "/v1/completions", {"model": "m", "prompt": f"{i}"}
                 )
                 assert st == 200
+            # nobody else heard: no peers on /health or in the metric
+            async with s.get(r.url + "/health") as resp:
+                assert (await resp.json())["peer_routers"] == []
+            assert M.PEER_ROUTERS.value == 0
         # another router appears: the answer is this router's counts, published after anything
         # the requests above made it publish (one connection: NATS keeps its order)
         arrived.clear()
@@ -395,6 +400,9 @@ async def test_a_router_alone_publishes_its_counts_only_periodically(
         )
         await asyncio.wait_for(arrived.wait(), 10)
         assert len(got) == 2, [m.seq for m in got]  # the announcement, then the answer
+        async with aiohttp.ClientSession() as s, s.get(r.url + "/health") as resp:
+            assert (await resp.json())["peer_routers"] == ["peer"]
+        assert M.PEER_ROUTERS.value == 1
         # heard by another router: a change is published at once
         hold = asyncio.Event()
         w.hold = hold

@@ -169,6 +169,10 @@ class LoopGauge(_Metric):
     def set(self, value: float) -> None:
         self._only.value = value  # type: ignore[attr-defined]
 
+    def set_function(self, source: Callable[[], float]) -> None:
+        """Read ``source()`` at each scrape (a gauge without labels)."""
+        self._only.set_function(source)  # type: ignore[attr-defined]
+
     @property
     def value(self) -> float:
         return self._only.read()  # type: ignore[attr-defined]

@@ -60,5 +60,7 @@ class Handlers:
                 "policy_algorithm": self.policies.control.name,
                 "policy_revision": self.policies.revision,
                 "queue_length": self.capacity.waiting,
+                # the other routers this one shares in-flight counts with (heard on the bus)
+                "peer_routers": sorted(self.state.remote_routers),
             }
         )

@@ -22,6 +22,7 @@ from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import RouterLoad
 from services.core.cluster import ClusterState
+from services.router import metrics as M
 from services.router.signals import CapacitySignal
 
 log = get_logger("router")
@@ -43,6 +44,7 @@ class LoadSharing:
         self.interval_s = interval_s
         self._dirty = asyncio.Event()
         self._peers = state.remote_routers  # a live view: read on every dispatch and release
+        M.PEER_ROUTERS.set_function(lambda: len(self._peers))
         self._seq = 0
         self._log = RateLimiter(30.0)
 

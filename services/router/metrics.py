@@ -110,6 +110,10 @@ HOLD_SECONDS = LoopHistogram(
 )
 INFLIGHT = LoopGauge("kvgate_router_inflight", "Requests in flight through this router")
 WORKERS = LoopGauge("kvgate_router_workers", "Routable workers")
+PEER_ROUTERS = LoopGauge(
+    "kvgate_router_peer_routers",
+    "Other routers heard on the bus (in-flight counts shared with them; see /health)",
+)
 
 
 _children: dict[tuple, object] = {}
