@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -9,6 +10,7 @@ import pytest
 
 from services.core.engine import Engine, EngineConfig
 from services.core.latency import (
+    PREFILL_TOKEN,
     LatencyModel,
     StepCoefficients,
     WorkerLoad,
@@ -109,3 +111,39 @@ def test_bad_observations_are_ignored() -> None:
     m.observe(step_features(0, 0, 1, 0), float("nan"))
     m.observe(step_features(0, 0, 1, 0), -1.0)
     assert m.observations == 0 and m.coefficients == StepCoefficients()
+
+
+def test_a_long_run_of_observations_that_leave_terms_alone_keeps_the_model_finite() -> None:
+    """Forgetting divides the whole uncertainty matrix at every observation, also along the
+    terms an observation says nothing about: a first token fits the prefill-token term only,
+    and no observation a router makes (first tokens, decode steps without prefill) ever
+    touches the prefill-attention term. Unbounded, those variances grew by 1/forget per
+    observation and overflowed after ~145,000 observations of one worker (minutes of a busy
+    router): inf x 0 = NaN, and every coefficient went to 0 (the policy's predictions with
+    them). They stay at most the prior's."""
+    m = LatencyModel()
+    prior_var = [m.p[i][i] for i in range(5)]
+    load = WorkerLoad(queued_tokens=0, decoding=4, kv_tokens=4 * 600.0, budget=2048)
+    x_first = ttft_features(load, 500, 500)
+    x_step = step_features(0, 0, 4, 2400.0)
+
+    def seconds(x: list[float], prefill_token_s: float) -> float:
+        """What an engine with the prior's step terms and this prefill speed takes."""
+        theta = StepCoefficients().as_list()
+        theta[PREFILL_TOKEN] = prefill_token_s
+        return sum(t * v for t, v in zip(theta, x, strict=True))
+
+    rng = random.Random(7)
+    for n in range(160_000):
+        m.observe_prefill(500, seconds(x_first, 3.0e-5) * rng.uniform(0.95, 1.05), load)
+        if n % 8 == 0:  # decode steps now and then (a streamed answer's mean gap)
+            m.observe_step(seconds(x_step, 3.0e-5), 4, 2400.0)
+    assert all(math.isfinite(v) for row in m.p for v in row)
+    assert all(m.p[i][i] <= prior_var[i] * (1 + 1e-12) for i in range(5))  # (rounding)
+    # the term the first tokens determine is learned; the one nothing touches is the prior's
+    assert m.theta[PREFILL_TOKEN] == pytest.approx(3.0e-5, rel=0.1)
+    assert m.theta[2] == StepCoefficients().prefill_attn_s
+    # and a change of engine speed is still followed
+    for _ in range(2_000):
+        m.observe_prefill(500, seconds(x_first, 6.0e-5), load)
+    assert m.theta[PREFILL_TOKEN] == pytest.approx(6.0e-5, rel=0.1)

@@ -31,7 +31,9 @@ dispatch are known: features ``k, tokens, tokens x context, k x decoding, k x kv
 (b) inter-token times of decode steps (features ``1, prefill tokens, ..., decoding, kv``).
 Before any data the model *is* its prior: :meth:`StepCoefficients.from_engine` (the engine
 model's step-time defaults, a Llama-3-8B on one H100), held with ``prior_weight`` observations'
-worth of confidence. Coefficients are clamped at zero.
+worth of confidence. Coefficients are clamped at zero; forgetting never leaves a coefficient
+more uncertain than its prior (a term no observation touches keeps its prior value and
+variance however long the router runs).
 
 Invariant: pure (no I/O, no clock); the same observations in the same order give the same
 coefficients; predictions are monotone in ``queued``, ``uncached`` and ``decoding``.
@@ -192,12 +194,11 @@ class LatencyModel:
     def __post_init__(self) -> None:
         if not self.theta:
             self.theta = self.prior.as_list()
+        # the prior's variance per coefficient: the most uncertain a coefficient ever gets
+        self._prior_var = [1.0 / (self.prior_weight * s**2) for s in self._SCALE]
         if not self.p:
             self.p = [
-                [
-                    (1.0 / (self.prior_weight * self._SCALE[i] ** 2)) if i == j else 0.0
-                    for j in range(N_COEF)
-                ]
+                [self._prior_var[i] if i == j else 0.0 for j in range(N_COEF)]
                 for i in range(N_COEF)
             ]
 
@@ -217,15 +218,36 @@ class LatencyModel:
         if only is not None:
             y -= sum(self.theta[j] * x[j] for j in range(N_COEF) if j not in only)
             x = [x[j] if j in only else 0.0 for j in range(N_COEF)]
-        p, lam = self.p, self.forget
-        px = [sum(p[i][j] * x[j] for j in range(N_COEF)) for i in range(N_COEF)]
-        denom = lam + sum(x[i] * px[i] for i in range(N_COEF))
+        p, lam, cap = self.p, self.forget, self._prior_var
+        nz = [j for j in range(N_COEF) if x[j] != 0.0]
+        # P x over the observed terms only (the others add exact zeros: the same floats)
+        px = [sum(row[j] * x[j] for j in nz) for row in p]
+        denom = lam + sum(x[i] * px[i] for i in nz)
         if denom <= 0.0:
             return
-        err = y - sum(self.theta[i] * x[i] for i in range(N_COEF))
+        err = y - sum(self.theta[i] * x[i] for i in nz)
         gain = [v / denom for v in px]
-        self.theta = [max(0.0, self.theta[i] + gain[i] * err) for i in range(N_COEF)]
-        self.p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(N_COEF)] for i in range(N_COEF)]
+        theta = [t + g * err for t, g in zip(self.theta, gain, strict=True)]
+        self.theta = [t if t > 0.0 else 0.0 for t in theta]
+        # P <- (P - gain px') / forget, and then D P D: forgetting divides all of P, also along
+        # terms no observation excites (a first token fits only the prefill-token term; nothing
+        # a router observes moves the prefill-attention term). Unbounded, those variances grew
+        # by 1/forget an observation and overflowed (inf x 0 = NaN: every coefficient lost). A
+        # coefficient is never more uncertain than its prior: where a variance would exceed the
+        # prior's, its row and column are scaled down to it (D diagonal and positive keeps P
+        # symmetric positive semi-definite).
+        var = [(p[i][i] - gain[i] * px[i]) / lam for i in range(N_COEF)]
+        d = [math.sqrt(c / v) if v > c else 1.0 for c, v in zip(cap, var, strict=True)]
+        # computed once per pair and mirrored: P stays exactly symmetric (rounding would
+        # otherwise make it drift apart, and with it the positive semi-definiteness)
+        a = [di / lam for di in d]
+        q = [[0.0] * N_COEF for _ in range(N_COEF)]
+        for i in range(N_COEF):
+            row, g, ai = p[i], gain[i], a[i]
+            qi = q[i]
+            for j in range(i, N_COEF):
+                qi[j] = q[j][i] = (row[j] - g * px[j]) * ai * d[j]
+        self.p = q
         self.observations += 1
 
     def observe_first_token(
