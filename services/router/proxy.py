@@ -63,7 +63,9 @@ class Ctx(msgspec.Struct):
     predicted_cached: int = 0
     cached_reported: int | None = None
     completion_tokens: int = 0
-    text_parts: list[str] = msgspec.field(default_factory=list)  # generated text, see ``generated``
+    # generated text, see ``generated``: decoded parts (str) and the raw payloads of chunks
+    # passed through as they came (bytes), decoded only if a migration reads them
+    text_parts: list[str | bytes] = msgspec.field(default_factory=list)
     chunks: int = 0  # stream chunks with output passed to the client (tokens, without usage)
     ttft: float | None = None
     retries: int = 0
@@ -83,11 +85,13 @@ class Ctx(msgspec.Struct):
 
     @property
     def generated(self) -> str:
-        """The text generated so far (joined when read: appending stays O(1) per chunk)."""
+        """The text generated so far (decoded and joined when read: appending stays O(1) per
+        chunk, and a stream that ends normally never decodes its chunks' text)."""
         parts = self.text_parts
-        if len(parts) > 1:
-            parts[:] = ["".join(parts)]
-        return parts[0] if parts else ""
+        if len(parts) > 1 or (parts and isinstance(parts[0], bytes)):
+            chat = self.parsed.chat
+            parts[:] = ["".join(p if isinstance(p, str) else sse.text_of(p, chat) for p in parts)]
+        return parts[0] if parts else ""  # type: ignore[return-value]
 
 
 def upstream_body(

@@ -273,9 +273,10 @@ class Sender:
                         and ctx.template is not None
                         and not sse.has_usage(payload)
                     ):
-                        # the common chunk: passed through, at most its text read
+                        # the common chunk: passed through; its payload kept for its text,
+                        # decoded only if a migration needs it (ctx.generated)
                         if keep_text:
-                            ctx.text_parts.append(sse.text_of(payload, chat))
+                            ctx.text_parts.append(payload)
                         if payload:
                             ctx.chunks += 1
                         outgoing.append(ev + b"\n\n")

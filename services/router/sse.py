@@ -7,8 +7,9 @@ the stream finished.
 
 Cost: an event is decoded whole (:func:`inspect`) only where the router needs more than its
 text: until the first token, and for the chunks that carry a ``usage`` (:func:`has_usage`,
-a byte search); every other chunk is passed through as it came, with at most its text
-decoded (:func:`text_of`, a typed decode of ``choices[].text`` / ``delta.content`` only).
+a byte search); every other chunk is passed through as it came, its payload kept for its
+text, which :func:`text_of` (a typed decode of ``choices[].text`` / ``delta.content`` only)
+reads only if a migration needs it.
 """
 
 from __future__ import annotations
