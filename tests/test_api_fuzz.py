@@ -4,8 +4,11 @@ valid and invalid inputs for every operation; no input may produce a 5xx."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
-import threading
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -14,53 +17,82 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.api.openapi import aiohttp_path_names
-from services.api.testing import start_api
+from services.api.testing import migrate
 from services.common.bus import Bus
+from services.common.embedded import free_port
 from services.common.subjects import Subjects
 from tests.conftest import _delete_streams
 
 pytestmark = pytest.mark.slow
 
-BOOT = "fuzz-bootstrap-admin-token"  # from the environment, so fuzzing cannot revoke it
+BOOT = "fuzz-bootstrap-admin-token"
 
 
 @pytest.fixture
 def api_url(
     fresh_database_url: str, nats_url: str, subject_prefix: str
 ) -> Iterator[dict[str, str]]:
-    """The API on its own event loop in a thread (schemathesis calls it synchronously)."""
-    ready: dict[str, str] = {}
-    started = threading.Event()
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-
-    async def main() -> None:
-        h = await start_api(fresh_database_url, nats_url, subject_prefix, admin_token=BOOT)
-        # a little state so that reads and actions find something
-        await h.call("POST", "/api/v1/policies", {"name": "base", "spec": {"name": "random"}})
-        await h.call("POST", "/api/v1/policies/base/activate")
-        await h.call("POST", "/api/v1/policies", {"name": "cand", "spec": {"name": "prefix"}})
-        _, canary = await h.call("POST", "/api/v1/canaries", {"policy": "cand"})
-        ready["url"] = h.url
-        ready["canary"] = canary["id"]
-        started.set()
-        try:
-            await stop.wait()
-        finally:
-            await h.close()
-            cleanup = Bus(nats_url, "fuzz-cleanup", Subjects(subject_prefix))
-            await cleanup.connect(max_wait_s=10)
-            await _delete_streams(cleanup, cleanup.subjects)  # JetStream storage is shared
-            await cleanup.close()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert started.wait(60), "API did not start"
+    """``kvgate api`` in a process of its own, as deployed. In this process it would share
+    the GIL with schemathesis's generation (the test calls it synchronously): a database
+    connect held up past the API's 1 s bound marks Postgres down, and the 503s that follow
+    are what this test counts."""
+    asyncio.run(migrate(fresh_database_url))
+    port = free_port()
+    env = {
+        **os.environ,
+        "KVGATE_DATABASE_URL": fresh_database_url,
+        "KVGATE_NATS_URL": nats_url,
+        "KVGATE_SUBJECT_PREFIX": subject_prefix,
+        "KVGATE_API_ADMIN_TOKEN": BOOT,  # from the environment, so fuzzing cannot revoke it
+        "KVGATE_API_PORT": str(port),
+        "KVGATE_LOG_LEVEL": "warning",
+        "KVGATE_CANARY_EVAL_INTERVAL_S": "0.2",
+        "KVGATE_API_REPUBLISH_S": "1.0",
+        "NO_PROXY": "127.0.0.1",
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "api"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    session = requests.Session()
+    session.trust_env = False
+    auth = {"Authorization": f"Bearer {BOOT}"}
     try:
-        yield ready
+        deadline = time.monotonic() + 60
+        while True:  # the port answers once the API is up (migrated, NATS connected)
+            assert proc.poll() is None, f"kvgate api exited with {proc.returncode}"
+            try:
+                if session.get(f"{url}/api/v1/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "API did not start"
+            time.sleep(0.1)
+
+        def call(path: str, body: dict | None = None) -> dict:
+            r = session.post(f"{url}{path}", json=body, headers=auth, timeout=10)
+            assert r.status_code < 300, (path, r.status_code, r.text)
+            return r.json()
+
+        # a little state so that reads and actions find something
+        call("/api/v1/policies", {"name": "base", "spec": {"name": "random"}})
+        call("/api/v1/policies/base/activate")
+        call("/api/v1/policies", {"name": "cand", "spec": {"name": "prefix"}})
+        canary = call("/api/v1/canaries", {"policy": "cand"})
+        yield {"url": url, "canary": canary["id"]}
     finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(30)
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+        async def cleanup() -> None:  # JetStream storage is shared
+            bus = Bus(nats_url, "fuzz-cleanup", Subjects(subject_prefix))
+            await bus.connect(max_wait_s=10)
+            await _delete_streams(bus, bus.subjects)
+            await bus.close()
+
+        asyncio.run(cleanup())
 
 
 def test_no_server_error_and_no_schema_mismatch_for_any_input(api_url: dict[str, str]) -> None:

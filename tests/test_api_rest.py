@@ -192,6 +192,10 @@ async def test_policy_lifecycle_versions_activation_and_audit(api: ApiHarness, b
     assert upd["before"]["latest_version"] == 1 and upd["after"]["latest_version"] == 2
     deleted = next(e for e in audit["entries"] if e["action"] == "policy.delete")
     assert deleted["before"]["name"] == "spare" and deleted["after"] is None
+    # an empty filter is refused (the OpenAPI document allows no empty query values), not
+    # read as "actor is the empty string"
+    st, err = await api.call("GET", "/api/v1/audit?actor=")
+    assert st == 400 and err["error"]["field"] == "actor", err
 
 
 async def test_policy_resync_republishes_a_lost_notice(api: ApiHarness, bus: Bus) -> None:

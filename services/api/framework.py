@@ -218,6 +218,8 @@ def _wrap(route: Route, lookup: TokenLookup) -> Callable[[web.Request], Awaitabl
                     values = request.query.getall(name)
                     if len(values) > 1:
                         raise ApiError(400, "invalid_query", f"{name} given twice", name)
+                    if values[0] == "":  # OpenAPI's default: no empty-valued parameters
+                        raise ApiError(400, "invalid_query", f"{name} is empty", name)
                     req.query[name] = convert_param("query", name, values[0], typ)
             if route.body is not None:
                 if request.content_length and request.content_length > MAX_BODY_BYTES:

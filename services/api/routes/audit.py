@@ -41,9 +41,10 @@ def routes(ctx: ApiContext) -> list[Route]:
             "audit log, newest first",
             "audit",
             query={
-                "target_type": Annotated[str, Meta(max_length=32)],
-                "target_id": Annotated[str, Meta(max_length=256)],
-                "actor": Annotated[str, Meta(max_length=128)],
+                # a filter is a value to match: never empty (an empty query value is refused)
+                "target_type": Annotated[str, Meta(min_length=1, max_length=32)],
+                "target_id": Annotated[str, Meta(min_length=1, max_length=256)],
+                "actor": Annotated[str, Meta(min_length=1, max_length=128)],
                 "limit": bodies.Limit,
             },
         ),
