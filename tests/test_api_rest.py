@@ -87,6 +87,27 @@ async def test_auth_roles_and_errors(api: ApiHarness) -> None:
     assert all("hash" not in str(t) for t in listed["tokens"])
 
 
+async def test_query_and_path_values_are_checked_as_text(api: ApiHarness) -> None:
+    """What travels as text (query and path values) is read by its declared type and limits;
+    anything else is a 400 naming the parameter (the schema fuzz leaves these to this test:
+    an invalid value there may read as a valid one on the wire)."""
+    for query, field in (
+        ("limit=0", "limit"),  # below its minimum
+        ("limit=1001", "limit"),  # above its maximum
+        ("limit=ten", "limit"),  # not an integer
+        ("limit=", "limit"),  # empty
+        ("limit=5&limit=6", "limit"),  # given twice
+        ("page=2", "page"),  # unknown
+    ):
+        st, err = await api.call("GET", f"/api/v1/audit?{query}")
+        assert st == 400 and err["error"]["field"] == field, (query, st, err)
+    st, err = await api.call("GET", "/api/v1/decisions?after=-1")
+    assert st == 400 and err["error"]["field"] == "after", err
+    assert (await api.call("GET", "/api/v1/decisions?after=0&limit=500"))[0] == 200
+    st, err = await api.call("GET", "/api/v1/alerts/not-a-number")
+    assert st == 400 and err["error"]["field"] == "id", err
+
+
 async def test_every_mutating_route_needs_admin(api: ApiHarness) -> None:
     _, doc = await api.call("GET", "/api/v1/openapi.json", token=None)
     for path, ops in doc["paths"].items():
