@@ -14,6 +14,7 @@ from services.core.policy import Decision, RequestInfo, build_policy
 from services.core.policy.types import replica_id
 
 CAP = WorkerCapacity(block_size=16, num_gpu_blocks=100, max_num_seqs=8, max_model_len=4096)
+CAP_BIG = WorkerCapacity(block_size=16, num_gpu_blocks=10_000, max_num_seqs=64, max_model_len=8192)
 
 
 def _lifecycle(n: int = 2) -> RequestLifecycle[str]:
@@ -183,3 +184,56 @@ def test_a_streams_mean_gap_is_one_decode_observation_for_the_policys_latency_mo
     kv = build_policy({"name": "kv_aware", "params": {}})
     life.decoded(kv, "w0", tokens=9, first_at=2.0, end_at=3.0)
     assert "slo_models" not in kv.state.extra
+
+
+@pytest.mark.parametrize("policy", ["slo_aware", "kv_aware"])
+def test_no_state_is_kept_for_workers_that_left(policy: str) -> None:
+    """Workers come and go (a rolling deploy gives every pod a new name): once the cluster
+    forgets one (no heartbeat for ``forget_after``), neither the cluster state nor the policy
+    keeps anything for it but two counters per worker the routed-prefix memory reads (a few
+    kB each otherwise: a latency model, a prefill clock, tickets; every redeploy of a
+    1,000-engine fleet left ~3 MB in each router)."""
+    state = ClusterState(worker_timeout=5.0, forget_after=10.0)
+    life: RequestLifecycle[str] = RequestLifecycle(state)
+    pol = build_policy({"name": policy, "params": {}})
+    prompt = 4 * 16 * 8  # long enough for the prefill clock and the routed-prefix memory
+
+    def beat(wid: str, now: float) -> None:
+        hb = WorkerHeartbeat(
+            worker_id=wid, instance_id="i", url=f"http://{wid}", model="m", capacity=CAP_BIG
+        )
+        state.on_heartbeat(hb, now=now)
+
+    for i in range(60):
+        now = float(i * 20)
+        beat("stable", now)
+        beat(f"pod{i}", now)  # the previous pod got no heartbeat for 20 s: forgotten
+        state.sweep(now)
+        assert set(state.states) == {"stable", f"pod{i}"}
+        for j in range(3):
+            rid = f"r{i}-{j}"
+            keys = tuple(range(i * 100, i * 100 + prompt // 16))
+            req = RequestInfo(
+                request_id=rid, model="m", prompt_tokens=prompt, max_tokens=8, block_keys=keys
+            )
+            d = life.decide(pol, req, {}, now=now + j)
+            assert d.worker_id is not None, d.reason
+            t = life.dispatch(rid, d.worker_id, prompt, 8, 0, wall=now + j)
+            state.states[d.worker_id].first_token_at = now + j + 0.5
+            life.first_token(rid, t, now=now + j + 0.5)
+            life.end(rid, t)
+    live = set(state.states)
+    extra = pol.state.extra
+    clock = extra["kv_aware_clock"]
+    for name, d in (
+        ("fifo", clock.fifo),
+        ("own", clock.own),
+        ("computing", clock.computing),
+        ("last_done", clock.last_done),
+        ("busy", extra.get("kv_aware_busy", {})),
+        ("slo_models", extra.get("slo_models", {})),
+        ("cluster _local", state._local),
+        ("cluster _tickets", state._tickets),
+        ("cluster _reserved", state._reserved),
+    ):
+        assert set(d) <= live, (name, sorted(set(d) - live)[:5])

@@ -9,8 +9,10 @@ for both), so the class is pure and testable without clocks.
 
 Invariants:
 - a worker is in :attr:`states` from its first heartbeat until it has been silent for
-  ``forget_after`` seconds; it is ``healthy`` only while heartbeats are younger than
-  ``worker_timeout`` and its state is ``ready``;
+  ``forget_after`` seconds (with nothing in flight there); then nothing is kept for it but a
+  cordon or drain, and ``snapshot.removed`` counts it, so the policies drop their state for it
+  too; it is ``healthy`` only while heartbeats are younger than ``worker_timeout`` and its
+  state is ``ready``;
 - ``states[w].inflight == local inflight + sum of fresh remote router reports``;
 - ``states[w].kv_blocks_free`` = telemetry free blocks minus blocks this router reserved for
   requests dispatched at or after that sample's ``ts`` (or, without telemetry, total minus all
@@ -205,6 +207,11 @@ class ClusterState:
             if now - e.seen > self.forget_after and not self._local[wid].inflight:
                 del self._entries[wid]
                 self.states.pop(wid, None)
+                # no request in flight there: no ticket to release, nothing reserved
+                self._local.pop(wid, None)
+                self._tickets.pop(wid, None)
+                self._reserved.pop(wid, None)
+                self.snapshot.removed += 1  # the policies drop their state for it
                 self._notify(wid)
                 self.block_sizes = {x.capacity.block_size for x in self.states.values()}
                 self._refresh_loras()

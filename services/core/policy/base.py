@@ -55,6 +55,8 @@ class PolicyState:
 
     rng: random.Random
     counter: int = 0
+    # the snapshot's ``removed`` count when this state last dropped departed workers' entries
+    removed_seen: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     now: float = 0.0  # the snapshot's clock at the current decision (set by :func:`decide`)
     # workers a policy asks to receive a one-token copy of the current request (set by
@@ -112,6 +114,11 @@ class PolicyImpl:
         requests in flight there (:meth:`RequestLifecycle.decoded
         <services.core.lifecycle.RequestLifecycle.decoded>`): for a policy that calibrates a
         latency model from it; ignored by default."""
+
+    def prune(self, state: PolicyState, live: dict[str, WorkerState]) -> None:
+        """Workers left the cluster: drop what ``state`` keeps for workers not in ``live``
+        (called by :func:`decide` over a tracked snapshot once its ``removed`` count moved).
+        Nothing by default."""
 
     def fast_costs(
         self,
@@ -195,6 +202,9 @@ def decide(
     filtered: dict[str, str] = {}
     state = policy.state
     if snapshot.watchers is not None:
+        if snapshot.removed != state.removed_seen:  # workers left: forget them
+            state.removed_seen = snapshot.removed
+            impl.prune(state, snapshot.workers)
         state.now = snapshot.now
         state.replicate_to = ()
         state.after = None

@@ -7,6 +7,7 @@ state, no I/O.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from services.core.policy.types import WorkerState
@@ -75,6 +76,15 @@ class PrefillClock:
             self.own[wid] -= pend
             self.computing[wid] -= comp
             self.done_n[wid] = self.done_n.get(wid, 0) + 1
+
+    def forget(self, live: Container[str]) -> None:
+        """Drop the queues of workers not in ``live`` (they left the cluster). ``sent_n`` and
+        ``done_n`` stay: routed-prefix memory may still name such a worker with an entry
+        number, and a worker that comes back under the same id must not find its old entries
+        counted as queued again (two integers per worker that ever was)."""
+        for d in (self.fifo, self.own, self.computing, self.last_done):
+            for wid in [w for w in d if w not in live]:
+                del d[wid]
 
     def observe(self, w: WorkerState, now: float) -> None:
         """Drop the entries whose prefill is done (learning ``spt`` from them)."""

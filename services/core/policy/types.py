@@ -90,11 +90,14 @@ class ClusterSnapshot:
     (:class:`~services.core.cluster.ClusterState` does, for every change it makes), so a
     policy may keep per-worker results up to date instead of recomputing them per request; a
     caller that changes a worker's state directly must add its id too. None: no such
-    guarantee (policies then evaluate every worker)."""
+    guarantee (policies then evaluate every worker). ``removed``: with ``watchers``, how many
+    workers the owner has removed so far (a policy drops what it keeps for workers that left
+    when it sees this change: :meth:`~services.core.policy.base.PolicyImpl.prune`)."""
 
     workers: dict[str, WorkerState]
     now: float = 0.0
     watchers: list[set[str]] | None = None
+    removed: int = 0
 
 
 class Decision(msgspec.Struct):

@@ -234,6 +234,18 @@ class KvAware(PolicyImpl):
     # it the full loop is faster (at 64 workers all holding the prompt: 93 vs 106 us)
     FAST_MIN_WORKERS = 128
 
+    def prune(self, state: PolicyState, live: dict[str, WorkerState]) -> None:
+        """Workers left: their prefill queues and busy-since ticks go (the routed-prefix
+        memory's entries for them age out with the memory; the large-fleet view drops them
+        through the snapshot's watchers)."""
+        clock = state.extra.get("kv_aware_clock")
+        if clock is not None:
+            clock.forget(live)
+        busy = state.extra.get("kv_aware_busy")
+        if busy:
+            for wid in [w for w in busy if w not in live]:
+                del busy[wid]
+
     def _demand(self, state: PolicyState) -> tuple[Demand, HolderDemand]:
         d = state.extra.get("kv_aware_demand")
         if d is None or d[0].size != self.p["demand_window"]:

@@ -161,6 +161,15 @@ class SloAware(KvAware):
             m = models[wid] = LatencyModel(prior=self.prior)
         return m
 
+    def prune(self, state: PolicyState, live: dict[str, WorkerState]) -> None:
+        """Workers left: :meth:`KvAware.prune`'s, and their latency models (the coefficients'
+        floor stays a lower bound: the minimum over more models than remain)."""
+        super().prune(state, live)
+        models = state.extra.get("slo_models")
+        if models:
+            for wid in [w for w in models if w not in live]:
+                del models[wid]
+
     def observe_decode(
         self, worker_id: str, gap_s: float, decoding: int, state: PolicyState
     ) -> None:
