@@ -19,6 +19,7 @@
     python -m bench.bench_router proxy --modes stream --no-sglang --profile DIR  # py-spy
     python -m bench.bench_router proxy --modes whole --rounds 4   # targets take turns
     python -m bench.bench_router proxy --modes whole --rounds 4 --also-policies round_robin,kv_aware
+    python -m bench.bench_router proxy --rounds 4 --no-keys --peered   # + a router with a peer
 
 ``--rounds N`` splits each target's throughput time into N turns, the targets taking turns, so
 a ratio is not the difference between two minutes of a noisy machine. Beside each target's
@@ -29,7 +30,9 @@ adds a router per named policy (``round_robin``: the request path without a poli
 With ``--tls`` the proxy bench adds the router serving https itself (``--tls-cert``, a
 self-signed P-256 certificate): the same load, plain and TLS side by side.
 
-All traffic goes to 127.0.0.1. NATS for our router is a private embedded server.
+All traffic goes to 127.0.0.1. NATS for our routers is a private embedded server, each router
+on its own subject prefix (routers on one prefix share in-flight counts, as one deployment's
+replicas do; ``--peered`` measures that on purpose).
 """
 
 from __future__ import annotations
