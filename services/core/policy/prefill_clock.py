@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from services.core.policy.types import WorkerState
+from services.core.policy.types import WorkerState, drop_departed
 
 
 @dataclass
@@ -82,9 +82,8 @@ class PrefillClock:
         ``done_n`` stay: routed-prefix memory may still name such a worker with an entry
         number, and a worker that comes back under the same id must not find its old entries
         counted as queued again (two integers per worker that ever was)."""
-        for d in (self.fifo, self.own, self.computing, self.last_done):
-            for wid in [w for w in d if w not in live]:
-                del d[wid]
+        for per_worker in (self.fifo, self.own, self.computing, self.last_done):
+            drop_departed(per_worker, live)
 
     def observe(self, w: WorkerState, now: float) -> None:
         """Drop the entries whose prefill is done (learning ``spt`` from them)."""

@@ -20,7 +20,9 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -131,6 +133,13 @@ class Decision(msgspec.Struct):
     # shed: the policy refuses the request (no worker can meet its SLO and the policy sheds);
     # the caller answers 429 without queueing it. ``worker_id`` is None.
     shed: bool = False
+
+
+def drop_departed(per_worker: dict[str, Any], live: Container[str]) -> None:
+    """Remove from ``per_worker`` every worker not in ``live`` (workers that left: a policy's
+    :meth:`~services.core.policy.base.PolicyImpl.prune`)."""
+    for wid in [w for w in per_worker if w not in live]:
+        del per_worker[wid]
 
 
 def replica_id(request_id: str, worker_id: str) -> str:

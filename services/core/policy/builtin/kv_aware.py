@@ -112,7 +112,13 @@ from services.core.policy.base import PolicyImpl, PolicyState, register
 from services.core.policy.builtin import kv_fast
 from services.core.policy.demand import ColdEntry, Demand, HolderDemand
 from services.core.policy.prefill_clock import PrefillClock
-from services.core.policy.types import ClusterSnapshot, RequestInfo, WorkerState, replica_id
+from services.core.policy.types import (
+    ClusterSnapshot,
+    RequestInfo,
+    WorkerState,
+    drop_departed,
+    replica_id,
+)
 
 
 def _num(desc: str, default: float, maximum: float | None = None) -> dict:
@@ -241,10 +247,7 @@ class KvAware(PolicyImpl):
         clock = state.extra.get("kv_aware_clock")
         if clock is not None:
             clock.forget(live)
-        busy = state.extra.get("kv_aware_busy")
-        if busy:
-            for wid in [w for w in busy if w not in live]:
-                del busy[wid]
+        drop_departed(state.extra.get("kv_aware_busy", {}), live)
 
     def _demand(self, state: PolicyState) -> tuple[Demand, HolderDemand]:
         d = state.extra.get("kv_aware_demand")

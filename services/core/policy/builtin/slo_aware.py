@@ -60,7 +60,7 @@ from services.core.latency import LatencyModel, StepCoefficients, WorkerLoad, pr
 from services.core.policy.base import PolicyState, register
 from services.core.policy.builtin import slo_fast
 from services.core.policy.builtin.kv_aware import AGE_CAP, KvAware
-from services.core.policy.types import ClusterSnapshot, RequestInfo, WorkerState
+from services.core.policy.types import ClusterSnapshot, RequestInfo, WorkerState, drop_departed
 
 CTX_DECAY = 0.02  # weight of each request in the running mean context
 INFEASIBLE = 1e6  # added to the cost of a worker predicted to miss the SLO (seconds)
@@ -165,10 +165,7 @@ class SloAware(KvAware):
         """Workers left: :meth:`KvAware.prune`'s, and their latency models (the coefficients'
         floor stays a lower bound: the minimum over more models than remain)."""
         super().prune(state, live)
-        models = state.extra.get("slo_models")
-        if models:
-            for wid in [w for w in models if w not in live]:
-                del models[wid]
+        drop_departed(state.extra.get("slo_models", {}), live)
 
     def observe_decode(
         self, worker_id: str, gap_s: float, decoding: int, state: PolicyState
