@@ -62,6 +62,42 @@ def test_broken_framing_is_an_error() -> None:
         assert isinstance(conn.error, StreamError), raw
 
 
+def test_an_informational_response_is_skipped_and_trailing_bytes_end_reuse() -> None:
+    # 103 Early Hints, then the answer: the answer is the response
+    conn = decode_split(
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+        + HEAD.replace(b"Transfer-Encoding: chunked", b"Content-Length: %d" % len(BODY))
+        + BODY,
+        [30],
+    )
+    assert conn.error is None and conn.done and conn.keep
+    assert conn.status == 200 and "link" not in conn.headers
+    assert b"".join(conn.out) == BODY
+    # bytes after a complete response, in the same read or a later one: the response
+    # stands, the connection is not reused
+    whole = HEAD.replace(b"Transfer-Encoding: chunked", b"Content-Length: 2") + b"hi"
+    for raw, cuts in ((whole + b"HTTP/1.1 200 OK\r\n", []), (whole + b"junk", [len(whole)])):
+        conn = decode_split(raw, cuts)
+        assert conn.error is None and conn.done and conn.out == [b"hi"]
+        assert not conn.keep
+
+
+def test_a_body_framed_by_the_connections_end_ends_with_it() -> None:
+    conn = decode_split(b"HTTP/1.1 200 OK\r\n\r\n" + BODY, [25])
+    assert conn.head_done and not conn.done and not conn.keep
+    conn.connection_lost(None)
+    assert conn.done and conn.error is None and b"".join(conn.out) == BODY
+    # a framed body cut short is an error
+    conn = decode_split(HEAD + chunked(EVENTS)[:-5], [])
+    conn.connection_lost(None)
+    assert isinstance(conn.error, StreamError) and not conn.done
+
+
+def test_an_oversized_head_is_an_error() -> None:
+    conn = decode_split(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 70_000, [1000])
+    assert isinstance(conn.error, StreamError) and "too large" in str(conn.error)
+
+
 class Worker:
     """A loopback server that answers each request with ``script`` (a list of byte strings
     written in turn; an asyncio.Event in the list: wait for it first)."""

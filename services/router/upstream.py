@@ -23,6 +23,8 @@ import asyncio
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import httptools
+
 from services.common.deadlines import Deadlines
 
 MAX_IDLE_PER_HOST = 256
@@ -167,8 +169,10 @@ class FastClient:
 
 
 class _Conn(asyncio.Protocol):
-    """One upstream connection reading one response at a time, decoded as bytes arrive
-    (the head, then a body framed by Content-Length, chunks, or the connection's end)."""
+    """One upstream connection reading one response at a time, decoded as bytes arrive by
+    httptools' parser (llhttp, the parser of Node.js: the head, then a body framed by
+    Content-Length, chunks, or the connection's end). Its callbacks fill ``out`` with body
+    bytes and mark ``head_done`` / ``done``; anything llhttp refuses is an error."""
 
     def __init__(self, deadlines: Deadlines) -> None:
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
@@ -178,15 +182,14 @@ class _Conn(asyncio.Protocol):
         self.begin()
 
     def begin(self) -> None:
-        """Ready for the next response on this connection."""
-        self.buf = b""
+        """Ready for the next response on this connection (a parser of its own)."""
+        self.parser = httptools.HttpResponseParser(self)
+        self.head_bytes = 0  # bytes of the head read so far (bounded by MAX_HEAD_BYTES)
         self.head_done = False
         self.status = 0
         self.headers: dict[str, str] = {}
         self.keep = False
-        self.mode = "close"  # "length" | "chunked" | "close"
-        self.left = 0  # bytes left of the body (length) or of the current chunk (chunked)
-        self.cstate = 0  # chunked: 0 size line, 1 data, 2 CRLF after data, 3 trailers
+        self.until_close = False  # a body framed by the connection's end
         self.out: list[bytes] = []
         self.done = False
         self.error: StreamError | None = None
@@ -207,7 +210,7 @@ class _Conn(asyncio.Protocol):
         self.lost = True
         self.park = None
         if not self.done and self.error is None:
-            if self.head_done and self.mode == "close":
+            if self.head_done and self.until_close:
                 self.done = True
             else:
                 self.error = StreamError("connection closed by the worker")
@@ -233,32 +236,18 @@ class _Conn(asyncio.Protocol):
             self.keep = False
             self.close()
             return
+        if not self.head_done:
+            self.head_bytes += len(data)
         try:
-            if not self.head_done:
-                buf = self.buf + data if self.buf else data
-                i = buf.find(b"\r\n\r\n")
-                if i < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise ValueError("response head too large")
-                    self.buf = buf
-                    return
-                self._head(buf[:i])
-                self.buf = b""
-                data = buf[i + 4 :]
-            if data:
-                if self.mode == "chunked":
-                    self._chunked(data)
-                elif self.mode == "length":
-                    take = data[: self.left]
-                    self.left -= len(take)
-                    self.out.append(take)
-                    if self.left == 0:
-                        self.done = True
-                else:
-                    self.out.append(data)
-        except ValueError as exc:
-            self.error = StreamError(f"bad response: {exc}")
-            self.close()
+            self.parser.feed_data(data)
+            if not self.head_done and self.head_bytes > MAX_HEAD_BYTES:
+                raise StreamError("response head too large")
+        except (httptools.HttpParserError, StreamError) as exc:
+            if self.done:  # bytes after the response: the response stands, the connection not
+                self.keep = False
+            else:
+                self.error = StreamError(f"bad response: {exc}")
+                self.close()
         if self.park is not None:  # released before its end: reusable only if it ends now
             if self.out or self.error is not None:
                 self.close()
@@ -271,70 +260,36 @@ class _Conn(asyncio.Protocol):
                     self.close()
         self._wake()
 
-    def _head(self, raw: bytes) -> None:
-        lines = raw.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
-            raise ValueError(f"bad status line {lines[0][:80]!r}")
-        self.status = int(parts[1])
-        headers = self.headers
-        for line in lines[1:]:
-            if "\n" in line or "\r" in line:  # a bare CR or LF: never passed on to a client
-                raise ValueError("bare CR or LF in the response head")
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        self.keep = parts[0] == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            self.mode = "chunked"
-        elif "content-length" in headers:
-            self.mode = "length"
-            self.left = int(headers["content-length"])
-            self.done = self.left == 0
-        elif self.status in (204, 304):
-            self.mode, self.done = "length", True
-        else:
+    # ------------------------------------------------------------ parser callbacks
+    def on_message_begin(self) -> None:
+        if self.done:  # a second response in the bytes of one: not a connection to reuse
             self.keep = False
+            raise StreamError("bytes after the response")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1").strip()
+
+    def on_headers_complete(self) -> None:
+        p = self.parser
+        self.status = p.get_status_code()
+        headers = self.headers
+        if 100 <= self.status < 200:  # informational (103 Early Hints): the answer follows
+            self.headers = {}
+            return
+        self.keep = p.should_keep_alive()
+        self.until_close = (
+            "content-length" not in headers
+            and headers.get("transfer-encoding", "").lower() != "chunked"
+            and self.status not in (204, 304)
+        )
         self.head_done = True
 
-    def _chunked(self, data: bytes) -> None:
-        buf = self.buf + data if self.buf else data
-        pos, n = 0, len(buf)
-        while pos < n:
-            st = self.cstate
-            if st == 1:  # chunk data
-                take = min(self.left, n - pos)
-                self.out.append(buf[pos : pos + take] if take != n else buf)
-                pos += take
-                self.left -= take
-                if self.left == 0:
-                    self.cstate = 2
-            elif st == 2:  # the CRLF after a chunk's data
-                if n - pos < 2:
-                    break
-                if buf[pos : pos + 2] != b"\r\n":
-                    raise ValueError("chunk not followed by CRLF")
-                pos += 2
-                self.cstate = 0
-            else:  # a size line (0) or a trailer line (3)
-                j = buf.find(b"\r\n", pos)
-                if j < 0:
-                    if n - pos > 4096:
-                        raise ValueError("chunk size line too long")
-                    break
-                line = buf[pos:j]
-                pos = j + 2
-                if st == 0:
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                    if size:
-                        self.left, self.cstate = size, 1
-                    else:
-                        self.cstate = 3
-                elif not line:  # the empty line after the (usually absent) trailers
-                    self.done = True
-                    if pos < n:
-                        self.keep = False  # bytes after the response
-                    break
-        self.buf = buf[pos:] if pos < n and not self.done else b""
+    def on_body(self, body: bytes) -> None:
+        self.out.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.head_done:  # (not the end of an informational response)
+            self.done = True
 
 
 class Stream:
