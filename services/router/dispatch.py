@@ -91,14 +91,15 @@ class Dispatcher:
         """The request's first token: its prefill is done, its followers may go."""
         self.lifecycle.first_token(ctx.request_id, ticket, time.monotonic())
 
-    def decoded(self, ctx: Ctx, ticket: Ticket) -> None:
-        """A stream ended well on ``ticket``'s worker: its mean inter-token gap for the
-        policy's latency model (tokens from the usage, else the chunks passed through)."""
+    def decoded(self, ctx: Ctx, ticket: Ticket, ended_at: float) -> None:
+        """A stream ended well on ``ticket``'s worker at ``ended_at`` (perf_counter): its mean
+        inter-token gap for the policy's latency model (tokens from the usage, else the chunks
+        passed through)."""
         if ctx.ttft is None:
             return
         tokens = ctx.completion_tokens or ctx.chunks
         first = ctx.t0 + ctx.ttft
-        self.lifecycle.decoded(ctx.arm.policy, ticket.worker_id, tokens, first, time.perf_counter())
+        self.lifecycle.decoded(ctx.arm.policy, ticket.worker_id, tokens, first, ended_at)
 
     def release(self, ctx: Ctx, ticket: Ticket) -> None:
         """The attempt ended (answered, failed or cancelled)."""

@@ -317,12 +317,16 @@ class Sender:
                 raise WorkerFailed(wid, "stream ended before output")
             raise StreamBroken(wid, "stream ended without [DONE]")
         self.circuits.success(wid, ctx.sent_at)
-        if not reframe and not ctx.migrated:
-            self.dispatcher.decoded(ctx, ticket)
+        ended_at = time.perf_counter()
         try:
             await out.write_eof(last)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError) as exc:
             raise ClientGone() from exc
+        finally:
+            # the policy's decode observation once the client has its last bytes: a model
+            # update is not on the client's wait
+            if not reframe and not ctx.migrated:
+                self.dispatcher.decoded(ctx, ticket, ended_at)
 
     def _inspected(
         self, ctx: Ctx, ev: bytes, payload: bytes, chat: bool, reframe: bool
