@@ -779,19 +779,23 @@ async def _measure_targets(
     *,
     worker_pid: int,
 ) -> dict[str, dict[str, float]]:
-    """Each target in turn: p50 / p99 at one connection; then req/s at ``conns``, each
-    target for ``seconds`` in all, in ``rounds`` turns (with 2 or more the targets take
-    turns, so each sees the same minutes of a noisy machine). Besides each target's own CPU
+    """p50 / p99 at one connection, then req/s at ``conns``: each target sends ``requests``
+    sequential requests and runs ``seconds`` of load in all, both in ``rounds`` turns (with 2
+    or more the targets take turns, so each sees the same minutes of a noisy machine, and an
+    added latency is not the difference between two minutes). Besides each target's own CPU
     per request, the worker's (``worker_pid``) and this process's (the load generator's)
     while that target is measured: the three share the cores, so their sum per request is
     what sets the throughput."""
     out: dict[str, dict[str, float]] = {}
     urls = {}
-    lats = {}
+    lats: dict[str, list[float]] = {}
     for name, target in targets.items():
         base, _, key = target.partition("#")
         urls[name] = base + "/v1/completions" + (f"#{key}" if key else "")
-        lats[name] = await _latency(urls[name], requests, body)
+        lats[name] = []
+    for _ in range(rounds):
+        for name in targets:
+            lats[name] += await _latency(urls[name], max(1, requests // rounds), body)
     done = dict.fromkeys(targets, 0)
     spent = dict.fromkeys(targets, 0.0)
     # CPU seconds while each target is measured: its own processes' (for a router, its
