@@ -63,8 +63,8 @@ class Ctx(msgspec.Struct):
     predicted_cached: int = 0
     cached_reported: int | None = None
     completion_tokens: int = 0
-    # generated text, see ``generated``: decoded parts (str) and the raw payloads of chunks
-    # passed through as they came (bytes), decoded only if a migration reads them
+    # generated text, see ``generated``: decoded parts (str) and whole events passed through
+    # as they came (bytes, one or more each), decoded only if a migration reads them
     text_parts: list[str | bytes] = msgspec.field(default_factory=list)
     chunks: int = 0  # stream chunks with output passed to the client (tokens, without usage)
     ttft: float | None = None
@@ -90,7 +90,7 @@ class Ctx(msgspec.Struct):
         parts = self.text_parts
         if len(parts) > 1 or (parts and isinstance(parts[0], bytes)):
             chat = self.parsed.chat
-            parts[:] = ["".join(p if isinstance(p, str) else sse.text_of(p, chat) for p in parts)]
+            parts[:] = ["".join(p if isinstance(p, str) else sse.texts_of(p, chat) for p in parts)]
         return parts[0] if parts else ""  # type: ignore[return-value]
 
 

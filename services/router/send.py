@@ -255,12 +255,21 @@ class Sender:
                 data = await resp.content.readany()
                 if not data:
                     break
-                events, rest = sse.split_events(rest + data if rest else data)
+                buf = rest + data if rest else data
+                outgoing: list[bytes] = []
+                if first_seen and not reframe and ctx.template is not None:
+                    # past the first token: the leading events that need no look go out as
+                    # they came, in one piece; the rest event by event
+                    run, events, rest = sse.passthrough_split(buf)
+                    if run:
+                        if keep_text:
+                            ctx.text_parts.append(run)
+                        ctx.chunks += sse.data_events(run)
+                        outgoing.append(run)
+                else:
+                    events, rest = sse.split_events(buf)
                 if len(rest) > MAX_EVENT_BYTES:
                     raise aiohttp.ClientPayloadError(f"SSE event over {MAX_EVENT_BYTES} bytes")
-                if not events:
-                    continue
-                outgoing: list[bytes] = []
                 for ev in events:
                     payload = sse.payload_of(ev)
                     if payload == b"[DONE]":
@@ -273,13 +282,14 @@ class Sender:
                         and ctx.template is not None
                         and not sse.has_usage(payload)
                     ):
-                        # the common chunk: passed through; its payload kept for its text,
+                        # the common chunk: passed through; its bytes kept for its text,
                         # decoded only if a migration needs it (ctx.generated)
+                        wire = ev + b"\n\n"
                         if keep_text:
-                            ctx.text_parts.append(payload)
+                            ctx.text_parts.append(wire)
                         if payload:
                             ctx.chunks += 1
-                        outgoing.append(ev + b"\n\n")
+                        outgoing.append(wire)
                         continue
                     wire, text = self._inspected(ctx, ev, payload, chat, reframe)
                     if text and not first_seen:

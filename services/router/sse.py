@@ -7,9 +7,10 @@ the stream finished.
 
 Cost: an event is decoded whole (:func:`inspect`) only where the router needs more than its
 text: until the first token, and for the chunks that carry a ``usage`` (:func:`has_usage`,
-a byte search); every other chunk is passed through as it came, its payload kept for its
+a byte search); every other chunk is passed through as it came, its bytes kept for its
 text, which :func:`text_of` (a typed decode of ``choices[].text`` / ``delta.content`` only)
-reads only if a migration needs it.
+reads only if a migration needs it. Once the first token is out, what one read brought is
+not even split into events up to the first one that may need a look (:func:`plain_run`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,59 @@ def has_usage(payload: bytes) -> bool:
     return not payload[i + 7 : i + 16].lstrip(b": \t").startswith(b"null") or (
         payload.find(b'"usage"', i + 7) >= 0
     )
+
+
+def plain_run(events: bytes) -> int:
+    """How many leading bytes of ``events`` (whole events, each ending in a blank line, no CR)
+    are events that surely carry neither a ``usage`` nor ``[DONE]``: the router may pass them
+    through in one piece. A byte search over them all; an event it cannot rule out (a
+    ``"usage"`` not followed by ``null``, the text ``[DONE]`` anywhere) ends the run."""
+    stop = events.find(b"[DONE]")
+    if stop < 0:
+        stop = len(events)
+    i = events.find(b'"usage"', 0, stop)
+    while i >= 0:
+        if not events[i + 7 : i + 16].lstrip(b": \t").startswith(b"null"):
+            stop = i
+            break
+        i = events.find(b'"usage"', i + 7, stop)
+    if stop == len(events):
+        return stop
+    end = events.rfind(b"\n\n", 0, stop)  # of the last event before the one to look at
+    return end + 2 if end >= 0 else 0
+
+
+def passthrough_split(buf: bytes) -> tuple[bytes, list[bytes], bytes]:
+    """A read once the first token is out: the leading whole events that go out as they came
+    (:func:`plain_run`), the whole events after them (without their blank line) to look at
+    one by one, and the incomplete rest. Bytes with a CR: every event to look at."""
+    if b"\r" in buf:
+        events, rest = split_events(buf)
+        return b"", events, rest
+    end = buf.rfind(b"\n\n") + 2
+    if end < 2:
+        return b"", [], buf
+    whole, rest = buf[:end], buf[end:]
+    n = plain_run(whole)
+    if n == end:
+        return whole, [], rest
+    return whole[:n], whole[n:].split(b"\n\n")[:-1], rest
+
+
+def data_events(run: bytes) -> int:
+    """The events with data in ``run`` (whole events, no CR): counted by their separators
+    when each begins with its ``data:`` line (as engines write them), else one by one."""
+    n = run.count(b"\n\n")
+    if run.count(b"\n\ndata:") + run.startswith(b"data:") == n:
+        return n
+    parts, _ = split_events(run)
+    return sum(1 for ev in parts if payload_of(ev))
+
+
+def texts_of(events: bytes, chat: bool) -> str:
+    """The generated text of whole events as they came (:func:`text_of` of each)."""
+    parts, _ = split_events(events)
+    return "".join(text_of(payload_of(ev), chat) for ev in parts)
 
 
 class _Delta(msgspec.Struct):
