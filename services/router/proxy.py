@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from services.core.cluster import Ticket
 from services.router import sse
 from services.router.canary import Arm
 from services.router.http_server import Request, Response, StreamResponse, json_response
@@ -82,6 +83,7 @@ class Ctx(msgspec.Struct):
     shed: bool = False  # the policy refused it (no worker meets its SLO): 429
     sent_at: float = 0.0  # monotonic time the current worker was sent the request (breaker)
     carried_tokens: int = 0  # tokens generated before the last migration (usage)
+    answered: Ticket | None = None  # the attempt that answered, released after the reply
 
     @property
     def generated(self) -> str:

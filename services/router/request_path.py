@@ -7,7 +7,9 @@ A failure before the client saw anything (``WorkerFailed``) excludes that worker
 round again, at most ``max_retries`` times.
 
 Invariants: every request records exactly one outcome (``finally``); every attempt's ticket
-is released in ``finally``; deciding reads local state only.
+is released in ``finally``; deciding reads local state only. The answered attempt's release
+and the outcome run just after the reply is written (scheduled from ``finally``: the server
+writes a reply in the same step its handler returns), so they are not on the client's wait.
 """
 
 from __future__ import annotations
@@ -108,6 +110,15 @@ class RequestPath:
             raise
         finally:
             M.INFLIGHT.dec()
+            asyncio.get_running_loop().call_soon(self._settle, ctx)
+
+    def _settle(self, ctx: Ctx) -> None:
+        """After the reply: the answered attempt's ticket released, the outcome recorded."""
+        try:
+            if ctx.answered is not None:
+                self.dispatcher.release(ctx, ctx.answered)
+                ctx.answered = None
+        finally:
             self.outcomes.record(ctx)
 
     async def _route_and_send(self, request: Request, ctx: Ctx) -> Reply:
@@ -119,7 +130,9 @@ class RequestPath:
             try:
                 await self.dispatcher.hold(d)
                 ctx.sent_at = time.monotonic()  # the breaker weighs only evidence sent after
-                return await self.sender.send(request, ctx, ticket)
+                reply = await self.sender.send(request, ctx, ticket)
+                ctx.answered = ticket  # released once the reply is out (_settle)
+                return reply
             except WorkerFailed as exc:
                 ctx.last_failure = exc
                 self.circuits.failure(exc.worker_id, exc.reason, ctx.sent_at)
@@ -141,4 +154,5 @@ class RequestPath:
                     reason=exc.reason,
                 )
             finally:
-                self.dispatcher.release(ctx, ticket)
+                if ctx.answered is not ticket:
+                    self.dispatcher.release(ctx, ticket)
