@@ -113,13 +113,17 @@ class RequestPath:
             asyncio.get_running_loop().call_soon(self._settle, ctx)
 
     def _settle(self, ctx: Ctx) -> None:
-        """After the reply: the answered attempt's ticket released, the outcome recorded."""
+        """After the reply: the answered attempt's ticket released, the outcome recorded (a
+        failure here is logged; it reaches no client)."""
         try:
-            if ctx.answered is not None:
-                self.dispatcher.release(ctx, ctx.answered)
-                ctx.answered = None
-        finally:
-            self.outcomes.record(ctx)
+            try:
+                if ctx.answered is not None:
+                    self.dispatcher.release(ctx, ctx.answered)
+                    ctx.answered = None
+            finally:
+                self.outcomes.record(ctx)
+        except Exception:
+            log.exception("request bookkeeping failed", request_id=ctx.request_id)
 
     async def _route_and_send(self, request: Request, ctx: Ctx) -> Reply:
         while True:
