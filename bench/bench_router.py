@@ -513,6 +513,7 @@ async def bench_proxy(
     from services.common.schemas import WorkerCapacity, WorkerHeartbeat
     from services.common.subjects import Subjects
 
+    machine_ns = _machine_ns()  # before anything of the bench runs
     procs: list[subprocess.Popen] = []
     profiled: list[int] = []  # indexes in procs of py-spy wrappers
     env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost"}
@@ -528,6 +529,7 @@ async def bench_proxy(
         "policy": policy,
         "rounds": rounds,
         "also_policies": list(also_policies),
+        "machine_ns": machine_ns,
     }
     beat_task = None
     bus = None
@@ -878,6 +880,19 @@ def _summary(results: dict[str, Any], modes: tuple[str, ...], conns: int) -> Non
             )
     with contextlib.suppress(OSError):
         print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if "machine_ns" in results:
+        print(
+            f"machine: CPython runs sum((1,2,3)) in {results['machine_ns']:.0f} ns (best of 5; "
+            "~50 on a quiet day of the development VM): absolute latencies move with it"
+        )
+
+
+def _machine_ns() -> float:
+    """How fast this machine runs CPython now: ``python -m timeit 'sum((1,2,3))'``'s figure."""
+    import timeit
+
+    n = 200_000
+    return min(timeit.repeat("sum((1, 2, 3))", number=n, repeat=5)) / n * 1e9
 
 
 def main(argv: list[str] | None = None) -> int:
