@@ -795,9 +795,10 @@ async def _measure_targets(
         base, _, key = target.partition("#")
         urls[name] = base + "/v1/completions" + (f"#{key}" if key else "")
         lats[name] = []
-    for _ in range(rounds):
+    for turn in range(rounds):
+        n = max(1, requests // rounds + (turn < requests % rounds))
         for name in targets:
-            lats[name] += await _latency(urls[name], max(1, requests // rounds), body)
+            lats[name] += await _latency(urls[name], n, body)
     done = dict.fromkeys(targets, 0)
     spent = dict.fromkeys(targets, 0.0)
     # CPU seconds while each target is measured: its own processes' (for a router, its

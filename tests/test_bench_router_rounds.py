@@ -1,5 +1,5 @@
-"""The proxy bench's throughput phase: targets take turns (--rounds), figures add up, and
-each process's CPU per request (target, worker, load generator)."""
+"""The proxy bench's phases: targets take turns (--rounds) at one connection and under load,
+figures add up, and each process's CPU per request (target, worker, load generator)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from bench import bench_router
 
 def test_targets_take_turns_and_rates_are_over_all_turns(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, float]] = []
+    latency_calls: list[tuple[str, int]] = []
     # per target and turn: (answers, seconds measured); A is steady, B slows down
     turns = {"a": [(100, 1.0), (100, 1.0), (100, 1.0)], "b": [(90, 1.0), (60, 1.0), (30, 1.0)]}
     cpu = {"a": 0.0, "b": 0.0, "worker": 0.0, "client": 0.0}
 
     async def latency(url: str, requests: int, body: dict) -> list[float]:
+        latency_calls.append((url.split("//")[1].split("/")[0], requests))
         return [0.001] * requests
 
     async def run(url: str, conns: int, seconds: float, body: dict) -> tuple[int, float, int]:
@@ -48,6 +50,8 @@ def test_targets_take_turns_and_rates_are_over_all_turns(monkeypatch: pytest.Mon
         )
     )
     assert calls == [("a", 2.0), ("b", 2.0)] * 3
+    # the 10 sequential requests of each target's latency in turns too: 4, 3, 3
+    assert latency_calls == [("a", 4), ("b", 4), ("a", 3), ("b", 3), ("a", 3), ("b", 3)]
     assert out["a"]["throughput_rps"] == pytest.approx(100.0)
     assert out["b"]["throughput_rps"] == pytest.approx(60.0)  # 180 answers over 3 s
     assert out["b"]["cpu_us_per_request"] == pytest.approx(0.03 / 180 * 1e6)
