@@ -119,7 +119,6 @@ class RequestPath:
             try:
                 if ctx.answered is not None:
                     self.dispatcher.release(ctx, ctx.answered)
-                    ctx.answered = None
             finally:
                 self.outcomes.record(ctx)
         except Exception:

@@ -85,9 +85,7 @@ def passthrough_split(buf: bytes) -> tuple[bytes, list[bytes], bytes]:
     if end < 2:
         return b"", [], buf
     whole, rest = buf[:end], buf[end:]
-    n = plain_run(whole)
-    if n == end:
-        return whole, [], rest
+    n = plain_run(whole)  # (a slice of all of it is ``whole`` itself, not a copy)
     return whole[:n], whole[n:].split(b"\n\n")[:-1], rest
 
 

@@ -189,7 +189,6 @@ class _Conn(asyncio.Protocol):
         self.status = 0
         self.headers: dict[str, str] = {}
         self.keep = False
-        self.until_close = False  # a body framed by the connection's end
         self.out: list[bytes] = []
         self.done = False
         self.error: StreamError | None = None
@@ -210,7 +209,7 @@ class _Conn(asyncio.Protocol):
         self.lost = True
         self.park = None
         if not self.done and self.error is None:
-            if self.head_done and self.until_close:
+            if self.head_done and self._until_close():
                 self.done = True
             else:
                 self.error = StreamError("connection closed by the worker")
@@ -261,9 +260,16 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     # ------------------------------------------------------------ parser callbacks
+    def _until_close(self) -> bool:
+        """Is the body framed by the connection's end (no length, not chunked)?"""
+        return (
+            "content-length" not in self.headers
+            and self.headers.get("transfer-encoding", "").lower() != "chunked"
+            and self.status not in (204, 304)
+        )
+
     def on_message_begin(self) -> None:
-        if self.done:  # a second response in the bytes of one: not a connection to reuse
-            self.keep = False
+        if self.done:  # a second response in the bytes of one (data_received: not reused)
             raise StreamError("bytes after the response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -272,16 +278,10 @@ class _Conn(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         p = self.parser
         self.status = p.get_status_code()
-        headers = self.headers
         if 100 <= self.status < 200:  # informational (103 Early Hints): the answer follows
             self.headers = {}
             return
         self.keep = p.should_keep_alive()
-        self.until_close = (
-            "content-length" not in headers
-            and headers.get("transfer-encoding", "").lower() != "chunked"
-            and self.status not in (204, 304)
-        )
         self.head_done = True
 
     def on_body(self, body: bytes) -> None:
