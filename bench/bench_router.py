@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
 import signal
@@ -331,6 +332,15 @@ def serve_worker(port: int) -> None:
     app.router.add_get("/get_server_info", info)
     app.router.add_get("/model_info", info)
     app.router.add_get("/server_info", info)
+
+    # sglang-router asks each new worker whether it speaks gRPC (an HTTP/2 preface) before it
+    # settles on HTTP; aiohttp refuses the preface with a logged traceback, which would read as
+    # a fault of the run. Only that refusal is dropped; any other server error is still logged.
+    def not_a_grpc_probe(record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and "PRI/Upgrade" in str(exc))
+
+    logging.getLogger("aiohttp.server").addFilter(not_a_grpc_probe)
     try:
         import uvloop
 
