@@ -894,7 +894,8 @@ def _summary(results: dict[str, Any], modes: tuple[str, ...], conns: int) -> Non
     if "machine_ns" in results:
         print(
             f"machine: CPython runs sum((1,2,3)) in {results['machine_ns']:.0f} ns (best of 5; "
-            "~50 on a quiet day of the development VM): absolute latencies move with it"
+            "~45 on a normal day of the development VM, 67-97 on a slow one): absolute "
+            "latencies move with it"
         )
 
 
