@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from services.api.alerting import AlertManager
+from services.api.auth_throttle import AuthThrottle
 from services.api.canary.runner import EvaluatorLoop, OutcomeCollector
 from services.api.context import ApiContext
 from services.api.db import Database
@@ -43,6 +44,10 @@ class ApiConfig:
     signing_seed: str = ""  # file: sign what the api publishes (services.common.signing)
     subject_prefix: str = ""
     admin_token: str = ""
+    token_max_ttl_s: float = 0.0  # > 0: longest lifetime of a new token, and its default
+    auth_fail_limit: int = 20  # failed authentications per address and window; 0: no limit
+    auth_fail_window_s: float = 60.0
+    auth_tracked_addresses: int = 10_000
     eval_interval_s: float = 1.0
     flush_interval_s: float = 0.5
     republish_s: float = 5.0
@@ -86,6 +91,7 @@ class ApiService:
             auth=TokenAuth(db, cfg.admin_token),
             registry=registry,
             policy_schemas=policy_schemas(),
+            token_max_ttl_s=cfg.token_max_ttl_s,
         )
         await registry.subscribe(bus)
 
@@ -107,9 +113,13 @@ class ApiService:
         self.controls.start()
         self._resync = asyncio.create_task(self._resync_loop(), name="policy-resync")
         app = web.Application(client_max_size=1024 * 1024)
-        install(app, build_routes(ctx), ctx.auth.lookup)
+        throttle = AuthThrottle(
+            cfg.auth_fail_limit, cfg.auth_fail_window_s, cfg.auth_tracked_addresses
+        )
+        install(app, build_routes(ctx), ctx.auth.check, throttle)
         app.router.add_get("/metrics", metrics_handler)
         add_static(app)  # the operator page at /ui/ (its data comes from the routes above)
+        ctx.auth.start()  # records the bootstrap token's row once Postgres answers
         self.app = app
         return app
 
@@ -130,6 +140,7 @@ class ApiService:
         parts = [p for p in (self.evaluator, self.controls, self.alerts, self.collector) if p]
         await asyncio.gather(*(p.stop() for p in parts), return_exceptions=True)
         if self.ctx is not None:
+            await self.ctx.auth.stop()
             await self.ctx.decisions.stop()
             await self.ctx.bus.close()
             await self.ctx.db.close()
@@ -146,6 +157,10 @@ async def serve(st, stop: asyncio.Event) -> None:
             signing_seed=st.signing_seed,
             subject_prefix=st.subject_prefix,
             admin_token=st.admin_token,
+            token_max_ttl_s=st.token_max_ttl_s,
+            auth_fail_limit=st.auth_fail_limit,
+            auth_fail_window_s=st.auth_fail_window_s,
+            auth_tracked_addresses=st.auth_tracked_addresses,
             eval_interval_s=st.canary_eval_interval_s,
             republish_s=st.republish_s,
         )

@@ -145,6 +145,19 @@ class AlertSilence(Body, kw_only=True):
 class TokenCreate(Body, kw_only=True):
     role: Role
     name: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_.@\- ]*$")] = ""
+    # lifetime; none: the token lives until revoked (or the server's maximum, when it has one)
+    ttl_s: (
+        Annotated[
+            float,
+            Meta(
+                ge=1.0,
+                le=10 * 365 * 86400.0,
+                description="lifetime in seconds (default: no expiry, or the server's "
+                "--token-max-ttl-s when set; more than that is refused)",
+            ),
+        ]
+        | None
+    ) = None
 
 
 ALL_BODIES: tuple[type, ...] = (

@@ -4,6 +4,7 @@ Examples::
 
     kvgate api --port 8081                         # run the server
     kvgate api token create --role admin --name ci # print a new token (shown once)
+    kvgate api token create --role viewer --ttl-s 86400  # one that expires in a day
     kvgate api token list
     kvgate api token revoke 3
 """
@@ -19,8 +20,17 @@ from services.common import settings as S
 ADMIN_TOKEN = S.option(
     "admin_token",
     "",
-    "bootstrap admin token accepted without a database row (for compose); empty: none",
+    "bootstrap admin token (compose, 'kvgate up'): recorded by its digest as token "
+    "'bootstrap-admin', revocable like any other (a revocation survives restarts); "
+    "empty: none",
     env="KVGATE_API_ADMIN_TOKEN",
+)
+TOKEN_MAX_TTL_S = S.option(
+    "token_max_ttl_s",
+    0.0,
+    "longest lifetime of a new API token in seconds, also the lifetime of one created "
+    "without a TTL; 0: tokens may live forever (the bootstrap token is not affected)",
+    env="KVGATE_API_TOKEN_MAX_TTL_S",
 )
 OPTIONS = S.COMMON + (
     S.SIGNING_SEED,
@@ -31,6 +41,29 @@ OPTIONS = S.COMMON + (
     ),
     S.option("port", 8081, "port of the HTTP (health, metrics) endpoint", env="KVGATE_API_PORT"),
     ADMIN_TOKEN,
+    TOKEN_MAX_TTL_S,
+    S.option(
+        "auth_fail_limit",
+        20,
+        "failed authentications from one client address within --auth-fail-window-s after "
+        "which it gets 429 (Retry-After) without its token being checked; 0: no limit. The "
+        "address is the TCP peer's (X-Forwarded-For is not trusted): behind a proxy all "
+        "clients share one",
+        env="KVGATE_API_AUTH_FAIL_LIMIT",
+    ),
+    S.option(
+        "auth_fail_window_s",
+        60.0,
+        "window (seconds) of --auth-fail-limit",
+        env="KVGATE_API_AUTH_FAIL_WINDOW_S",
+    ),
+    S.option(
+        "auth_tracked_addresses",
+        10_000,
+        "most client addresses whose failed authentications are remembered (the least "
+        "recently failing is forgotten first)",
+        env="KVGATE_API_AUTH_TRACKED_ADDRESSES",
+    ),
     S.option(
         "canary_eval_interval_s",
         1.0,
@@ -43,7 +76,14 @@ OPTIONS = S.COMMON + (
         env="KVGATE_API_REPUBLISH_S",
     ),
 )
-TOKEN_OPTIONS = (S.DATABASE_URL, S.DATABASE_PASSWORD_FILE, S.LOG_LEVEL, S.LOG_FORMAT, S.STATE_DIR)
+TOKEN_OPTIONS = (
+    S.DATABASE_URL,
+    S.DATABASE_PASSWORD_FILE,
+    S.LOG_LEVEL,
+    S.LOG_FORMAT,
+    S.STATE_DIR,
+    TOKEN_MAX_TTL_S,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     create = tsub.add_parser("create", help="create a token and print it (shown once)")
     create.add_argument("--role", choices=["viewer", "admin"], required=True)
     create.add_argument("--name", default="", help="label for the audit log")
+    create.add_argument(
+        "--ttl-s",
+        type=float,
+        default=None,
+        help="lifetime in seconds (default: none, or KVGATE_API_TOKEN_MAX_TTL_S when set)",
+    )
     tsub.add_parser("list", help="list tokens (never their secrets)")
     revoke = tsub.add_parser("revoke", help="revoke a token by id")
     revoke.add_argument("id", type=int)
@@ -78,18 +124,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
-async def _token(args: argparse.Namespace, database_url: str) -> int:
+async def _token(args: argparse.Namespace, database_url: str, max_ttl_s: float) -> int:
     from services.api.db import Database, is_unavailable
-    from services.api.tokens import create_token, token_dict
+    from services.api.tokens import create_token, token_dict, token_state
 
     db = Database(database_url)
     try:
         if args.token_action == "create":
-            token, record = await create_token(db, args.role, args.name)
+            if args.ttl_s is not None and not 1 <= args.ttl_s <= 10 * 365 * 86400:
+                print("--ttl-s must be between 1 and 315360000 seconds", file=sys.stderr)
+                return 2
+            try:
+                token, record = await create_token(
+                    db, args.role, args.name, args.ttl_s, max_ttl_s=max_ttl_s
+                )
+            except ValueError as exc:
+                print(f"kvgate api token create: {exc}", file=sys.stderr)
+                return 2
             print(token)
+            expiry = f", expires {record['expires_at']}" if record["expires_at"] else ""
             print(
-                f"(token id {record['id']}, role {record['role']}; store it now, it is not "
-                "shown again)",
+                f"(token id {record['id']}, role {record['role']}{expiry}; store it now, it is "
+                "not shown again)",
                 file=sys.stderr,
             )
             return 0
@@ -103,9 +159,10 @@ async def _token(args: argparse.Namespace, database_url: str) -> int:
             if args.token_action == "list":
                 for row in (await s.execute(select(ApiToken).order_by(ApiToken.id))).scalars():
                     d = token_dict(row)
-                    state = "revoked" if d["revoked_at"] else "active"
+                    expires = f"  expires {d['expires_at']}" if d["expires_at"] else ""
                     print(
-                        f"{d['id']:>5}  {d['role']:<6}  {state:<7}  {d['created_at']}  {d['name']}"
+                        f"{d['id']:>5}  {d['role']:<6}  {token_state(row):<7}  "
+                        f"{d['created_at']}  {d['name']}{expires}"
                     )
                 return 0
             row = (
@@ -140,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
             stack = stackfile.running_stack(st.state_dir)
             if stack is not None:  # the embedded database of `kvgate up`
                 database_url = stack.database_url
-        return asyncio.run(_token(args, database_url))
+        return asyncio.run(_token(args, database_url, st.token_max_ttl_s))
     from services.api.app import serve
     from services.common.service import run_service
 

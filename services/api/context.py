@@ -23,3 +23,4 @@ class ApiContext:
     policy_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
     background: list[Any] = field(default_factory=list)  # things with async stop()
     decisions: DecisionFeed = field(default_factory=DecisionFeed)  # the operator page's feed
+    token_max_ttl_s: float = 0.0  # > 0: longest lifetime of a new token (and its default)

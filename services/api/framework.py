@@ -9,11 +9,18 @@ Invariants:
   the field named.
 - Errors are JSON ``{"error": {"code", "message", "field"?}}``. Postgres unreachable -> 503
   ``database_unavailable``; a handler bug -> 500 (and a log line), never a hang.
+- A JSON body nested deeper than ``MAX_JSON_DEPTH`` is refused (400 ``too_deep``) before it
+  is decoded, so nothing recursive ever sees it.
+- A client address that failed authentication too often is answered 429 ``throttled`` (with
+  Retry-After) on every authenticated route, without its token being looked at
+  (:mod:`services.api.auth_throttle`). Every refused token is counted by reason in
+  ``kvgate_api_auth_failures_total``; the token itself is never logged.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,30 +28,59 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from prometheus_client import Counter
 
+from services.api.auth_throttle import AuthThrottle
 from services.api.db import is_unavailable
+from services.api.json_depth import nesting_depth
 from services.common.logging import RateLimiter, get_logger
 
 log = get_logger("api")
 
 MAX_BODY_BYTES = 256 * 1024
+MAX_JSON_DEPTH = 64  # the API's deepest real body is 3 levels; policy params stay far below
 ROLES = ("viewer", "admin")
+
+AUTH_FAILURES = Counter(
+    "kvgate_api_auth_failures_total",
+    "Requests to the admin API refused for their bearer token",
+    ["reason"],  # missing | malformed | unknown | revoked | expired | not_configured
+)
+AUTH_THROTTLED = Counter(
+    "kvgate_api_auth_throttled_total",
+    "Requests answered 429 because their address failed authentication too often",
+)
+BODIES_REFUSED = Counter(
+    "kvgate_api_bodies_refused_total",
+    "Request bodies refused before validation",
+    ["reason"],  # too_large | too_deep | invalid_json
+)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.field = field
+        self.headers = dict(headers or {})
 
     def response(self) -> web.Response:
         err: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.field:
             err["field"] = self.field
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return web.json_response({"error": err}, status=self.status, headers=headers)
+        headers = dict(self.headers)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return web.json_response({"error": err}, status=self.status, headers=headers or None)
 
 
 def not_found(what: str, ident: Any) -> ApiError:
@@ -133,11 +169,28 @@ def _integral_floats_as_ints(value: Any) -> Any:
     return value
 
 
+def too_large() -> ApiError:
+    BODIES_REFUSED.labels("too_large").inc()
+    return ApiError(413, "too_large", f"body over {MAX_BODY_BYTES} bytes")
+
+
+def check_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """400 for JSON nested deeper than ``limit`` (the decoder and the walks below recurse)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # cannot be deeper: skip the scan
+        return
+    if nesting_depth(raw) > limit:
+        BODIES_REFUSED.labels("too_deep").inc()
+        raise ApiError(
+            400, "too_deep", f"JSON nested deeper than {limit} levels of arrays and objects"
+        )
+
+
 def decode_body(raw: bytes, body_type: type, required: bool) -> Any:
     if not raw.strip():
         if required:
             raise ApiError(400, "invalid_body", "a JSON request body is required")
         raw = b"{}"
+    check_depth(raw)
     try:
         # JSON Schema counts 426.0 as an integer, msgspec does not: integral floats become
         # ints first (a float field takes an int as well)
@@ -145,6 +198,7 @@ def decode_body(raw: bytes, body_type: type, required: bool) -> Any:
     except msgspec.ValidationError as exc:
         raise ApiError(400, "invalid_body", str(exc), _field_of(str(exc))) from None
     except msgspec.DecodeError as exc:
+        BODIES_REFUSED.labels("invalid_json").inc()
         raise ApiError(400, "invalid_json", f"malformed JSON: {exc}") from None
     _no_nul(obj)
     return obj
@@ -172,7 +226,15 @@ class Principal:
     role: str
 
 
-TokenLookup = Callable[[str], Awaitable[Principal | None]]
+@dataclass(frozen=True)
+class Refusal:
+    """Why a token was refused: ``reason`` for metrics and logs, ``message`` for the client."""
+
+    reason: str
+    message: str
+
+
+TokenLookup = Callable[[str], Awaitable[Principal | Refusal]]
 
 
 def bearer_token(request: web.Request) -> str | None:
@@ -187,23 +249,72 @@ def bearer_token(request: web.Request) -> str | None:
 _err_log = RateLimiter(30.0)
 
 
-def install(app: web.Application, routes: list[Route], lookup: TokenLookup) -> None:
+def install(
+    app: web.Application,
+    routes: list[Route],
+    lookup: TokenLookup,
+    throttle: AuthThrottle | None = None,
+) -> None:
     """Register every route with validation, auth and error handling around its handler."""
+    throttle = throttle or AuthThrottle()
     for route in routes:
-        app.router.add_route(route.method, route.path, _wrap(route, lookup))
+        app.router.add_route(route.method, route.path, _wrap(route, lookup, throttle))
 
 
-def _wrap(route: Route, lookup: TokenLookup) -> Callable[[web.Request], Awaitable[web.Response]]:
+def peer_address(request: web.Request) -> str:
+    """The TCP peer's address. X-Forwarded-For is not trusted: any client can write it."""
+    return request.remote or "unknown"
+
+
+async def authenticate(
+    request: web.Request, lookup: TokenLookup, throttle: AuthThrottle
+) -> Principal:
+    """The request's principal, or the ApiError (429 / 401) that refuses it."""
+    address = peer_address(request)
+    wait = throttle.retry_after(address)
+    if wait > 0:
+        AUTH_THROTTLED.inc()
+        if _err_log.allow("auth-throttled"):
+            log.warning(
+                "authentication throttled",
+                address=address,
+                retry_after_s=round(wait, 1),
+                suppressed=_err_log.take_suppressed("auth-throttled"),
+            )
+        retry = max(1, math.ceil(wait))
+        raise ApiError(
+            429,
+            "throttled",
+            f"too many failed authentications from this address; retry in {retry} s",
+            headers={"Retry-After": str(retry)},
+        )
+    token = bearer_token(request)
+    if token is None:
+        AUTH_FAILURES.labels("missing").inc()
+        raise ApiError(401, "unauthorized", "missing bearer token (Authorization)")
+    found = await lookup(token)
+    if isinstance(found, Refusal):
+        AUTH_FAILURES.labels(found.reason).inc()
+        throttle.failed(address)
+        if _err_log.allow("auth-failed"):
+            log.warning(
+                "bearer token refused",
+                reason=found.reason,
+                address=address,
+                suppressed=_err_log.take_suppressed("auth-failed"),
+            )
+        raise ApiError(401, "unauthorized", found.message)
+    return found
+
+
+def _wrap(
+    route: Route, lookup: TokenLookup, throttle: AuthThrottle
+) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def endpoint(request: web.Request) -> web.Response:
         try:
             principal = Principal("anonymous", "public")
             if route.role != "public":
-                token = bearer_token(request)
-                if token is None:
-                    raise ApiError(401, "unauthorized", "missing bearer token (Authorization)")
-                found = await lookup(token)
-                if found is None:
-                    raise ApiError(401, "unauthorized", "invalid or revoked token")
+                found = await authenticate(request, lookup, throttle)
                 if route.role == "admin" and found.role != "admin":
                     raise ApiError(403, "forbidden", "this operation needs the admin role")
                 principal = found
@@ -223,10 +334,10 @@ def _wrap(route: Route, lookup: TokenLookup) -> Callable[[web.Request], Awaitabl
                     req.query[name] = convert_param("query", name, values[0], typ)
             if route.body is not None:
                 if request.content_length and request.content_length > MAX_BODY_BYTES:
-                    raise ApiError(413, "too_large", f"body over {MAX_BODY_BYTES} bytes")
+                    raise too_large()
                 raw = await request.content.read(MAX_BODY_BYTES + 1)
                 if len(raw) > MAX_BODY_BYTES:
-                    raise ApiError(413, "too_large", f"body over {MAX_BODY_BYTES} bytes")
+                    raise too_large()
                 req.body = decode_body(raw, route.body, route.body_required)
             result = await route.handler(req)
             if isinstance(result, web.StreamResponse):

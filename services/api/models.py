@@ -9,7 +9,9 @@ Invariants:
   (advance / complete / rollback): a partial unique index on ``canary_decisions`` enforces it,
   so two API replicas can never both act on the same window.
 - At most one open (``firing`` / ``acknowledged``) alert per fingerprint.
-- API tokens are stored only as sha256 hex digests.
+- API tokens are stored only as sha256 hex digests. A token is accepted only while
+  ``revoked_at`` is null and ``expires_at`` is null or in the future; a ``bootstrap`` row (the
+  environment's admin token, recorded by digest) only by a replica configured with that token.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class ApiToken(Base):
     role: Mapped[str] = mapped_column(String(16), nullable=False)
     created_at: Mapped[datetime] = mapped_column(TZ, nullable=False, server_default=func.now())
     revoked_at: Mapped[datetime | None] = mapped_column(TZ, nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(TZ, nullable=True)
+    # the row of KVGATE_API_ADMIN_TOKEN (services.api.tokens): revocable, never expires
+    bootstrap: Mapped[bool] = mapped_column(
+        nullable=False, default=False, server_default=text("false")
+    )
 
 
 class Policy(Base):

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from services.api import bodies
-from services.api.framework import Route
+from services.api.framework import MAX_JSON_DEPTH, Route
 
 REF = "#/components/schemas/{name}"
 
@@ -129,7 +129,9 @@ def build_document(
             "title": "kvgate admin API",
             "version": version,
             "description": "Routing policies, canary rollouts, workers and alerts. "
-            "Send `Authorization: Bearer <token>`; `viewer` tokens read, `admin` tokens change.",
+            "Send `Authorization: Bearer <token>`; `viewer` tokens read, `admin` tokens change. "
+            "Tokens may expire (`expires_at`); an address that fails authentication too often "
+            "is answered 429 with Retry-After for a while.",
         },
         "servers": [{"url": "/"}],
         "paths": paths,
@@ -150,9 +152,23 @@ def _responses(route: Route) -> dict[str, Any]:
         }
     }
     if route.body is not None or route.path_params or route.query:
-        out["400"] = {"description": "invalid input (the field is named)", "content": err}
+        what = "invalid input (the field is named)"
+        if route.body is not None:
+            what += f"; JSON nested deeper than {MAX_JSON_DEPTH} levels: code too_deep"
+        out["400"] = {"description": what, "content": err}
     if route.role != "public":
-        out["401"] = {"description": "missing or invalid token", "content": err}
+        out["401"] = {"description": "missing, invalid, revoked or expired token", "content": err}
+        out["429"] = {
+            "description": "this client address failed authentication too often; the token "
+            "was not checked (code throttled)",
+            "headers": {
+                "Retry-After": {
+                    "description": "seconds until the address may try again",
+                    "schema": {"type": "integer", "minimum": 1},
+                }
+            },
+            "content": err,
+        }
     if route.role == "admin":
         out["403"] = {"description": "token lacks the admin role", "content": err}
     if route.path_params or route.body is not None:
