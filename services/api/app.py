@@ -30,7 +30,7 @@ from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import PolicyRevisionReply, PolicyRevisionRequest
 from services.common.service import metrics_handler
 from services.common.signing import Signer
-from services.common.streams import ensure_policy_stream
+from services.common.streams import require_policy_stream
 from services.common.subjects import Subjects
 
 log = get_logger("api")
@@ -102,7 +102,7 @@ class ApiService:
             bus.subjects.policy_revision, PolicyRevisionRequest, answer_revision, queue="api"
         )
         await ctx.decisions.start(bus)
-        await ensure_policy_stream(bus)
+        await require_policy_stream(bus)
         self.collector = OutcomeCollector(db, bus, flush_s=cfg.flush_interval_s)
         await self.collector.start()
         self.evaluator = EvaluatorLoop(db, publisher, tick_s=cfg.eval_interval_s, name=cfg.name)

@@ -22,7 +22,7 @@ from services.api.models import Canary, PolicyState
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import CanaryAssignment, PolicyUpdated, SchemaError, decode
-from services.common.streams import ensure_policy_stream
+from services.common.streams import require_policy_stream
 
 log = get_logger("api.publisher")
 
@@ -97,7 +97,7 @@ class PolicyPublisher:
         if notice is None:
             return True
         try:
-            await ensure_policy_stream(self.bus)
+            await require_policy_stream(self.bus)
             await self.bus.js_publish(self.bus.subjects.policy_updated, notice)
         except Exception as exc:
             if self._log.allow("publish"):

@@ -258,9 +258,11 @@ class CanaryAssignment(Struct, kw_only=True):
 
 class PolicyRevisionRequest(Message):
     """A router asks the api which policy revision it stored (``policy.revision``): a notice
-    with a higher revision was not sent by the api."""
+    with a higher revision was not sent by the api. ``repair``: the POLICY stream's newest notice
+    failed this router's checks; the api re-publishes its own (services.api.publisher)."""
 
     router_id: str = ""
+    repair: bool = False
 
 
 class PolicyRevisionReply(Message):

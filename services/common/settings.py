@@ -143,6 +143,20 @@ TRUSTED_SIGNERS = option(
     "public nkeys (comma-separated) whose signed policy/control messages are accepted; "
     "empty: accept unsigned ones",
 )
+# A signed policy notice or worker order is acted on only while fresh (services.common.replay_guard)
+SIGNED_MAX_AGE_S = option(
+    "signed_max_age_s",
+    300.0,
+    "seconds a signed policy.updated / workers.control message stays valid after the api "
+    "signed it (older: rejected as stale; its nonce is remembered this long against replays). "
+    "The POLICY stream's stored notice read at start is exempt",
+)
+SIGNED_MAX_SKEW_S = option(
+    "signed_max_skew_s",
+    30.0,
+    "seconds a signed message may be dated ahead of this clock (api/router clock skew); "
+    "further ahead: rejected as future",
+)
 
 COMMON: tuple[Option, ...] = (NATS_URL, *NATS_AUTH, SUBJECT_PREFIX, LOG_LEVEL, LOG_FORMAT)
 

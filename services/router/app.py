@@ -39,7 +39,7 @@ from services.common.schemas import (
     WorkerLoad,
 )
 from services.common.signing import Verifier
-from services.common.streams import ensure_outcomes_stream, raise_alert
+from services.common.streams import require_outcomes_stream, raise_alert
 from services.common.tokenizer import load_tokenizer
 from services.core.cluster import ClusterState
 from services.core.lifecycle import AdmissionQueue, RequestLifecycle
@@ -249,7 +249,8 @@ class Router:
             ),
         ]
         with contextlib.suppress(Exception):
-            await ensure_outcomes_stream(self.bus)
+            # not provisioned yet: start anyway; outcomes are counted as failed until it is
+            await require_outcomes_stream(self.bus, timeout_s=10.0)
         await self.reload.load_latest(self.trust.policy_signed_ok)
         await self.index_source.start()
         self.outcomes.start()

@@ -14,6 +14,8 @@ OPTIONS = S.COMMON + (
     *PUBLIC_SURFACE_OPTIONS,
     S.HASH_SEED,
     S.TRUSTED_SIGNERS,
+    S.SIGNED_MAX_AGE_S,
+    S.SIGNED_MAX_SKEW_S,
     S.option("host", "127.0.0.1", "address to listen on", env="KVGATE_ROUTER_HOST"),
     S.option(
         "port", 8080, "HTTP port (OpenAI base URL is http://host:port/v1)", env="KVGATE_ROUTER_PORT"
@@ -166,6 +168,10 @@ def main(args: argparse.Namespace) -> int:
         passthrough_paths(st.passthrough_paths)
     except ValueError as exc:
         raise SystemExit(f"invalid --passthrough-paths: {exc}") from None
+    if not (st.signed_max_age_s > 0 and st.signed_max_skew_s >= 0):
+        raise SystemExit(
+            "invalid --signed-max-age-s / --signed-max-skew-s: need age > 0, skew >= 0"
+        )
     child = os.environ.get(_CHILD_ENV)
     st.reuse_port = st.processes > 1 or bool(child)
     if child:

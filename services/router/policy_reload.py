@@ -9,7 +9,7 @@ with; ``applied`` is set (then replaced by a fresh event) on each applied notice
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common.bus import Bus
@@ -52,9 +52,9 @@ class PolicyReload:
             M.POLICY_UPDATES.labels("stale").inc()
         return applied
 
-    async def load_latest(self, accept: Callable[[Any], bool] = lambda _raw: True) -> None:
+    async def load_latest(self, accept: Callable[[Any], Awaitable[bool]] | None = None) -> None:
         """At start: the newest notice kept by the POLICY stream, if any (else --policy), when
-        ``accept(raw)`` (its signature checks out: services.router.trust)."""
+        ``accept(raw)`` (its signature and revision check out: services.router.trust)."""
         try:
             # read-only: the api owns the POLICY stream (a router's credential may not change it)
             stream = self.bus.subjects.policy_stream
@@ -66,7 +66,7 @@ class PolicyReload:
                 why=type(exc).__name__,
             )
             return
-        if not accept(raw):
+        if accept is not None and not await accept(raw):
             return
         try:
             self.apply(decode(PolicyUpdated, raw.data))

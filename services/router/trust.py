@@ -4,17 +4,25 @@
   (``workers.heartbeat.<id>`` with payload ``worker_id == id``): a credential allowed to speak
   for one worker cannot announce another.
 - ``policy.updated`` and ``workers.control.*`` count only when signed by a trusted key (the api's,
-  services.common.signing), when the router is given trusted keys.
-- A policy notice counts only when its revision is the one the api stored: the newest notice in
-  the POLICY stream (written by the api). A revision above the stored one is "from the future"
-  (a forgery or a replay into a fresh stream): it is rejected rather than allowed to lock out
-  every later legitimate revision.
+  services.common.signing), when the router is given trusted keys; and, when live, only once,
+  fresh and in order (services.common.replay_guard: ``stale``, ``future``, ``replayed``,
+  ``out_of_order``), so a captured drain cannot be replayed after an uncordon.
+- The POLICY stream's newest notice, read at start, is exempt from the freshness window (it
+  may rightly be days old: it is the api's last activation, and the stream keeps only the
+  newest) but not from the signature: one that fails it is skipped and the api is asked to
+  repair the stream (``policy.revision`` with ``repair``), whose re-published notice then
+  arrives live.
+- A policy notice counts only when its revision is not above the one the api stored (asked of
+  the api; else the newest notice in the POLICY stream). A revision above the stored one is
+  "from the future" (a forgery or a replay into a fresh stream): it is rejected rather than
+  allowed to lock out every later legitimate revision.
 
 Every rejection is counted in ``kvgate_router_rejected_messages_total{type,reason}``, logged
 (rate-limited) and raised as a critical ``forged_message`` alert.
 
-Invariant: the checks are pure functions of the message, its subject and headers (and, for
-policy notices, the stored revision); nothing here changes router state.
+Invariant: the checks are functions of the message, its subject and headers, the stored
+revision and the replay guard's record of accepted envelopes; nothing here changes router state
+other than that record.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from services.common.logging import RateLimiter, get_logger
+from services.common.replay_guard import ReplayGuard
 from services.common.schemas import (
     Alert,
     PolicyRevisionReply,
@@ -36,7 +45,7 @@ from services.common.schemas import (
     WorkerHeartbeat,
     decode,
 )
-from services.common.signing import Verifier
+from services.common.signing import Envelope, Verifier
 from services.common.subjects import Subjects
 
 log = get_logger("router.trust")
@@ -46,6 +55,30 @@ REJECTED = Counter(
     "Bus messages the router refused to believe (forged or unverifiable)",
     ["type", "reason"],
 )
+
+
+_FORGERY_REMEDY = (
+    "Someone with access to the bus published a message the api did not send. "
+    "Check which NATS credential published it (nats-server logs, connection names), "
+    "revoke it, and check the NATS authorization config (kvgate nats-config)."
+)
+_REPLAY_REMEDY = (
+    "Someone with access to the bus re-published a message the api signed earlier (a "
+    "captured order). Check which NATS credential published it (nats-server logs, connection "
+    "names), revoke it, and check the NATS authorization config (kvgate nats-config)."
+)
+_CLOCK_REMEDY = (
+    "A signed message was dated outside this router's window: either the api's and this "
+    "router's clocks disagree (check NTP on both; the window is --signed-max-age-s / "
+    "--signed-max-skew-s) or someone re-published an old api message: check which NATS "
+    "credential published it (nats-server logs) and revoke it."
+)
+REMEDIES = {
+    "stale": _CLOCK_REMEDY,
+    "future": _CLOCK_REMEDY,
+    "replayed": _REPLAY_REMEDY,
+    "out_of_order": _REPLAY_REMEDY,
+}
 
 
 def heartbeat_reason(subjects: Subjects, subject: str, hb: WorkerHeartbeat) -> str:
@@ -111,6 +144,10 @@ async def _stream_policy_revision(bus: Any, expected: int, tries: int = 3) -> in
     return stored
 
 
+def _describe(env: Envelope) -> str:
+    return f"instance {env.instance} seq {env.seq} issued_at_ms {env.issued_at_ms}"
+
+
 class BusTrust:
     def __init__(
         self,
@@ -119,9 +156,11 @@ class BusTrust:
         router_id: str,
         raise_alert: Callable[[Alert], Awaitable[None]],
         spawn: Callable[[Awaitable[None]], Any],
+        replay: ReplayGuard | None = None,
     ) -> None:
         self.subjects = subjects
         self.verifier = verifier
+        self.replay = replay or ReplayGuard()
         self.router_id = router_id
         self._raise_alert = raise_alert
         self._spawn = spawn
@@ -146,9 +185,7 @@ class BusTrust:
             severity="critical",
             source="router",
             summary=f"router {self.router_id} rejected a {type_name} on {subject} ({reason})",
-            remedy="Someone with access to the bus published a message the api did not send. "
-            "Check which NATS credential published it (nats-server logs, connection names), "
-            "revoke it, and check the NATS authorization config (kvgate nats-config).",
+            remedy=REMEDIES.get(reason, _FORGERY_REMEDY),
             details={"router_id": self.router_id, "type": type_name, "reason": reason},
         )
         self._spawn(self._send(alert))
@@ -167,10 +204,17 @@ class BusTrust:
         return not reason
 
     def _signed_ok(self, type_name: str, raw: Any) -> bool:
+        """A live message: signed (when keys are configured), fresh, new and in order."""
         headers: Mapping[str, str] | None = getattr(raw, "headers", None)
-        reason = self.verifier.reject_reason(raw.subject, raw.data, headers)
+        verdict = self.verifier.verify(raw.subject, raw.data, headers)
+        if verdict.reason:
+            self.reject(type_name, verdict.reason, raw.subject)
+            return False
+        if verdict.envelope is None:  # no trusted keys: nothing is signed to check
+            return True
+        reason = self.replay.check(raw.subject, verdict.envelope)
         if reason:
-            self.reject(type_name, reason, raw.subject)
+            self.reject(type_name, reason, raw.subject, _describe(verdict.envelope))
         return not reason
 
     def control_ok(self, ctl: WorkerControl, raw: Any) -> bool:
@@ -182,6 +226,43 @@ class BusTrust:
 
     def policy_signed_ok(self, raw: Any) -> bool:
         return self._signed_ok("PolicyUpdated", raw)
+
+    async def stored_policy_ok(self, bus: Any, raw: Any) -> bool:
+        """The POLICY stream's newest notice, read at start: signed (no freshness window: it
+        is the api's last activation, however old) and not above the api's revision. When it
+        fails, the api is asked to re-publish its own notice, which then arrives live."""
+        headers: Mapping[str, str] | None = getattr(raw, "headers", None)
+        verdict = self.verifier.verify(raw.subject, raw.data, headers)
+        if verdict.reason:
+            self.reject("PolicyUpdated", verdict.reason, raw.subject, "stored notice")
+            self._spawn(self.request_policy_repair(bus))
+            return False
+        try:
+            msg = decode(PolicyUpdated, raw.data)
+        except SchemaError:
+            return True  # the loader reports an invalid stored notice itself
+        stored = await stored_policy_revision(bus, msg.revision, self.router_id)
+        if not self.policy_revision_ok(msg, stored, raw.subject):
+            self._spawn(self.request_policy_repair(bus))
+            return False
+        if stored is not None and msg.revision < stored:  # a lost publish (or an old replay):
+            self._spawn(self.request_policy_repair(bus))  # apply it until the api's arrives
+        if verdict.envelope is not None:
+            self.replay.note_stored(raw.subject, verdict.envelope)
+        return True
+
+    async def request_policy_repair(self, bus: Any) -> None:
+        """Ask the api to re-publish its notice over the one the stream holds (best effort: its
+        periodic resync does the same)."""
+        try:
+            await bus.request(
+                bus.subjects.policy_revision,
+                PolicyRevisionRequest(router_id=self.router_id, repair=True),
+                PolicyRevisionReply,
+                timeout=2.0,
+            )
+        except Exception as exc:  # no api now: its resync repairs the stream when it runs
+            log.warning("policy repair request not answered", error=repr(exc)[:200])
 
     def policy_revision_ok(self, msg: PolicyUpdated, stored: int | None, subject: str) -> bool:
         reason = revision_reason(msg.revision, stored)
