@@ -50,7 +50,7 @@ from services.common.schemas import (
     KvEventBatch,
     encode,
 )
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects
 from services.common.tokenizer import ByteTokenizer
 from services.core.engine import EngineConfig
@@ -157,7 +157,7 @@ async def bench_dump(url: str, runs: int) -> dict[str, Any]:
             _bus(url, subjects, "bench") as bus,
             _workers(bus, 1, 1_000_000, "d") as ws,
         ):
-            await ensure_kv_events_stream(bus)
+            await require_kv_events_stream(bus)
             t0 = time.perf_counter()
             fill_cache(ws[0], 1_000_000, chain_blocks=chain, chains_per_batch=1024 // chain)
             fill_s = time.perf_counter() - t0
@@ -202,7 +202,7 @@ async def bench_converge(url: str, runs: int) -> dict[str, Any]:
         for run in range(runs):
             subjects = Subjects(f"bconv{uuid.uuid4().hex[:6]}")
             async with _bus(url, subjects, "bench") as bus:
-                await ensure_kv_events_stream(bus)
+                await require_kv_events_stream(bus)
                 async with (
                     _indexer(url, subjects, verify_cpu_share=0.0) as svc,
                     _workers(bus, n, blocks, "c") as ws,
@@ -231,7 +231,7 @@ async def bench_outage(runs: int, outage_s: float = 10.0) -> dict[str, Any]:
             subjects = Subjects("bout")
             try:
                 async with _bus(url, subjects, "bench") as bus:
-                    await ensure_kv_events_stream(bus)
+                    await require_kv_events_stream(bus)
                     async with (
                         _indexer(url, subjects, verify_cpu_share=0.0) as svc,
                         _workers(bus, 2, 27_000, "o") as ws,
@@ -298,7 +298,7 @@ async def bench_verify_cpu(url: str, window_s: float, share: float = 0.05) -> di
         subjects = Subjects(f"bcpu{uuid.uuid4().hex[:6]}")
         port = free_port()
         async with _bus(url, subjects, "bench") as bus:
-            await ensure_kv_events_stream(bus)
+            await require_kv_events_stream(bus)
             proc = await asyncio.create_subprocess_exec(
                 *[
                     sys.executable,

@@ -118,7 +118,7 @@ async def bootstrap_nats(index: Any, runs: int) -> list[dict[str, Any]]:
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
     from services.common.index_replica import IndexReplica
-    from services.common.streams import ensure_kv_events_stream
+    from services.common.streams import require_kv_events_stream
     from services.common.subjects import Subjects
     from services.kv_indexer.app import IndexerService
 
@@ -132,7 +132,7 @@ async def bootstrap_nats(index: Any, runs: int) -> list[dict[str, Any]]:
     svc.core.index = index
     out = []
     try:
-        await ensure_kv_events_stream(ib)
+        await require_kv_events_stream(ib)
         await svc.start()
         for _ in range(runs):
             rb = Bus(server.url, "bench-replica", subjects)

@@ -480,7 +480,7 @@ async def _bench_nats(events) -> dict[str, Any]:
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
     from services.common.index_replica import IndexReplica
-    from services.common.streams import ensure_kv_events_stream
+    from services.common.streams import require_kv_events_stream
     from services.common.subjects import Subjects
     from services.kv_indexer.app import IndexerService
 
@@ -495,7 +495,7 @@ async def _bench_nats(events) -> dict[str, Any]:
     svc = IndexerService(ib, max_blocks=None)
     try:
         raws, seqs = encode_batches(events)
-        await ensure_kv_events_stream(ib)
+        await require_kv_events_stream(ib)
         nc = rb.client
         for wid, raw in raws:
             await nc.publish(subjects.kv_events(wid), raw)

@@ -41,6 +41,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "bridge a real engine's KV events onto the bus (vllm | sglang | trtllm)",
     ),
     "alerts": ("services.api.alerts_cli", "operator tools for alerts (tail)"),
+    "bus": (
+        "services.bus_cli",
+        "provision kvgate's JetStream streams (admin credential) or check them against it",
+    ),
     "nats-config": (
         "services.nats_config",
         "print the NATS server config with kvgate's per-role authorization",

@@ -11,7 +11,7 @@ import sys
 from services.api.testing import start_api
 from services.common.bus import Bus
 from services.common.schemas import Alert
-from services.common.streams import ensure_alert_streams, raise_alert
+from services.common.streams import require_alert_streams, raise_alert
 
 
 async def _tail(nats_url: str, prefix: str, *args: str) -> str:
@@ -39,7 +39,7 @@ async def test_tail_replays_and_filters(
 ) -> None:
     api = await start_api(fresh_database_url, nats_url, subject_prefix)
     try:
-        await ensure_alert_streams(bus)
+        await require_alert_streams(bus)
         starved = Alert(
             fingerprint="kv_starved:w1",
             kind="kv_starved",

@@ -20,7 +20,7 @@ from services.api.testing import ApiHarness, start_api
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.schemas import PolicyUpdated, RouterOutcome, decode, encode, encode_batch
-from services.common.streams import ensure_outcomes_stream
+from services.common.streams import require_outcomes_stream
 
 FAST = {
     "steps": [0.1, 0.5, 1.0],
@@ -69,7 +69,7 @@ class SyntheticRouter:
             await self._progress.wait()
 
     async def start(self) -> None:
-        await ensure_outcomes_stream(self.bus)
+        await require_outcomes_stream(self.bus)
 
         async def on(n: PolicyUpdated, _raw) -> None:
             if self.notice is None or n.revision > self.notice.revision:
@@ -337,7 +337,7 @@ async def test_outcomes_are_counted_per_arm_in_the_current_window(
     _, c = await api.call(
         "POST", "/api/v1/canaries", {"policy": "cand", **FAST, "step_duration_s": 600}
     )
-    await ensure_outcomes_stream(bus)
+    await require_outcomes_stream(bus)
     now = time.time()
 
     def out(arm: str, **kw) -> RouterOutcome:

@@ -13,7 +13,7 @@ import asyncpg
 from services.api.testing import start_api
 from services.common.bus import Bus
 from services.common.schemas import Alert
-from services.common.streams import ensure_alert_streams, raise_alert
+from services.common.streams import require_alert_streams, raise_alert
 
 
 async def _set_reachable(admin_dsn: str, dbname: str, reachable: bool) -> None:
@@ -47,7 +47,7 @@ async def test_postgres_down_gives_503_and_recovers(
         status, health = await api.call("GET", "/api/v1/health", token=None)
         assert status == 200 and health["database"] == "unavailable"
         # alert signals raised during the outage are kept and handled later
-        await ensure_alert_streams(bus)
+        await require_alert_streams(bus)
         await raise_alert(
             bus,
             Alert(

@@ -24,7 +24,7 @@ from services.common.schemas import (
     WorkerLoad,
     decode,
 )
-from services.common.streams import ensure_alert_streams, ensure_policy_stream, raise_alert
+from services.common.streams import require_alert_streams, require_policy_stream, raise_alert
 
 BOOT = "bootstrap-secret-token-for-tests"
 
@@ -189,7 +189,7 @@ async def test_policy_lifecycle_versions_activation_and_audit(api: ApiHarness, b
     status, v1 = await api.call("GET", "/api/v1/policies/kv/versions/1")
     assert v1["spec"]["params"]["decode_weight"] == 8
     # activate version 1: published to the POLICY stream for routers
-    await ensure_policy_stream(bus)
+    await require_policy_stream(bus)
     status, body = await api.call("POST", "/api/v1/policies/kv/activate", {"version": 1})
     assert status == 200 and body["published"] is True
     last = await bus.js.get_last_msg(bus.subjects.policy_stream, bus.subjects.policy_updated)
@@ -281,7 +281,7 @@ async def test_workers_health_load_controls_and_breaker(api: ApiHarness, bus: Bu
     status, body = await api.call("POST", "/api/v1/workers/w1/uncordon")
     assert body["admin_state"] == "active"
     # breaker state comes from open circuit_open alerts
-    await ensure_alert_streams(bus)
+    await require_alert_streams(bus)
     await raise_alert(
         bus,
         Alert(
@@ -310,7 +310,7 @@ async def test_workers_health_load_controls_and_breaker(api: ApiHarness, bus: Bu
 # ----------------------------------------------------------------------------- alerts
 async def test_alert_flow_dedup_resolve_ack_silence(api: ApiHarness, bus: Bus) -> None:
     s = bus.subjects
-    await ensure_alert_streams(bus)
+    await require_alert_streams(bus)
     published: asyncio.Queue = asyncio.Queue()
 
     async def on(msg) -> None:

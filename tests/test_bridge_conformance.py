@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from services.common.bus import Bus
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects
 from services.kv_indexer.bridges.engine_formats import VllmDecoder
 from services.kv_indexer.bridges.zmq_bridge import parse_replay
@@ -39,7 +39,7 @@ def test_fixture_is_what_the_engine_emits(flavor: str) -> None:
 async def test_recorded_engine_output_through_bridge_and_indexer(
     bus: Bus, nats_url: str, subjects: Subjects, flavor: str
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     async with indexer(nats_url, subjects) as svc:
         results = await run_fixture(flavor, bus, svc)
     failed = [f"{r.name}: {r.detail}" for r in results if not r.ok]

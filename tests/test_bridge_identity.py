@@ -19,7 +19,7 @@ from services.common.bus import Bus
 from services.common.embedded import free_port
 from services.common.logging import RateLimiter
 from services.common.service import start_http
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects
 from services.core.keys import block_keys
 from services.kv_indexer.bridges.runtime import BridgeRuntime
@@ -79,7 +79,7 @@ async def test_idle_engine_history_is_replayed_before_the_bridge_is_ready(
 ) -> None:
     """The engine published before the bridge started and is idle now: the bridge replays
     from seq 0 and only then says ready (no new batch needed)."""
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = TinyEngine()
     try:
         for evs in chain_events(eng, 0, 5):
@@ -102,7 +102,7 @@ async def test_engine_restart_with_lost_first_batches_is_a_new_instance(
 ) -> None:
     """vLLM/SGLang restart, seq starts again at 0 and the bridge first sees seq 5 or 2:
     the old process's blocks leave the index, the new process's are all indexed."""
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = TinyEngine()
     pub, rep = f"tcp://127.0.0.1:{eng.pub_port}", f"tcp://127.0.0.1:{eng.replay_port}"
     try:
@@ -149,7 +149,7 @@ async def test_restart_whose_seq_lands_exactly_on_ours_is_caught_by_the_idle_che
 ) -> None:
     """The new process's first received seq is exactly the next one expected: it looks like
     a continuation; the idle replay check compares the batches before it and tells."""
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = TinyEngine()
     pub, rep = f"tcp://127.0.0.1:{eng.pub_port}", f"tcp://127.0.0.1:{eng.replay_port}"
     try:
@@ -177,7 +177,7 @@ async def test_short_replay_buffer_counts_lost_history(
 ) -> None:
     """A bridge with no prior seq whose replay starts past 0 counts the lost history and
     indexes only what can be keyed (never a guess)."""
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = TinyEngine()
     try:
         for evs in chain_events(eng, 0, 4):
@@ -201,7 +201,7 @@ async def test_short_replay_buffer_counts_lost_history(
 async def test_bind_mode_reaches_an_engine_that_connects_out(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     async with (
@@ -229,7 +229,7 @@ async def test_block_size_is_read_from_the_engine_before_the_first_event(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:
     """SGLang with page_size 1: the first batch (40 one-token blocks) is indexed whole."""
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = TinyEngine(block_size=1)
     try:
         toks = TOKENS[:40]
@@ -265,7 +265,7 @@ async def test_engine_start_time_change_resyncs_an_idle_bridge(
 ) -> None:
     """The engine restarted and its new batches were all lost (then it went idle): the
     changed start time makes the bridge drop the old blocks and replay from 0."""
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = TinyEngine()
     pub, rep = f"tcp://127.0.0.1:{eng.pub_port}", f"tcp://127.0.0.1:{eng.replay_port}"
     try:
@@ -294,7 +294,7 @@ async def test_engine_back_from_failed_health_without_start_time_resyncs(
 ) -> None:
     """An engine that exports no start time went down (/health failed) and came back: it
     may be a new process whose batches were lost, so the bridge resyncs from 0."""
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = TinyEngine()
     pub, rep = f"tcp://127.0.0.1:{eng.pub_port}", f"tcp://127.0.0.1:{eng.replay_port}"
     try:
@@ -322,7 +322,7 @@ async def test_engine_back_from_failed_health_without_start_time_resyncs(
 async def test_bad_input_is_counted_and_the_index_stays_right(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = TinyEngine()
     pub, rep = f"tcp://127.0.0.1:{eng.pub_port}", f"tcp://127.0.0.1:{eng.replay_port}"
     port = free_port()
@@ -389,7 +389,7 @@ async def test_kvgate_bridge_serves_health_and_metrics_on_its_port(
     import subprocess
     import sys
 
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = TinyEngine()
     port = free_port()
     env = {**os.environ, "KVGATE_NATS_URL": nats_url, "KVGATE_SUBJECT_PREFIX": subjects.prefix}

@@ -10,7 +10,7 @@ from aiohttp import web
 from services.common.bus import Bus
 from services.common.embedded import free_port
 from services.common.service import start_http
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects
 from services.core.keys import block_keys
 from services.kv_indexer.bridges.runtime import BridgeRuntime
@@ -56,7 +56,7 @@ class FakeTrtllmServe:
 async def test_trtllm_bridge_polls_rekeys_and_heartbeats(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = FakeTrtllmServe()
     port = free_port()
     runner = await start_http(eng.app(), "127.0.0.1", port)

@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from services.common.bus import Bus
 from services.common.embedded import free_port
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects
 from services.core.keys import block_keys
 from services.kv_indexer.bridges.runtime import BridgeRuntime
@@ -172,7 +172,7 @@ def test_replay_framings_parse() -> None:
 async def test_bridge_rekeys_replays_gaps_and_feeds_the_index(
     bus: Bus, nats_url: str, subjects: Subjects, form: str, mode: str, topic_frame: bool
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     eng = TinyEngine(form, mode, topic_frame)
     tokens = list(range(5000, 5000 + 16 * 40))
     keys = block_keys(tokens, 16)
@@ -233,7 +233,7 @@ async def test_end_to_end_with_simulated_worker_zmq(
     dropped on the wire (forcing replays), both views of the same cache must agree."""
     from tests.test_worker_sim_support import sim_worker
 
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     pub_port, replay_port = two_ports()
     async with (
         indexer(nats_url, subjects) as svc,

@@ -34,7 +34,7 @@ from services.common.schemas import (
     WorkerHeartbeat,
     decode,
 )
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ async def _wait(cond, timeout: float, what: str, step: float = 0.05):
 async def test_standby_takes_over_when_the_active_indexer_is_killed(
     bus: Bus, nats_url: str, subject_prefix: str, tmp_path: Path
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     ports = {"a": free_port(), "b": free_port()}
     procs = {
         i: _start_indexer(i, ports[i], nats_url, subject_prefix, tmp_path / f"indexer-{i}.log")

@@ -31,7 +31,7 @@ from services.common.schemas import (
     IndexVerifyRequest,
     decode,
 )
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects
 from services.kv_indexer.app import IndexerService
 from services.kv_indexer.divergence import apply_events
@@ -108,7 +108,7 @@ async def converged_within(bus: Bus, workers: list[SimWorker], seconds: float) -
 async def _drop_dup_convergence(
     bus: Bus, nats_url: str, subjects: Subjects, n: int, blocks: int, fill: int, churned: int
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     async with (
         indexer(nats_url, subjects, heartbeat_timeout_s=10.0) as svc,
         fleet(bus, n, blocks) as workers,
@@ -158,7 +158,7 @@ async def test_nats_killed_for_10s_no_expiry_and_equal_within_2s(
             connected(url, subjects, "workers") as wbus,
             connected(url, subjects, "watcher") as watcher,
         ):
-            await ensure_kv_events_stream(wbus)
+            await require_kv_events_stream(wbus)
             async with (
                 indexer(url, subjects, heartbeat_timeout_s=3.0) as svc,
                 fleet(wbus, 2, 27_000, prefix="n") as workers,
@@ -200,7 +200,7 @@ async def test_nats_killed_for_10s_no_expiry_and_equal_within_2s(
 async def test_background_verifier_finds_and_repairs_divergence(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     async with (
         indexer(nats_url, subjects, verify_cpu_share=1.0) as svc,
         fleet(bus, 1, 4_000, prefix="v") as workers,
@@ -228,7 +228,7 @@ async def test_background_verifier_finds_and_repairs_divergence(
 async def test_index_verify_cli_prints_the_difference_and_exits_nonzero(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     async with (
         indexer(nats_url, subjects) as svc,
         fleet(bus, 2, 2_000, prefix="k") as workers,

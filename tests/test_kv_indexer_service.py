@@ -24,7 +24,7 @@ from services.common.schemas import (
     encode,
 )
 from services.common.service import start_http
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects
 from tests.test_kv_support import (
     batch,
@@ -39,7 +39,7 @@ from tests.test_kv_support import (
 
 
 async def test_events_reach_index_and_replicas(bus: Bus, nats_url: str, subjects: Subjects) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     a, b = chain(8, 1), chain(5, 2)
     async with indexer(nats_url, subjects) as svc:
         await bus.publish(subjects.heartbeat("w1"), hb("w1"))
@@ -87,7 +87,7 @@ async def test_events_reach_index_and_replicas(bus: Bus, nats_url: str, subjects
 
 
 async def test_gap_resyncs_from_worker_dump(bus: Bus, nats_url: str, subjects: Subjects) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     a = chain(12, 4)
     dumps: list[KvDumpRequest] = []
 
@@ -127,7 +127,7 @@ async def test_gap_resyncs_from_worker_dump(bus: Bus, nats_url: str, subjects: S
 async def test_worker_lifecycle_expiry_and_restart(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     a, b = chain(4, 5), chain(4, 6)
     async with (
         indexer(nats_url, subjects, heartbeat_timeout_s=0.5) as svc,
@@ -162,7 +162,7 @@ async def test_worker_lifecycle_expiry_and_restart(
 async def test_bad_input_is_counted_and_never_breaks_the_index(
     bus: Bus, nats_url: str, subjects: Subjects, unused_port: int
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     a = chain(6, 7)
     async with indexer(nats_url, subjects) as svc:
         await bus.publish(subjects.heartbeat("w1"), hb("w1"))
@@ -247,7 +247,7 @@ async def test_bad_input_is_counted_and_never_breaks_the_index(
 async def test_replica_starts_without_indexer_and_catches_up(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     a = chain(3, 9)
     t0 = time.monotonic()
     async with replica(nats_url, subjects, retry_max_s=0.3) as rep:
@@ -277,7 +277,7 @@ async def test_replica_starts_without_indexer_and_catches_up(
 async def test_replica_resnapshots_on_a_delta_gap(
     bus: Bus, nats_url: str, subjects: Subjects
 ) -> None:
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     a = chain(10, 11)
     async with indexer(nats_url, subjects) as svc, replica(nats_url, subjects) as rep:
         await bus.publish(subjects.heartbeat("w1"), hb("w1"))
@@ -362,7 +362,7 @@ async def test_snapshot_windows_whole_requests_and_forgotten_ids(
     from; a replica with a window of one chunk still loads everything."""
     from services.common.schemas import SnapshotChunk, SnapshotRequest, decode
 
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     async with indexer(nats_url, subjects) as svc:
         for w in range(4):
             svc.core.index.apply_stored(f"w{w}", chain(600, 10 + w))

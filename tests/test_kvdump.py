@@ -18,7 +18,7 @@ from services.common.schemas import (
     decode,
     encode,
 )
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects
 from services.kv_indexer.bridges.runtime import BridgeRuntime
 from services.kv_indexer.divergence import apply_events
@@ -44,7 +44,7 @@ def test_split_events_keeps_chain_order_and_parents() -> None:
 async def test_sim_worker_dump_larger_than_max_payload_arrives_whole(bus: Bus) -> None:
     """27,000 one-block chains: the worst-case dump (one event per block) is ~2 MB, over the
     server's 1 MB max_payload, so the single-reply dump of before could never arrive."""
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     async with sim_worker(bus, worker_id="big0", engine={"num_gpu_blocks": 27_000}) as w:
         fill_cache(w, 27_000, chain_blocks=1, chains_per_batch=1024)
         truth = w.engine.dump_cache()

@@ -16,7 +16,7 @@ import pytest
 
 from services.common.bus import Bus, NatsAuth
 from services.common.embedded import EmbeddedNatsCluster
-from services.common.streams import cluster_size, ensure_kv_events_stream, stream_replicas
+from services.common.streams import cluster_size, require_kv_events_stream, stream_replicas
 from services.common.subjects import Subjects
 
 
@@ -39,7 +39,7 @@ async def test_streams_get_three_replicas_on_a_three_node_cluster(
     try:
         assert cluster_size(bus) == 3
         assert stream_replicas(bus) == 3
-        name = await ensure_kv_events_stream(bus)
+        name = await require_kv_events_stream(bus)
         info = await bus.js.stream_info(name)
         assert info.config.num_replicas == 3
         assert info.cluster is not None and len(info.cluster.replicas or []) == 2
@@ -81,7 +81,7 @@ async def test_kvgate_up_nats_cluster_starts_three_nodes(
         bus = Bus(nats_url, "up-cluster-test", Subjects(subject_prefix), auth=auth, role="indexer")
         await bus.connect(max_wait_s=10)
         try:
-            name = await ensure_kv_events_stream(bus)
+            name = await require_kv_events_stream(bus)
             assert (await bus.js.stream_info(name)).config.num_replicas == 3
         finally:
             await bus.close()

@@ -16,7 +16,7 @@ import pytest
 
 from services.common.bus import Bus, NatsAuth
 from services.common.schemas import Alert
-from services.common.streams import ensure_alert_streams, raise_alert
+from services.common.streams import require_alert_streams, raise_alert
 from services.common.subjects import Subjects
 from tests.up_stack import UpStack
 
@@ -67,7 +67,7 @@ async def _raise(nats_url: str, prefix: str, state: Path) -> None:
     bus = Bus(nats_url, "test-operator-page", Subjects(prefix), auth=auth, role="telemetry")
     await bus.connect(max_wait_s=10)
     try:
-        await ensure_alert_streams(bus)
+        await require_alert_streams(bus)
         await raise_alert(
             bus,
             Alert(

@@ -12,7 +12,7 @@ import aiohttp
 
 from services.common.bus import Bus
 from services.common.schemas import CanaryAssignment, PolicyUpdated, RouterOutcome
-from services.common.streams import ensure_outcomes_stream, ensure_policy_stream
+from services.common.streams import require_outcomes_stream, require_policy_stream
 from services.common.subjects import Subjects
 from services.router import metrics as M
 from tests.test_router_support import Beats, FakeWorker, RouterProc, post, wait_until
@@ -57,7 +57,7 @@ async def test_two_routers_share_inflight_counts(nats_url, subjects, bus: Bus) -
 
 
 async def _publish_policy(bus: Bus, msg: PolicyUpdated) -> None:
-    await ensure_policy_stream(bus)
+    await require_policy_stream(bus)
     await bus.js_publish(bus.subjects.policy_updated, msg)
 
 
@@ -146,7 +146,7 @@ async def test_policy_hot_reload_within_1s_without_drops(nats_url, subjects, bus
 async def test_canary_arms_are_deterministic_and_sticky(nats_url, subjects, bus: Bus) -> None:
     workers = [await FakeWorker(f"w{i}").start(bus) for i in range(2)]
     beats = Beats(bus, workers).start()
-    stream = await ensure_outcomes_stream(bus)
+    stream = await require_outcomes_stream(bus)
     outs: dict[str, RouterOutcome] = {}
     got = asyncio.Event()
 

@@ -11,7 +11,7 @@ import pytest
 
 from services.common.bus import Bus
 from services.common.schemas import Alert, RouterOutcome, WorkerControl
-from services.common.streams import ensure_alert_streams, ensure_outcomes_stream
+from services.common.streams import require_alert_streams, require_outcomes_stream
 from services.router import metrics as M
 from tests.test_router_support import Beats, FakeWorker, RouterProc, post, shutdown, wait_until
 
@@ -69,7 +69,7 @@ async def test_503_and_connect_failure_retry_elsewhere(nats_url, subjects, bus: 
 
 
 async def test_breaker_opens_alerts_probes_and_closes(nats_url, subjects, bus: Bus) -> None:
-    sig_stream, _ = await ensure_alert_streams(bus)
+    sig_stream, _ = await require_alert_streams(bus)
     alerts: asyncio.Queue[Alert] = asyncio.Queue()
 
     async def on_alert(a: Alert, _raw) -> None:
@@ -160,7 +160,7 @@ async def test_stream_migrates_when_worker_dies_mid_stream(
     nats_url, subjects, bus: Bus, chat: bool
 ) -> None:
     router, workers, beats = await _cluster(nats_url, subjects, bus, n=2, policy="round_robin")
-    stream = await ensure_outcomes_stream(bus)
+    stream = await require_outcomes_stream(bus)
     outs: asyncio.Queue[RouterOutcome] = asyncio.Queue()
 
     async def on(o: RouterOutcome, _raw) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from services.common.bus import Bus
 from services.common.schemas import Alert
-from services.common.streams import ensure_alert_streams
+from services.common.streams import require_alert_streams
 from services.router.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from services.router.outlier import OutlierConfig, OutlierDetector
 from services.router.usage import continued_usage
@@ -118,7 +118,7 @@ def test_continued_usage_reads_as_one_answer() -> None:
 
 
 async def _alerts(bus: Bus) -> asyncio.Queue[Alert]:
-    sig_stream, _ = await ensure_alert_streams(bus)
+    sig_stream, _ = await require_alert_streams(bus)
     q: asyncio.Queue[Alert] = asyncio.Queue()
 
     async def on(a: Alert, _raw) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from services.common.bus import Bus
 from services.common.schemas import RouterOutcome
-from services.common.streams import ensure_outcomes_stream
+from services.common.streams import require_outcomes_stream
 from tests.test_router_support import (
     Beats,
     FakeWorker,
@@ -158,7 +158,7 @@ async def test_prefix_routing_follows_kv_events(cluster) -> None:
 
 async def test_outcomes_and_metrics(cluster, bus: Bus) -> None:
     router, workers, _, _ = cluster
-    stream = await ensure_outcomes_stream(bus)
+    stream = await require_outcomes_stream(bus)
     got: asyncio.Queue[RouterOutcome] = asyncio.Queue()
 
     async def on(o: RouterOutcome, _raw) -> None:

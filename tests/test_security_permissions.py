@@ -211,11 +211,16 @@ async def test_no_role_reads_another_roles_inbox_or_deletes_streams(
 async def test_roles_can_do_their_jobs(
     server: EmbeddedNats, passwords: dict[str, str], prefix: str
 ) -> None:
-    """The api stores an alert; the operator tails it (ordered consumer on ALERTS) with its
-    read-only credential; a worker stores KV events and the indexer's durable consumer reads them."""
+    """Once the provisioner set the streams up, the api stores an alert; the operator tails it
+    (ordered consumer on ALERTS) with its read-only credential; a worker stores KV events and
+    the indexer's durable consumer reads them."""
     from services.common.bus import Bus, NatsAuth
     from services.common.schemas import Alert
-    from services.common.streams import ensure_alert_streams, ensure_kv_events_stream
+    from services.common.streams import (
+        provision,
+        require_alert_streams,
+        require_kv_events_stream,
+    )
 
     s = Subjects(prefix)
 
@@ -225,10 +230,12 @@ async def test_roles_can_do_their_jobs(
         )
 
     api, operator, worker, indexer = bus("api"), bus("operator"), bus("worker"), bus("indexer")
-    for b in (api, operator, worker, indexer):
+    provisioner = bus("provisioner")
+    for b in (api, operator, worker, indexer, provisioner):
         await b.connect(max_wait_s=5)
     try:
-        await ensure_alert_streams(api)
+        await provision(provisioner)
+        await require_alert_streams(api)
         await api.js_publish(
             s.alert("critical", "forged_message"),
             Alert(fingerprint="f", kind="forged_message", severity="critical", summary="x"),
@@ -244,7 +251,7 @@ async def test_roles_can_do_their_jobs(
         )
         assert b"forged_message" in await asyncio.wait_for(got.get(), 5)
 
-        await ensure_kv_events_stream(worker)
+        await require_kv_events_stream(worker)
         await worker.client.publish(s.kv_events("w1"), b"batch")  # stored by the stream
         psub = await indexer.js.pull_subscribe(
             s.kv_events_all, durable="idx", stream=s.kv_events_stream
@@ -253,5 +260,5 @@ async def test_roles_can_do_their_jobs(
         assert msgs[0].data == b"batch"
         await msgs[0].ack()
     finally:
-        for b in (api, operator, worker, indexer):
+        for b in (api, operator, worker, indexer, provisioner):
             await b.close()

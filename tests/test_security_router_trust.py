@@ -23,7 +23,7 @@ from services.api.testing import ApiHarness, start_api
 from services.common.bus import Bus
 from services.common.schemas import Alert, PolicyUpdated, WorkerControl, decode
 from services.common.signing import Signer, new_seed
-from services.common.streams import ensure_alert_streams, ensure_policy_stream
+from services.common.streams import require_alert_streams, require_policy_stream
 from services.router.trust import REJECTED
 from tests.test_router_support import Beats, FakeWorker, RouterProc
 
@@ -61,7 +61,7 @@ class AlertInbox:
         self.queue: asyncio.Queue[Alert] = asyncio.Queue()
 
     async def start(self, bus: Bus) -> AlertInbox:
-        await ensure_alert_streams(bus)
+        await require_alert_streams(bus)
 
         async def on(msg) -> None:
             alert = decode(Alert, msg.data)
@@ -122,7 +122,7 @@ async def test_router_rejects_forgeries_from_a_privileged_credential(
         assert r.state.routable_count() == 2  # nobody was drained
 
         # 3. the lock-out: revision 10^9, unsigned, into the POLICY stream itself
-        await ensure_policy_stream(bus)
+        await require_policy_stream(bus)
         forged = PolicyUpdated(revision=10**9, name="random", version=1, spec={"name": "random"})
         await bus.js_publish(subjects.policy_updated, forged)
         await alerts.next("unsigned")
@@ -175,7 +175,7 @@ async def test_stream_with_a_forged_revision_is_repaired_by_resync(
     )
     assert status in (200, 201)
     assert (await api.call("POST", "/api/v1/policies/p/activate"))[0] == 200
-    await ensure_policy_stream(bus)
+    await require_policy_stream(bus)
     forged = PolicyUpdated(revision=10**9, name="random", version=1, spec={"name": "random"})
     await bus.js_publish(subjects.policy_updated, forged)
     assert api.service is not None and api.service.ctx is not None

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 async def _raise_alert(nats_url: str, prefix: str, state: Path) -> None:
     from services.common.bus import Bus, NatsAuth
     from services.common.schemas import Alert
-    from services.common.streams import ensure_alert_streams, raise_alert
+    from services.common.streams import require_alert_streams, raise_alert
     from services.common.subjects import Subjects
 
     # as the telemetry agent would: with the telemetry user `kvgate up` generated
@@ -33,7 +33,7 @@ async def _raise_alert(nats_url: str, prefix: str, state: Path) -> None:
     bus = Bus(nats_url, "test-up-state", Subjects(prefix), auth=auth, role="telemetry")
     await bus.connect(max_wait_s=10)
     try:
-        await ensure_alert_streams(bus)
+        await require_alert_streams(bus)
         await raise_alert(
             bus,
             Alert(

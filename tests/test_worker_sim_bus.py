@@ -21,7 +21,7 @@ from services.common.schemas import (
     KvEventBatch,
     WorkerHeartbeat,
 )
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.core.keys import block_keys
 from tests.test_worker_sim_support import get_text, metric_values, one, sim_worker, until
 
@@ -49,7 +49,7 @@ def apply(held: set[int], batch: KvEventBatch) -> None:
 
 
 async def test_kv_events_reach_jetstream_and_kvdump_matches(bus: Bus):
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     q = await collect_batches(bus, bus.subjects.kv_events("kv0"))
     async with sim_worker(bus, worker_id="kv0", engine={"num_gpu_blocks": 40}) as w:
         c = openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="x", max_retries=0)
@@ -91,7 +91,7 @@ async def test_kv_events_reach_jetstream_and_kvdump_matches(bus: Bus):
 
 
 async def test_fault_drop_and_duplicate_kv_batches(bus: Bus):
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     q = await collect_batches(bus, bus.subjects.kv_events("f0"))
     async with sim_worker(bus, worker_id="f0") as w:
         first = await asyncio.wait_for(q.get(), 5)
@@ -244,7 +244,7 @@ async def test_recovers_by_itself_after_nats_restarts(embedded_nats):
 
     bus = Bus(embedded_nats.url, "sim-test", Subjects("rec"))
     await bus.connect(max_wait_s=10)
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     watcher = Bus(embedded_nats.url, "watcher", Subjects("rec"))
     await watcher.connect(max_wait_s=10)
     try:

@@ -12,7 +12,7 @@ import pytest
 
 from services.common.bus import Bus
 from services.common.schemas import AllBlocksCleared, KvEventBatch
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.worker_sim.faults import Faults
 from tests.test_worker_sim_support import get_text, metric_values, one, post, sim_worker
 
@@ -90,7 +90,7 @@ async def test_hang_stops_progress_and_health_until_resumed():
 
 
 async def test_crash_closes_the_port_and_restart_is_a_new_empty_instance(bus: Bus):
-    await ensure_kv_events_stream(bus)
+    await require_kv_events_stream(bus)
     q: asyncio.Queue[KvEventBatch] = asyncio.Queue()
 
     async def on(b: KvEventBatch, _raw) -> None:

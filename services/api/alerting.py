@@ -33,7 +33,7 @@ from services.api.pull import PullLoop
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import Alert, SchemaError, decode
-from services.common.streams import ensure_alert_streams
+from services.common.streams import require_alert_streams
 
 log = get_logger("api.alerts")
 
@@ -195,7 +195,7 @@ class AlertManager:
         self.handled = asyncio.Event()  # set after each handled signal (tests await it)
 
     async def start(self) -> None:
-        await ensure_alert_streams(self.bus)
+        await require_alert_streams(self.bus)
         s = self.bus.subjects
         self._loop = PullLoop(
             self.bus,

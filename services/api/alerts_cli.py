@@ -112,7 +112,7 @@ async def tail(args: argparse.Namespace, nats_url: str, prefix: str, auth: Any =
 
     from services.common.bus import Bus
     from services.common.schemas import Alert, SchemaError, decode, to_builtins
-    from services.common.streams import ensure_alert_streams
+    from services.common.streams import require_alert_streams
     from services.common.subjects import Subjects
 
     subjects = Subjects(prefix)
@@ -153,7 +153,7 @@ async def tail(args: argparse.Namespace, nats_url: str, prefix: str, auth: Any =
         try:  # read-only first: an operator's credential may read the stream, not configure it
             await bus.js.stream_info(subjects.alerts_stream)
         except nats.js.errors.NotFoundError:
-            await ensure_alert_streams(bus)
+            await require_alert_streams(bus)
         sub = await bus.js.subscribe(
             subject, cb=on, stream=subjects.alerts_stream, ordered_consumer=True, config=config
         )

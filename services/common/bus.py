@@ -184,7 +184,10 @@ class Bus:
         self.subjects = subjects or Subjects()
         self.auth = auth or NatsAuth()
         # replies come to an inbox only this role may subscribe to (services.common.permissions)
+        self.role = role  # services.common.permissions' role of this connection's credential
         self.inbox_prefix = self.subjects.inbox_prefix(role) if role else "_INBOX"
+        # stream name -> when it was last found as provisioned (services.common.streams)
+        self.streams_verified: dict[str, float] = {}
         # set on the api: every message it publishes carries its signature (services.common.signing)
         self.signer: Signer | None = None
         self.nc: NatsClient | None = None

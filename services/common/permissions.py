@@ -10,11 +10,14 @@ denied by the server (allow lists only). In particular:
 - only the api publishes ``policy.updated``, ``workers.control.*`` and managed ``alerts.>``;
 - each role reads request replies only on its own inbox (:meth:`Subjects.inbox_prefix`), so no
   role snoops another's KV dumps, snapshots or JetStream acks;
-- JetStream API access is per stream: a role may manage (info/create/update) only the streams it
-  writes to, consume only the streams it reads; no role may delete or purge a stream.
+- streams are provisioned, never reconfigured, by services: only the ``provisioner`` (the
+  credential of ``kvgate bus provision``, held by no long-running service) may create or update
+  kvgate's streams and its key-value bucket; a service role may only read a stream's info, publish
+  to its subjects, and create / use consumers of its own names on the streams it reads; no role may
+  delete or purge a stream, and only the indexer writes the lease bucket.
 
 Roles: ``worker`` (also engine bridges), ``telemetry``, ``indexer``, ``router``, ``api``,
-``operator`` (reads alerts, e.g. ``kvgate alerts tail``).
+``operator`` (reads alerts, e.g. ``kvgate alerts tail``), ``provisioner``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ from dataclasses import dataclass, field
 
 from services.common.subjects import Subjects, check_token
 
-ROLES: tuple[str, ...] = ("worker", "telemetry", "indexer", "router", "api", "operator")
+ROLES: tuple[str, ...] = (
+    "worker",
+    "telemetry",
+    "indexer",
+    "router",
+    "api",
+    "operator",
+    "provisioner",
+)
 
 # A responder may send this many messages to one request's reply subject (chunked KV dumps and
 # index snapshots), within RESPONSE_WINDOW.
@@ -49,31 +60,43 @@ class Permissions:
         return out
 
 
-def _js_manage(stream: str) -> list[str]:
-    """Create the stream or bring it to its config (services.common.streams), and read its info."""
+def _js_read(stream: str) -> list[str]:
+    """Read a stream's info (its config, checked against the provisioned one)."""
+    return [f"$JS.API.STREAM.INFO.{stream}"]
+
+
+def _js_provision(stream: str) -> list[str]:
+    """Create a stream or bring it to its provisioned config (``kvgate bus provision`` only)."""
     return [f"$JS.API.STREAM.{op}.{stream}" for op in ("INFO", "CREATE", "UPDATE")]
 
 
-def _js_consume(stream: str) -> list[str]:
-    """Durable / ephemeral / ordered consumers on one stream: create, info, fetch, ack, flow control."""
+def _js_consume(stream: str, consumers: Sequence[str]) -> list[str]:
+    """Durable consumers of the given names on one stream: create, info, fetch, ack, flow
+    control. ``"*"`` names any consumer of the stream (the HA indexers name theirs after their
+    ids; ordered consumers get random names and replace them, so ``"*"`` also grants delete)."""
     api = "$JS.API.CONSUMER"
-    return [
-        f"{api}.CREATE.{stream}",
-        f"{api}.CREATE.{stream}.>",
-        f"{api}.DURABLE.CREATE.{stream}.>",
-        f"{api}.INFO.{stream}.>",
-        f"{api}.MSG.NEXT.{stream}.>",
-        f"{api}.DELETE.{stream}.>",  # ordered consumers replace their ephemeral consumer
-        f"$JS.ACK.{stream}.>",
-        f"$JS.FC.{stream}.>",
-    ]
+    out: list[str] = []
+    for name in consumers:
+        out += [
+            f"{api}.CREATE.{stream}.{name}",
+            f"{api}.CREATE.{stream}.{name}.>",  # with a filter subject
+            f"{api}.DURABLE.CREATE.{stream}.{name}",
+            f"{api}.INFO.{stream}.{name}",
+            f"{api}.MSG.NEXT.{stream}.{name}",
+            f"$JS.ACK.{stream}.{name}.>",
+            f"$JS.FC.{stream}.{name}.>",
+        ]
+    if "*" in consumers:
+        out += [f"{api}.CREATE.{stream}", f"{api}.DELETE.{stream}.*"]
+    return out
 
 
-def _kv_bucket(bucket: str) -> list[str]:
-    """Use one JetStream key-value bucket: create it, put / update / delete keys, get a key."""
+def _kv_bucket_use(bucket: str) -> list[str]:
+    """Use one JetStream key-value bucket (put / update / delete keys, get a key); creating or
+    configuring it is provisioning."""
     stream = f"KV_{bucket}"
     return [
-        *_js_manage(stream),
+        *_js_read(stream),
         f"$KV.{bucket}.>",
         f"$JS.API.STREAM.MSG.GET.{stream}",
         f"$JS.API.DIRECT.GET.{stream}",
@@ -83,6 +106,19 @@ def _kv_bucket(bucket: str) -> list[str]:
 
 def _js_read_last(stream: str) -> list[str]:
     return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}"]
+
+
+def provisioned_streams(subjects: Subjects) -> list[str]:
+    """Every JetStream stream kvgate provisions (the lease bucket as its stream)."""
+    s = subjects
+    return [
+        s.kv_events_stream,
+        s.outcomes_stream,
+        s.policy_stream,
+        s.alert_signals_stream,
+        s.alerts_stream,
+        f"KV_{s.indexer_lease_bucket}",
+    ]
 
 
 def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = ()) -> Permissions:
@@ -99,7 +135,7 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 *(s._s(f"kv.events.{w}") for w in ids),
                 *(s._s(f"workers.heartbeat.{w}") for w in ids),
                 js_info,
-                *_js_manage(s.kv_events_stream),
+                *_js_read(s.kv_events_stream),
             ),
             subscribe=(*(s._s(f"workers.kvdump.{w}") for w in ids), inbox),
             allow_responses=True,
@@ -110,8 +146,8 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 s.telemetry_all,
                 s.alert_signal("telemetry"),
                 js_info,
-                *_js_manage(s.alert_signals_stream),
-                *_js_manage(s.alerts_stream),
+                *_js_read(s.alert_signals_stream),
+                *_js_read(s.alerts_stream),
             ),
             subscribe=(s.heartbeat_all, s.kv_events_all, s.router_outcomes, inbox),
         )
@@ -120,10 +156,11 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
             publish=(
                 s.kv_index_delta,
                 s._s("workers.kvdump.*"),
+                s.alert_signal("indexer"),
                 js_info,
-                *_js_manage(s.kv_events_stream),
-                *_js_consume(s.kv_events_stream),
-                *_kv_bucket(s.indexer_lease_bucket),  # the HA indexers' lease
+                *_js_read(s.kv_events_stream),
+                *_js_consume(s.kv_events_stream, ["*"]),  # its only consumer: one per HA id
+                *_kv_bucket_use(s.indexer_lease_bucket),  # the HA indexers' lease
             ),
             subscribe=(
                 s.heartbeat_all,
@@ -144,7 +181,7 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 s.policy_revision,
                 s.alert_signal("router"),
                 js_info,
-                *_js_manage(s.outcomes_stream),
+                *_js_read(s.outcomes_stream),
                 *_js_read_last(s.policy_stream),
             ),
             subscribe=(
@@ -164,14 +201,14 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 s.policy_updated,
                 s.worker_control_all,
                 s.alerts_all,
+                s.alert_signal("api"),
                 js_info,
-                *_js_manage(s.policy_stream),
                 *_js_read_last(s.policy_stream),
-                *_js_manage(s.outcomes_stream),
-                *_js_consume(s.outcomes_stream),
-                *_js_manage(s.alert_signals_stream),
-                *_js_consume(s.alert_signals_stream),
-                *_js_manage(s.alerts_stream),
+                *_js_read(s.outcomes_stream),
+                *_js_consume(s.outcomes_stream, [s.durable("api_canary_outcomes")]),
+                *_js_read(s.alert_signals_stream),
+                *_js_consume(s.alert_signals_stream, [s.durable("api_alert_manager")]),
+                *_js_read(s.alerts_stream),
             ),
             # router.outcomes: the operator page's live decision feed (services/api/ui)
             subscribe=(
@@ -188,10 +225,18 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
             publish=(
                 s.kv_index_verify,  # kvgate index verify
                 js_info,
-                f"$JS.API.STREAM.INFO.{s.alerts_stream}",
-                *_js_consume(s.alerts_stream),
+                *(api for st in provisioned_streams(s) for api in _js_read(st)),  # bus check
+                *_js_consume(s.alerts_stream, ["*"]),  # kvgate alerts tail: ordered consumers
             ),
             subscribe=(s.alerts_all, inbox),
+        )
+    if role == "provisioner":
+        return Permissions(
+            publish=(
+                js_info,
+                *(api for st in provisioned_streams(s) for api in _js_provision(st)),
+            ),
+            subscribe=(inbox,),
         )
     raise ValueError(f"unknown role {role!r}; choose from {', '.join(ROLES)}")
 

@@ -53,7 +53,7 @@ from services.common.schemas import (
     now,
     to_builtins,
 )
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.core.snapshot import KeptSnapshots, error_chunk, state_to_chunks, window
 from services.kv_indexer.core import IndexerCore, decode_batch
 from services.kv_indexer.verifier import Verifier
@@ -154,7 +154,6 @@ class IndexerService:
         self.active = ha_id is None
         self.lease = None
         if ha_id:
-            from services.common.streams import stream_replicas
             from services.kv_indexer.lease import IndexerLease
 
             self.lease = IndexerLease(
@@ -163,7 +162,6 @@ class IndexerService:
                 on_acquired=self._promote,
                 on_lost=self._demote,
                 ttl_s=lease_ttl_s,
-                replicas=stream_replicas(bus),
                 warm=self._warm,
             )
         self._started_at = time.monotonic()
@@ -206,7 +204,7 @@ class IndexerService:
     async def start(self) -> None:
         s = self.bus.subjects
         nc = self.bus.client
-        await ensure_kv_events_stream(self.bus)
+        await require_kv_events_stream(self.bus)
         self._tasks.append(asyncio.create_task(self._publisher(), name="indexer-publish"))
         self._subs.append(await nc.subscribe(s.heartbeat_all, cb=self._on_heartbeat))
         self._subs.append(await nc.subscribe(s.kv_index_snapshot, cb=self._on_snapshot))

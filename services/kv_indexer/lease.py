@@ -31,11 +31,11 @@ from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
-from nats.js.api import KeyValueConfig, StorageType
 
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import get_logger
+from services.common.streams import require_lease_bucket
 
 log = get_logger("kv_indexer.lease")
 
@@ -53,7 +53,6 @@ class IndexerLease:
         on_acquired: Callable[[], None],
         on_lost: Callable[[], None],
         ttl_s: float = 1.5,
-        replicas: int = 1,
         warm: Callable[[], bool] = lambda: True,
     ) -> None:
         if ttl_s <= 0.2:
@@ -63,7 +62,6 @@ class IndexerLease:
         self.on_acquired = on_acquired
         self.on_lost = on_lost
         self.ttl_s = ttl_s
-        self.replicas = replicas
         self.warm = warm
         self.bucket = bus.subjects.indexer_lease_bucket  # one lease per namespace
         self.held = False
@@ -102,15 +100,9 @@ class IndexerLease:
 
     async def _bucket(self):
         if self._kv is None:
-            self._kv = await self.bus.js.create_key_value(
-                KeyValueConfig(
-                    bucket=self.bucket,
-                    history=1,
-                    ttl=self.ttl_s,
-                    storage=StorageType.MEMORY,
-                    replicas=self.replicas,
-                )
-            )
+            # provisioned (kvgate bus provision), checked as provisioned, then only used
+            await require_lease_bucket(self.bus, self.ttl_s)
+            self._kv = await self.bus.js.key_value(self.bucket)
         return self._kv
 
     def _set_held(self, held: bool) -> None:

@@ -39,7 +39,7 @@ from nats.aio.msg import Msg
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import Alert, GpuSample, RouterOutcome, WorkerHeartbeat, WorkerLoad
-from services.common.streams import ensure_alert_streams
+from services.common.streams import require_alert_streams
 
 from . import exporter, procmap, sample
 from .detectors import DetectorSet, Observation, build_rules
@@ -160,7 +160,7 @@ class Agent:
         exporter.register(self._collector)
         self.scraper.open()
         s = self.bus.subjects
-        await ensure_alert_streams(self.bus)
+        await require_alert_streams(self.bus)
         self._subs.append(
             await self.bus.subscribe(s.heartbeat_all, WorkerHeartbeat, self._on_heartbeat)
         )

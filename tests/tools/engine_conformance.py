@@ -48,7 +48,7 @@ import zmq.asyncio
 
 from services.common.bus import Bus
 from services.common.embedded import free_port
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects
 from services.core.keys import block_keys, block_seed
 from services.kv_indexer.bridges.runtime import BridgeRuntime
@@ -737,7 +737,7 @@ async def stack(nats_url: str) -> AsyncIterator[tuple[Bus, Any]]:
     ibus = Bus(nats_url, "conformance-indexer", subjects)
     await ibus.connect(max_wait_s=10)
     try:
-        await ensure_kv_events_stream(bus)
+        await require_kv_events_stream(bus)
         svc = IndexerService(ibus, tick_s=0.02, heartbeat_timeout_s=60.0)
         await svc.start()
         await asyncio.wait_for(svc.consuming.wait(), 10)

@@ -32,7 +32,7 @@ from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import RouterOutcome, SchemaError, decode_all
-from services.common.streams import ensure_outcomes_stream
+from services.common.streams import require_outcomes_stream
 
 log = get_logger("api.canary")
 
@@ -64,7 +64,7 @@ class OutcomeCollector:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await ensure_outcomes_stream(self.bus)
+        await require_outcomes_stream(self.bus)
         s = self.bus.subjects
         self._pull = PullLoop(
             self.bus,

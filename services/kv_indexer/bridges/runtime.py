@@ -44,7 +44,7 @@ from services.common.schemas import (
     WorkerHeartbeat,
 )
 from services.common.service import metrics_handler
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.kv_indexer.bridges.rekey import Rekeyer
 
 log = get_logger("bridge")
@@ -190,7 +190,7 @@ class BridgeRuntime:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        await ensure_kv_events_stream(self.bus)
+        await require_kv_events_stream(self.bus)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
         self._sub = KvDumpServer(self.bus, self.worker_id, self._on_dump)  # chunked dumps
         await self._sub.start()
