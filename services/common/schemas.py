@@ -149,10 +149,14 @@ class WorkerHeartbeat(Message):
 
 
 class WorkerControl(Message):
+    """An operator's action on a worker, from the api (signed). ``repin``: routers pin the
+    worker's URL anew, to ``url`` or, when empty, to the next heartbeat's (services.core.url_pin)."""
+
     worker_id: Token
-    action: Literal["cordon", "drain", "uncordon"]
+    action: Literal["cordon", "drain", "uncordon", "repin"]
     by: str = ""
     ts: float = 0.0
+    url: Annotated[str, Meta(max_length=2000)] = ""  # repin only
 
 
 class GpuSample(Struct, kw_only=True):

@@ -20,6 +20,10 @@ Invariants:
   recounted when a new sample arrives, then moved by each reserve and release), so a dispatch
   costs O(1) however many requests the worker has in flight;
 - cordon / drain from ``workers.control`` stick until ``uncordon`` (drain also from heartbeats);
+- a worker's URL is the one pinned by :attr:`pins` (services.core.url_pin): a heartbeat the
+  pin refuses (:meth:`url_refusal`) changes nothing, not even the worker's liveness (its real
+  worker, at the pinned URL, keeps it alive; a worker that truly moved goes unhealthy, not to
+  a URL nobody vouched for), until the allowlist or an operator's ``repin`` lets it in;
 - every change this class makes to a worker's state (and its arrival or removal) adds the
   worker's id to each set in ``snapshot.watchers`` (the policies' incremental views).
 """
@@ -34,6 +38,7 @@ import msgspec
 from services.common.schemas import WorkerControl, WorkerHeartbeat, WorkerLoad
 from services.core.keys import blocks_needed
 from services.core.policy import Capacity, ClusterSnapshot, WorkerState
+from services.core.url_pin import Refusal, UrlPins
 
 
 class Ticket(msgspec.Struct):
@@ -71,8 +76,10 @@ class ClusterState:
         telemetry_stale_s: float = 2.0,
         remote_ttl_s: float = 3.0,
         forget_after: float = 300.0,
+        pins: UrlPins | None = None,
     ) -> None:
         self.worker_timeout = worker_timeout
+        self.pins = pins if pins is not None else UrlPins()
         self.telemetry_stale_s = telemetry_stale_s
         self.remote_ttl_s = remote_ttl_s
         self.forget_after = forget_after
@@ -98,8 +105,17 @@ class ClusterState:
         self.lora_names: frozenset[str] = frozenset()  # adapters any known worker serves
 
     # ------------------------------------------------------------------ inputs
+    def url_refusal(self, hb: WorkerHeartbeat) -> Refusal | None:
+        """Why :meth:`on_heartbeat` would ignore ``hb`` (its URL is not the pinned one, or
+        outside the allowlist); None: it would apply it."""
+        return self.pins.check(hb.worker_id, hb.url)
+
     def on_heartbeat(self, hb: WorkerHeartbeat, now: float) -> bool:
-        """Returns True when the worker is new or came back (capacity may have changed)."""
+        """Returns True when the worker is new or came back (capacity may have changed); a
+        heartbeat the URL pin refuses is ignored (False)."""
+        if self.pins.check(hb.worker_id, hb.url) is not None:
+            return False
+        self.pins.accept(hb.worker_id, hb.url)
         e = self._entries.get(hb.worker_id)
         new = e is None or now - e.seen > self.worker_timeout
         old_loras = e.hb.loras if e is not None else ()
@@ -132,6 +148,9 @@ class ClusterState:
         self._refresh(load.worker_id, now)
 
     def on_control(self, ctl: WorkerControl, now: float) -> None:
+        if ctl.action == "repin":  # not an admin state: the pin opens, routing is unchanged
+            self.pins.repin(ctl.worker_id, ctl.url, now)
+            return
         if ctl.action == "uncordon":
             self._controls.pop(ctl.worker_id, None)
         else:
@@ -202,10 +221,12 @@ class ClusterState:
                 for wid in touched:
                     self._refresh_load(wid)
                 changed = True
+        self.pins.expire(now)
         for wid in list(self._entries):
             e = self._entries[wid]
             if now - e.seen > self.forget_after and not self._local[wid].inflight:
                 del self._entries[wid]
+                self.pins.depart(wid, now)  # its pin stays a while: the id is not up for grabs
                 self.states.pop(wid, None)
                 # no request in flight there: no ticket to release, nothing reserved
                 self._local.pop(wid, None)
