@@ -44,6 +44,7 @@ from services.common.tokenizer import load_tokenizer
 from services.core.cluster import ClusterState
 from services.core.lifecycle import AdmissionQueue, RequestLifecycle
 from services.core.policy import DEFAULT_POLICY, build_policy
+from services.core.url_pin import DEFAULT_KEEP_DEPARTED_S, UrlPins, parse_allowlist
 from services.router import openai_extras
 from services.router.admission import Admission
 from services.router.breaker import Breaker
@@ -107,7 +108,12 @@ class Router:
         self.bus = bus
         self.router_id: str = st.router_id or f"router-{uuid.uuid4().hex[:8]}"
         self.state = ClusterState(
-            worker_timeout=st.worker_timeout, telemetry_stale_s=st.telemetry_stale_s
+            worker_timeout=st.worker_timeout,
+            telemetry_stale_s=st.telemetry_stale_s,
+            pins=UrlPins(
+                parse_allowlist(getattr(st, "worker_url_allow", "")),
+                keep_departed_s=getattr(st, "worker_pin_keep_s", DEFAULT_KEEP_DEPARTED_S),
+            ),
         )
         self.index_source = index_source if index_source is not None else make_index_source(bus)
         self.policies = PolicySet(build_policy(parse_policy_option(st.policy)))
@@ -194,6 +200,7 @@ class Router:
             lambda alert: raise_alert(self.bus, alert),
             self.spawner.spawn,
         )
+        self.feed.reject = self.trust.reject  # a heartbeat moving a pinned worker's URL
         self._tasks: list[asyncio.Task[Any]] = []
         self._subs: list[Any] = []
 

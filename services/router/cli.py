@@ -27,6 +27,23 @@ OPTIONS = S.COMMON + (
         env="KVGATE_ROUTER_WORKER_TIMEOUT",
     ),
     S.option(
+        "worker_url_allow",
+        "",
+        "hosts a worker's heartbeat URL may name (comma-separated CIDRs, host names, "
+        "*.suffix wildcards; e.g. the pod CIDR 10.244.0.0/16): a worker may move to one "
+        "without an operator's re-pin, and no URL outside them is accepted, the first "
+        "included; empty: each worker stays at the first URL this router saw for it until "
+        "re-pinned (POST /api/v1/workers/<id>/repin). Set it in production",
+        env="KVGATE_ROUTER_WORKER_URL_ALLOW",
+    ),
+    S.option(
+        "worker_pin_keep_s",
+        86400.0,
+        "seconds a departed worker's URL pin is kept (its id cannot be claimed at another "
+        "URL meanwhile)",
+        env="KVGATE_ROUTER_WORKER_PIN_KEEP_S",
+    ),
+    S.option(
         "policy",
         "slo_aware",
         "default policy until one is published on policy.updated: a name "
@@ -156,6 +173,7 @@ def settings(args: argparse.Namespace | None = None, **overrides) -> S.Settings:
 
 def main(args: argparse.Namespace) -> int:
     from services.core.policy import PolicyError
+    from services.core.url_pin import parse_allowlist
     from services.router.app import parse_policy_option, serve
     from services.router.openai_extras import passthrough_paths
 
@@ -168,6 +186,12 @@ def main(args: argparse.Namespace) -> int:
         passthrough_paths(st.passthrough_paths)
     except ValueError as exc:
         raise SystemExit(f"invalid --passthrough-paths: {exc}") from None
+    try:
+        parse_allowlist(st.worker_url_allow)
+    except ValueError as exc:
+        raise SystemExit(f"invalid --worker-url-allow: {exc}") from None
+    if st.worker_pin_keep_s < 0:
+        raise SystemExit("invalid --worker-pin-keep-s: must be >= 0")
     if not (st.signed_max_age_s > 0 and st.signed_max_skew_s >= 0):
         raise SystemExit(
             "invalid --signed-max-age-s / --signed-max-skew-s: need age > 0, skew >= 0"
