@@ -6,6 +6,8 @@ Invariants:
   ``stale_s``, ``stale`` within ``down_s``, else ``down``; forgotten after ``forget_s``.
 - Admin states live in Postgres; :class:`ControlRepublisher` re-sends every non-default
   state every ``period_s`` so routers that start later (or missed a message) learn them.
+- A URL re-pin (``repin``) is one message, not a state: it is audited, not stored nor
+  re-published (a router started later pins the worker's URL from its first heartbeat anyway).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+from msgspec import Meta
 from sqlalchemy import select
 
+from services.api.bodies import Body, Reason
 from services.api.db import Database
 from services.api.models import WorkerControlState
 from services.common.aio import cancel_and_wait
@@ -28,6 +32,22 @@ from services.common.schemas import WorkerControl, WorkerHeartbeat, WorkerLoad, 
 log = get_logger("api.workers")
 
 CONTROL_STATE = {"cordon": "cordoned", "drain": "draining", "uncordon": "active"}
+
+
+class RepinBody(Body, kw_only=True):
+    """Re-pin a worker's URL on every router (services.core.url_pin): to ``url``, or, when it
+    is left out, to the URL of the next heartbeat each router sees for the worker (racy while
+    someone else heartbeats for it: give the URL)."""
+
+    url: Annotated[
+        str,
+        Meta(
+            max_length=2000,
+            pattern=r"^https?://[^\s/?#]+(?:[/?#]\S*)?$",
+            description="the worker's new base URL (http or https)",
+        ),
+    ] = ""
+    reason: Reason = ""
 
 
 @dataclass
@@ -138,11 +158,13 @@ async def control_states(db: Database) -> dict[str, WorkerControlState]:
     return {r.worker_id: r for r in rows}
 
 
-async def publish_control(bus: Bus, worker_id: str, action: str, by: str) -> bool:
+async def publish_control(bus: Bus, worker_id: str, action: str, by: str, url: str = "") -> bool:
+    """Publish (signed, when the api has a signing key) one worker control message; False
+    when the bus would not take it."""
     try:
         await bus.publish(
             bus.subjects.worker_control(worker_id),
-            WorkerControl(worker_id=worker_id, action=action, by=by, ts=time.time()),  # type: ignore[arg-type]
+            WorkerControl(worker_id=worker_id, action=action, by=by, ts=time.time(), url=url),  # type: ignore[arg-type]
         )
         return True
     except Exception as exc:

@@ -1,4 +1,4 @@
-"""Worker routes: ``/api/v1/workers[...]`` (list, inspect, cordon, drain, uncordon).
+"""Worker routes: ``/api/v1/workers[...]`` (list, inspect, cordon, drain, uncordon, repin).
 
 Invariants:
 - A worker's view joins three sources: the live registry (heartbeats, load), the persisted
@@ -6,6 +6,8 @@ Invariants:
   heard of and holds no action for is a 404.
 - ``uncordon`` deletes the stored action (active is the default, not a row). The action is
   committed with its audit entry before it is published to the routers.
+- ``repin`` (a worker's URL, services.core.url_pin) is audited, then published once; it
+  changes no stored state.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from sqlalchemy import select
 from services.api import audit, bodies
 from services.api.alerting import open_breakers_query
 from services.api.context import ApiContext
-from services.api.framework import Req, Route, not_found
+from services.api.framework import ApiError, Req, Route, not_found
 from services.api.models import WorkerControlState
 from services.api.routes.common import V1
-from services.api.workers import publish_control
+from services.api.workers import RepinBody, publish_control
+from services.common.redact import redact_url
+from services.core.url_pin import url_host
 
 
 def routes(ctx: ApiContext) -> list[Route]:
@@ -86,6 +90,26 @@ def routes(ctx: ApiContext) -> list[Route]:
         handler.__name__ = f"{action}_worker"
         return handler
 
+    async def repin_worker(r: Req) -> dict[str, Any]:
+        wid = r.path["worker_id"]
+        body: RepinBody = r.body or RepinBody()
+        if body.url and url_host(body.url) is None:
+            raise ApiError(400, "invalid_body", "url must be an http(s) URL with a host", "url")
+        async with db.transaction() as s:
+            audit.record(
+                s,
+                r.actor,
+                "worker.repin",
+                "worker",
+                wid,
+                None,
+                {"url": redact_url(body.url) if body.url else None, "reason": body.reason},
+            )
+        published = await publish_control(ctx.bus, wid, "repin", r.actor, body.url)
+        out = (await _workers([wid]))[0]
+        out["published"] = published
+        return out
+
     worker_p = {"worker_id": bodies.WorkerId}
     return [
         Route(
@@ -134,6 +158,18 @@ def routes(ctx: ApiContext) -> list[Route]:
             "workers",
             role="admin",
             body=bodies.ActionBody,
+            body_required=False,
+            path_params=worker_p,
+        ),
+        Route(
+            "POST",
+            f"{V1}/workers/{{worker_id}}/repin",
+            repin_worker,
+            "let the worker's URL change on every router: to the given url, or to the one its "
+            "next heartbeat names",
+            "workers",
+            role="admin",
+            body=RepinBody,
             body_required=False,
             path_params=worker_p,
         ),
