@@ -325,3 +325,15 @@ def test_repin_control_opens_or_sets_the_pin() -> None:
     cs.on_control(WorkerControl(worker_id="w", action="repin", url="http://c:1/"), 1.5)
     assert cs.url_refusal(_hb("w", "http://b:1")) == "url_changed"
     assert cs.url_refusal(_hb("w", "http://c:1")) is None
+
+
+def test_allowlist_bounds_every_url_but_an_operator_pinned_one() -> None:
+    cs = ClusterState(pins=UrlPins(parse_allowlist("10.0.0.0/8")))
+    assert cs.url_refusal(_hb("w", "http://192.168.0.1:1")) == "url_not_allowed"  # first one
+    assert cs.on_heartbeat(_hb("w", "http://10.0.0.1:1"), 0.0)
+    assert cs.url_refusal(_hb("w", "http://10.0.0.2:1")) is None  # a move inside it
+    cs.on_control(WorkerControl(worker_id="w", action="repin"), 0.5)  # open, no URL given
+    assert cs.url_refusal(_hb("w", "http://192.168.0.1:1")) == "url_not_allowed"
+    cs.on_control(WorkerControl(worker_id="w", action="repin", url="http://192.168.0.1:1"), 1.0)
+    assert cs.url_refusal(_hb("w", "http://192.168.0.1:1")) is None  # the operator vouched
+    assert cs.url_refusal(_hb("w", "http://192.168.0.2:1")) == "url_not_allowed"
