@@ -10,8 +10,8 @@ that worker id and refuses a later heartbeat that names another URL, unless
   given URL, or, without one, to whatever URL the next heartbeat names).
 
 With an allowlist set, no URL outside it is accepted, the first one included (that is the only
-defence of a router started while an attacker is already heartbeating for a worker), except the
-one an operator re-pinned a worker to by name.
+defence of a router started while an attacker is already heartbeating for a worker), except a
+URL an operator re-pinned the worker to explicitly (a ``repin`` that names it).
 
 Invariants:
 - the decision (:func:`decide`) is a pure function of the pin, the URL and the allowlist;
