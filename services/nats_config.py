@@ -9,6 +9,10 @@ file: each user's password is an environment variable of the nats-server process
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
 
 from services.common import settings as S
 from services.common.permissions import ROLES, Grant, password_env_var, render_authorization
@@ -18,7 +22,7 @@ OPTIONS = (
     S.option(
         "sim_workers",
         8,
-        "simulated workers the `sim` user may speak for (sim-0 .. sim-<n-1>); 0: no sim user",
+        "simulated workers sim-0 .. sim-<n-1>: each gets its own user worker-sim-<i>; 0: none",
         env="KVGATE_NATS_CONFIG_SIM_WORKERS",
     ),
     S.option(
@@ -41,9 +45,11 @@ HEADER = """\
 # request/reply and pub/sub. Any one node may be down (see docs/deploy.md, "Scaling out").
 #
 # Authorization is on: one user per kvgate role, each allowed to publish and subscribe only
-# what the role needs (a worker only its own kv.events.<id> and workers.heartbeat.<id>; only
-# the api policy.updated and workers.control.*). Passwords come from the server's environment
-# (NATS_PASSWORD_<USER>, set in .env).
+# what the role needs, and one user per worker (worker-<id>: only its own kv.events.<id> and
+# workers.heartbeat.<id>); only the api publishes policy.updated and workers.control.*. No
+# service may create, update or delete a stream: only the provisioner (`kvgate bus provision`,
+# compose's one-shot `bus-provision`) configures them. Passwords come from the server's
+# environment (NATS_PASSWORD_<USER>, set in .env).
 
 # clients (services, bridges, `kvgate alerts tail`)
 port: 4222
@@ -74,11 +80,16 @@ jetstream {
 """
 
 
+def worker_grant(worker_id: str) -> Grant:
+    """The user of one worker (an engine's bridge or a simulated worker): ``worker-<id>``,
+    allowed to speak for that id only."""
+    return Grant(f"worker-{check_token(worker_id, 'worker id')}", "worker", (worker_id,))
+
+
 def grants(sim_workers: int, workers: list[str]) -> list[Grant]:
     out = [Grant(role, role) for role in ROLES if role != "worker"]
-    if sim_workers > 0:
-        out.append(Grant("sim", "worker", tuple(f"sim-{i}" for i in range(sim_workers))))
-    out += [Grant(f"worker-{check_token(w, 'worker id')}", "worker", (w,)) for w in workers]
+    out += [worker_grant(f"sim-{i}") for i in range(sim_workers)]
+    out += [worker_grant(w) for w in workers]
     return out
 
 
@@ -91,11 +102,87 @@ def password_vars(sim_workers: int = 8, workers: list[str] | None = None) -> lis
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "step",
+        nargs="*",
+        metavar="worker {add,rotate} ID",
+        help="instead of printing the config: give worker ID its own NATS user (add) or a new"
+        " password (rotate), kept in --env-file; then regenerate the config (printed steps)",
+    )
+    parser.add_argument(
+        "--env-file",
+        default=".env",
+        help="the .env file holding the NATS passwords (created owner-only if missing)",
+    )
     S.add_options(parser, OPTIONS)
 
 
 def main(args: argparse.Namespace) -> int:
     st = S.resolve(args, OPTIONS)
     workers = [w.strip() for w in st.worker.split(",") if w.strip()]
+    if args.step:
+        return worker_step(args.step, Path(args.env_file), workers)
     print(render(st.sim_workers, workers, st.subject_prefix), end="")
+    return 0
+
+
+WORKERS_VAR = "KVGATE_NATS_CONFIG_WORKERS"
+
+
+def worker_step(step: list[str], env_file: Path, workers: list[str]) -> int:
+    """``worker add ID`` / ``worker rotate ID``: write the worker user's password (and, on add,
+    the worker list the config is rendered from) into ``env_file``; no secret is printed."""
+    if len(step) != 3 or step[0] != "worker" or step[1] not in ("add", "rotate"):
+        print("usage: kvgate nats-config worker {add,rotate} ID [--env-file .env]", file=sys.stderr)
+        return 2
+    action, worker_id = step[1], step[2]
+    try:
+        grant = worker_grant(worker_id)
+    except ValueError as exc:
+        print(f"kvgate nats-config: {exc}", file=sys.stderr)
+        return 2
+    var = password_env_var(grant)
+    lines = env_file.read_text().splitlines() if env_file.exists() else []
+    have = {line.split("=", 1)[0].strip(): i for i, line in enumerate(lines) if "=" in line}
+    if action == "add" and var in have:
+        print(f"{var} is already in {env_file}: use `worker rotate {worker_id}`", file=sys.stderr)
+        return 1
+    if action == "rotate" and var not in have:
+        print(f"no {var} in {env_file}: use `worker add {worker_id}`", file=sys.stderr)
+        return 1
+    line = f"{var}={secrets.token_hex(24)}"
+    if var in have:
+        lines[have[var]] = line
+    else:
+        lines.append(line)
+    if action == "add":
+        listed = set(workers)
+        if WORKERS_VAR in have:
+            current = lines[have[WORKERS_VAR]].split("=", 1)[1]
+            listed |= {w.strip() for w in current.split(",") if w.strip()}
+        listed.add(worker_id)
+        entry = f"{WORKERS_VAR}={','.join(sorted(listed))}"
+        if WORKERS_VAR in have:
+            lines[have[WORKERS_VAR]] = entry
+        else:
+            lines.append(entry)
+    fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(
+        f"{'added' if action == 'add' else 'rotated'} NATS user {grant.user} (may speak for"
+        f" worker {worker_id} only); its password is {var} in {env_file}.\n"
+        "next:\n"
+        f"  1. regenerate the server config: (set -a; . {env_file}; kvgate nats-config"
+        " > deploy/nats.conf)\n"
+        f"  2. give {var} to every NATS node (compose: the x-nats environment, or an override"
+        " file) and restart the nodes one at a time (a 3-node cluster stays up)\n"
+        f"  3. start the worker's bridge with KVGATE_NATS_USER={grant.user},"
+        f" KVGATE_NATS_PASSWORD=<{var}>, KVGATE_BRIDGE_WORKER_ID={worker_id}\n"
+        + (
+            "  (rotate: restart the bridge with the new password after step 2)\n"
+            if action == "rotate"
+            else ""
+        )
+    )
     return 0

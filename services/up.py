@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import secrets
@@ -36,10 +37,11 @@ from services.common.embedded import (
     port_open,
 )
 from services.common.logging import configure_logging, get_logger
-from services.common.permissions import Grant, default_grants, render_authorization
+from services.common.permissions import ROLES, Grant, render_authorization
 from services.common.redact import redact_url
 from services.common.signing import Signer, new_seed
 from services.common.subjects import Subjects
+from services.nats_config import worker_grant
 
 OPTIONS = (
     S.option(
@@ -111,6 +113,14 @@ OPTIONS = (
     S.SUBJECT_PREFIX,
     S.LOG_LEVEL,
     S.LOG_FORMAT,
+    S.option(
+        "open_router",
+        False,
+        "serve /v1/* without client API keys (insecure: anyone reaching the port may use it);"
+        " default: a key is generated, kept in the state dir and printed, or taken from"
+        " KVGATE_ROUTER_API_KEYS",
+        env="KVGATE_UP_OPEN_ROUTER",
+    ),
     S.option(
         "insecure_nats",
         False,
@@ -185,7 +195,10 @@ class Stack:
         self.pg: EmbeddedPostgres | None = None
         self.children: list[Child] = []
         self.stopping = False
-        self.nats_passwords: dict[str, str] = {}  # role -> password (embedded NATS only)
+        self.nats_passwords: dict[str, str] = {}  # user -> password (embedded NATS only)
+        self.api_secrets: dict[str, str] = {}  # the admin token and database URL: api only
+        self.router_secrets: dict[str, str] = {}  # its client API keys (a digest file)
+        self.client_key_file = ""
         self.lock = None  # the state dir's lock file, held while this stack runs
 
     # ------------------------------------------------------------------ infrastructure
@@ -232,9 +245,11 @@ class Stack:
             stored = json.loads(path.read_text())
         except (OSError, ValueError):
             stored = {}
-        grants = default_grants(self._worker_ids())
-        if self.st.bridge:  # the engine's worker id is the bridge's to choose: any id
-            grants.append(Grant("bridge", "worker"))
+        # one user per role, and one per worker (worker-<id>, speaking for that id only)
+        grants = [Grant(role, role) for role in ROLES if role != "worker"]
+        grants += [worker_grant(w) for w in self._worker_ids()]
+        if self.st.bridge:
+            grants.append(worker_grant(self.bridge_worker_id()))
         self.nats_passwords = {
             g.user: str(stored.get(g.user) or secrets.token_urlsafe(24)) for g in grants
         }
@@ -252,6 +267,64 @@ class Stack:
         if user not in self.nats_passwords:
             return {}
         return {"KVGATE_NATS_USER": user, "KVGATE_NATS_PASSWORD": self.nats_passwords[user]}
+
+    def sim_env(self) -> dict[str, str]:
+        """The simulated workers' own credentials: each logs in as worker-<id>."""
+        pairs = [
+            f"{w}={self.nats_passwords[worker_grant(w).user]}"
+            for w in self._worker_ids()
+            if worker_grant(w).user in self.nats_passwords
+        ]
+        return {"KVGATE_SIM_WORKER_PASSWORDS": ",".join(pairs)} if pairs else {}
+
+    def bridge_worker_id(self) -> str:
+        """The worker id the bridge publishes as (its own setting, else its default)."""
+        from services.kv_indexer.bridges.cli import OPTIONS as BRIDGE_OPTIONS
+        from services.kv_indexer.bridges.cli import default_worker_id
+
+        bst = S.resolve(None, BRIDGE_OPTIONS)
+        return bst.worker_id or default_worker_id(self.st.bridge, bst.topic)
+
+    def client_keys(self) -> tuple[str, bool]:
+        """The router's client API key: KVGATE_ROUTER_API_KEYS if given, else this state dir's
+        own (made once, owner-only); the router gets only its digest, in a file. Returns the
+        key ("" when given in the environment or --open-router) and whether it was made now."""
+        if self.st.open_router:
+            return "", False
+        given = os.environ.get("KVGATE_ROUTER_API_KEYS", "")
+        if given:
+            self.router_secrets = {"KVGATE_ROUTER_API_KEYS": given}
+            return "", False
+        key, created = stackfile.ensure_client_key(self.state_dir)
+        self.client_key_file = str(self.state_dir / stackfile.CLIENT_KEY_FILE)
+        digest_file = self.state_dir / "router-api-keys.sha256"
+        fd = os.open(digest_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("sha256:" + hashlib.sha256(key.encode()).hexdigest() + "\n")
+        self.router_secrets = {"KVGATE_ROUTER_API_KEYS_FILE": str(digest_file)}
+        return key, created
+
+    def provision_bus(self, env: dict[str, str]) -> None:
+        """Create kvgate's JetStream streams with the provisioner's credential (held by this
+        supervisor only, never by a child)."""
+        cmd = [sys.executable, "-m", "services.cli", "bus", "provision"]
+        result = subprocess.run(
+            cmd,
+            env={**env, **self.role_env("provisioner")},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if result.returncode != 0:
+            if self.nats is None:  # a NATS of the user's: the provisioner may be someone else
+                self.log.warning(
+                    "could not provision the streams: run `kvgate bus provision` with the"
+                    " provisioner credential; services wait for them",
+                    error=result.stderr.strip()[-300:],
+                )
+                return
+            raise RuntimeError(f"stream provisioning failed:\n{result.stdout}\n{result.stderr}")
+        self.log.info("streams provisioned", result=result.stdout.strip().replace("\n", "; "))
 
     def migrate(self, env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", "services.cli", "migrate", "upgrade"]
@@ -316,12 +389,23 @@ class Stack:
             )
         signer = self.api_signer()
         for kid in kids:
-            kid.env = {**kid.env, **self.role_env(kid.role)}
+            if kid.role == "worker":
+                kid.env = {**kid.env, **self.sim_env()}
+            elif kid.role == "bridge":
+                wid = self.bridge_worker_id()
+                kid.env = {**kid.env, **self.role_env(worker_grant(wid).user)}
+                kid.env["KVGATE_BRIDGE_WORKER_ID"] = wid
+            else:
+                kid.env = {**kid.env, **self.role_env(kid.role)}
+            # each child gets exactly the secrets its role uses: the stack's environment is
+            # stripped of every secret (without_secrets), these are added back per role
             if kid.role == "api":
                 kid.env["KVGATE_SIGNING_SEED"] = str(self.signing_seed_path)
+                kid.env.update(self.api_secrets)
             elif kid.role == "router":
                 kid.env["KVGATE_TRUSTED_SIGNERS"] = signer.public_key
                 kid.env["KVGATE_ROUTER_OPERATOR_PORT"] = str(self.st.router_operator_port)
+                kid.env.update(self.router_secrets)
         return kids
 
     def indexer_ports(self) -> dict[str, int]:
@@ -373,8 +457,9 @@ class Stack:
             raise RuntimeError(
                 f"not ready in time: {[c.name for c in pending]}; logs in {self.log_dir}"
             )
-        # the router is useful once it has seen every worker's heartbeat
-        router = f"http://127.0.0.1:{self.st.router_port}/health"
+        # the router is useful once it has seen every worker's heartbeat (its operator port's
+        # /health: the public one says only its status)
+        router = f"http://127.0.0.1:{self.st.router_operator_port}/health"
         while time.monotonic() < deadline and not self.stopping:
             h = _http_ok(router) or {}
             if int(h.get("workers", 0)) >= self.st.workers:
@@ -461,6 +546,7 @@ class Stack:
                 ports=ports,
                 pids=pids,
                 admin_token_file=token_file,
+                client_key_file=self.client_key_file,
             )
         )
 
@@ -468,11 +554,10 @@ class Stack:
         self.take_state_dir()
         self.check_ports()
         nats_url, db_url = self.start_infra()
-        env = env_without_proxy()
+        env = without_secrets(env_without_proxy())
         env.update(
             {
                 "KVGATE_NATS_URL": nats_url,
-                "KVGATE_DATABASE_URL": db_url,
                 "KVGATE_SUBJECT_PREFIX": self.st.subject_prefix,
                 "KVGATE_LOG_LEVEL": self.st.log_level,
                 "KVGATE_LOG_FORMAT": "json",
@@ -485,8 +570,16 @@ class Stack:
         if not token:
             token, token_created = stackfile.ensure_admin_token(self.state_dir)
             token_file = str(self.state_dir / stackfile.TOKEN_FILE)
-            env["KVGATE_API_ADMIN_TOKEN"] = token
-        self.migrate(env)
+        self.api_secrets = {"KVGATE_API_ADMIN_TOKEN": token, "KVGATE_DATABASE_URL": db_url}
+        self.api_secrets |= {  # a database of the user's may come with a password file
+            k: v for k, v in os.environ.items() if k.startswith("KVGATE_DATABASE_PASSWORD")
+        }
+        if self.nats is None:  # a NATS of the user's: its credential, as given, for every child
+            env |= {k: v for k, v in os.environ.items() if k.startswith("KVGATE_NATS_")}
+            env["KVGATE_NATS_URL"] = nats_url
+        client_key, key_created = self.client_keys()
+        self.migrate({**env, **{k: v for k, v in self.api_secrets.items() if "DATABASE" in k}})
+        self.provision_bus(env)
         if self.st.indexers < 1:
             raise RuntimeError("--indexers must be at least 1")
         self.children = self.plan()
@@ -510,10 +603,22 @@ class Stack:
         else:
             token_line = "  admin token     : from KVGATE_API_ADMIN_TOKEN\n"
             page_line = f"  operator page   : {page}  (paste the admin token)\n"
+        if self.st.open_router:
+            key_line = "  client API key  : none (--open-router: anyone reaching it may use it)\n"
+        elif key_created:
+            key_line = (
+                f"  client API key  : {client_key}  (shown once; kept in"
+                f" {self.state_dir / stackfile.CLIENT_KEY_FILE}; send Authorization: Bearer <key>)\n"
+            )
+        elif client_key:
+            key_line = f"  client API key  : in {self.state_dir / stackfile.CLIENT_KEY_FILE}\n"
+        else:
+            key_line = "  client API key  : from KVGATE_ROUTER_API_KEYS\n"
         print(
             "\nkvgate is up\n"
             f"  OpenAI base URL : http://{host}:{self.st.router_port}/v1\n"
-            f"  admin API       : http://{host}:{self.st.api_port}/api/v1\n"
+            + key_line
+            + f"  admin API       : http://{host}:{self.st.api_port}/api/v1\n"
             + token_line
             + page_line
             + f"  NATS            : {redact_url(nats_url)}{self._nats_auth_note()}\n"
@@ -538,8 +643,28 @@ class Stack:
         if not self.nats_passwords:
             return " (no authorization: --insecure-nats)"
         return (
-            f" (one user per role; credentials in {stackfile.nats_passwords_path(self.state_dir)})"
+            " (one user per role and per worker; credentials in"
+            f" {stackfile.nats_passwords_path(self.state_dir)})"
         )
+
+
+# Secrets of the environment `kvgate up` was started in: never handed to every child (the
+# ones a child's role needs are added back to its own environment in Stack.plan).
+_SECRET_VARS = ("KVGATE_API_ADMIN_TOKEN", "KVGATE_DATABASE_URL", "KVGATE_ROUTER_API_KEYS")
+_SECRET_WORDS = ("PASSWORD", "TOKEN", "SECRET", "SIGNING_SEED", "NKEY_SEED", "API_KEYS", "CREDS")
+
+
+def without_secrets(env: dict[str, str]) -> dict[str, str]:
+    """``env`` less every variable that holds (or names) a secret of kvgate or NATS."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k not in _SECRET_VARS
+        and not (
+            (k.startswith("KVGATE_") or k.startswith("NATS_"))
+            and any(w in k for w in _SECRET_WORDS)
+        )
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import sys
 from services.api.testing import start_api
 from services.common.bus import Bus
 from services.common.schemas import Alert
-from services.common.streams import require_alert_streams, raise_alert
+from services.common.streams import raise_alert, require_alert_streams
 
 
 async def _tail(nats_url: str, prefix: str, *args: str) -> str:

@@ -13,7 +13,7 @@ import asyncpg
 from services.api.testing import start_api
 from services.common.bus import Bus
 from services.common.schemas import Alert
-from services.common.streams import require_alert_streams, raise_alert
+from services.common.streams import raise_alert, require_alert_streams
 
 
 async def _set_reachable(admin_dsn: str, dbname: str, reachable: bool) -> None:

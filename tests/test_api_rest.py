@@ -24,7 +24,7 @@ from services.common.schemas import (
     WorkerLoad,
     decode,
 )
-from services.common.streams import require_alert_streams, require_policy_stream, raise_alert
+from services.common.streams import raise_alert, require_alert_streams, require_policy_stream
 
 BOOT = "bootstrap-secret-token-for-tests"
 

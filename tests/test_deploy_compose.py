@@ -129,10 +129,13 @@ def test_no_secret_is_written_in_the_compose_files() -> None:
                 if key.endswith("_FILE") and value.startswith("/run/secrets/"):
                     continue  # a compose secret, mounted as a file
                 if re.search(r"PASSWORD|TOKEN|SECRET", key):
-                    # ${X:?why} (required) or ${X} / ${X:-} (optional): never a literal
-                    assert re.fullmatch(r"\$\{[A-Z0-9_]+(:\?[^}]+|:-)?\}", value), (
-                        f"{path.name}:{name}: {key} must come from a variable, no default"
-                    )
+                    # ${X:?why} (required) or ${X} / ${X:-} (optional): never a literal; a
+                    # list of id=${X:?why} pairs (the simulated workers' own credentials)
+                    variable = r"\$\{[A-Z0-9_]+(:\?[^}]+|:-)?\}"
+                    pair = rf"[a-z0-9-]+={variable}"
+                    assert re.fullmatch(variable, value) or re.fullmatch(
+                        rf"{pair}(,{pair})*", value
+                    ), f"{path.name}:{name}: {key} must come from a variable, no default"
                 if "://" in value and "@" in value:  # credentials inside a URL
                     userinfo = value.split("://", 1)[1].split("@", 1)[0]
                     if ":" in userinfo:
@@ -249,11 +252,17 @@ def test_start_order_and_restart_policies(compose: dict) -> None:
             assert dep in services, f"{name} depends on unknown {dep}"
             if spec["condition"] == "service_healthy":
                 assert "healthcheck" in services[dep], f"{name} waits for {dep}'s health"
-        if name != "migrate":
+        if name not in ("migrate", "bus-provision"):  # the one-shot jobs
             assert svc.get("restart") in {"unless-stopped", "always"}, name
             assert "healthcheck" in svc, f"{name} has no health check"
     assert services["migrate"]["restart"] == "no"
     assert command_of(services["migrate"])[:1] == ["migrate"]
+    # the streams are provisioned before any service uses them, by a job of its own
+    assert services["bus-provision"]["restart"] == "no"
+    assert command_of(services["bus-provision"]) == ["bus", "provision"]
+    for name in ("kv-indexer-1", "kv-indexer-2", "telemetry", "router", "api", "sim"):
+        dep = services[name]["depends_on"]["bus-provision"]
+        assert dep["condition"] == "service_completed_successfully", name
     api_deps = services["api"]["depends_on"]
     assert api_deps["migrate"]["condition"] == "service_completed_successfully"
     assert api_deps["postgres"]["condition"] == "service_healthy"
@@ -317,27 +326,50 @@ def test_nats_authorization_is_on_by_default_and_generated_from_the_code(compose
     users = set(re.findall(r'\{user: "([^"]+)"', conf))
     expected = {"kv-indexer-1": "indexer", "kv-indexer-2": "indexer", "telemetry": "telemetry"}
     expected["router"] = "router"
-    expected |= {"api": "api", "sim": "sim"}
+    expected |= {"api": "api", "bus-provision": "provisioner"}
     for name, svc in kvgate_services(compose).items():
         env = environment_of(svc)
-        if "KVGATE_NATS_URL" not in env:
+        if "KVGATE_NATS_URL" not in env or name == "sim":
             continue
         assert env.get("KVGATE_NATS_USER") == expected[name], name
         assert env["KVGATE_NATS_USER"] in users, name
         assert env["KVGATE_NATS_PASSWORD"] == nats_env[f"NATS_PASSWORD_{expected[name].upper()}"]
+    # each simulated worker logs in as its own user, which may speak for that worker only
+    sim = environment_of(compose["services"]["sim"])
+    assert "KVGATE_NATS_USER" not in sim and "KVGATE_NATS_PASSWORD" not in sim
+    pairs = dict(p.split("=", 1) for p in sim["KVGATE_SIM_WORKER_PASSWORDS"].split(","))
+    assert sorted(pairs) == [f"sim-{i}" for i in range(8)]
+    for wid, password in pairs.items():
+        assert f"worker-{wid}" in users
+        assert password == nats_env[f"NATS_PASSWORD_WORKER_{wid.upper().replace('-', '_')}"]
+    assert len(set(pairs.values())) == 8  # no two workers share a credential
+    # only the one-shot job holds the provisioner's credential
+    holders = [
+        name
+        for name, svc in kvgate_services(compose).items()
+        if nats_env["NATS_PASSWORD_PROVISIONER"] in str(environment_of(svc))
+    ]
+    assert holders == ["bus-provision"]
 
 
-def test_only_the_openai_endpoint_is_published_beyond_this_host(compose: dict) -> None:
+def test_nothing_is_published_beyond_this_host_by_default(compose: dict) -> None:
+    """Every published port, the OpenAI endpoint included, is on 127.0.0.1 unless the user
+    opts in (ROUTER_PUBLISH_ADDRESS), and the OpenAI endpoint needs a client key."""
     published = {
         name: [str(p) for p in svc.get("ports", [])]
         for name, svc in compose["services"].items()
         if svc.get("ports")
     }
+    assert "gateway" in published
     for name, ports in published.items():
         for port in ports:
-            if name == "gateway":
-                continue  # the OpenAI base URL (put TLS in front: docs/deploy.md)
             assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every address"
+    opted_in = load_compose(
+        env={**read_env_file(ENV_EXAMPLE), **TEST_SECRETS, "ROUTER_PUBLISH_ADDRESS": "0.0.0.0"}
+    )
+    assert opted_in["services"]["gateway"]["ports"] == ["0.0.0.0:8080:8080"]
+    router = environment_of(compose["services"]["router"])
+    assert router["KVGATE_ROUTER_API_KEYS"] == TEST_SECRETS["KVGATE_ROUTER_API_KEYS"]
 
 
 def test_shipped_nats_config_is_valid_for_nats_server() -> None:

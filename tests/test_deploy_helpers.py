@@ -34,9 +34,18 @@ TEST_SECRETS = {
     "API_SIGNING_PUBLIC_KEY": Signer(TEST_SIGNING_SEED).public_key,
     "POSTGRES_PASSWORD": "pw0123456789abcdef",
     "KVGATE_API_ADMIN_TOKEN": "tok-" + "a" * 32,
+    "KVGATE_ROUTER_API_KEYS": "client-key-" + "c" * 24,
     **{
         f"NATS_PASSWORD_{role}": f"nats-{role.lower()}-0123456789"
-        for role in ("API", "ROUTER", "INDEXER", "TELEMETRY", "OPERATOR", "SIM")
+        for role in (
+            "API",
+            "ROUTER",
+            "INDEXER",
+            "TELEMETRY",
+            "OPERATOR",
+            "PROVISIONER",
+            *(f"WORKER_SIM_{i}" for i in range(8)),
+        )
     },
     "GRAFANA_ADMIN_PASSWORD": "grafana-" + "b" * 16,
 }

@@ -54,12 +54,21 @@ WORKERS = ["sim-0", "sim-1"]
 POOL = [f"pooled prompt {i}: " + " ".join(f"w{i}x{j}" for j in range(40)) for i in range(8)]
 
 
-def _call(port: int, method: str, path: str, body: dict | None = None, timeout: float = 20.0):
-    """(status, parsed body or error text); status -1 when the connection failed."""
+def _call(
+    port: int,
+    method: str,
+    path: str,
+    body: dict | None = None,
+    timeout: float = 20.0,
+    auth: dict[str, str] | None = None,
+):
+    """(status, parsed body or error text); status -1 when the connection failed. ``auth``:
+    the client key header of a router that wants one."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         data = None if body is None else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers={"content-type": "application/json"})
+        headers = {"content-type": "application/json", **(auth or {})}
+        conn.request(method, path, body=data, headers=headers)
         resp = conn.getresponse()
         raw = resp.read()
         try:
@@ -90,6 +99,7 @@ class Load:
     every request's outcome is recorded (no retries: a failure is a failure)."""
 
     port: int
+    auth: dict[str, str] = field(default_factory=dict)  # the router's client key header
     threads: int = 8
     fresh_share: float = 0.25  # share of prompts never sent before (new blocks, KV events)
     results: list[Result] = field(default_factory=list)
@@ -122,7 +132,9 @@ class Load:
                 f"fresh {uuid.uuid4().hex} " + "new " * 30 if fresh else POOL[(n + t) % len(POOL)]
             )
             sent = time.monotonic()
-            status, body = _call(self.port, "POST", "/v1/completions", _completion(prompt))
+            status, body = _call(
+                self.port, "POST", "/v1/completions", _completion(prompt), auth=self.auth
+            )
             r = Result(sent, time.monotonic(), status, "" if status == 200 else str(body)[:300])
             with self._ok_event:
                 self.results.append(r)
@@ -250,7 +262,7 @@ def test_one_of_three_nats_nodes_killed_for_30s_under_load(stack: Stack) -> None
     server = health["nats_server"]
     victim = next(i for i, n in enumerate(stack.nats.nodes) if f"{n.host}:{n.port}" == server)
     node = stack.nats.nodes[victim].server_name
-    with Load(stack.router) as load:
+    with Load(stack.router, stack.up.auth()) as load:
         load.await_ok(40, after=0.0)
         stack.nats.nodes[victim].kill()  # a crash: no lame-duck goodbye to the clients
         killed_at = time.monotonic()
@@ -262,7 +274,9 @@ def test_one_of_three_nats_nodes_killed_for_30s_under_load(stack: Stack) -> None
         recovered_at = time.monotonic()
         # fresh after recovery: a new prompt's blocks reach the router's index
         prompt = f"fresh after recovery {uuid.uuid4().hex} " + " ".join(f"t{i}" for i in range(300))
-        status, body = _call(stack.router, "POST", "/v1/completions", _completion(prompt))
+        status, body = _call(
+            stack.router, "POST", "/v1/completions", _completion(prompt), auth=stack.up.auth()
+        )
         assert status == 200, body
         _await(lambda: _overlap(stack, prompt) > 0, 10, "the new prompt's blocks in the index")
         fresh_s = time.monotonic() - recovered_at
@@ -300,7 +314,7 @@ def test_active_indexer_killed_under_load(stack: Stack) -> None:
                     new_epoch.set()
 
             sub = await bus.client.subscribe(bus.subjects.kv_index_delta, cb=on_delta)
-            load = Load(stack.router).__enter__()
+            load = Load(stack.router, stack.up.auth()).__enter__()
             try:
                 await asyncio.to_thread(load.await_ok, 40, 0.0)
                 os.kill(stack.indexer_pid(active), signal.SIGKILL)

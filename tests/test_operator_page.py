@@ -16,7 +16,7 @@ import pytest
 
 from services.common.bus import Bus, NatsAuth
 from services.common.schemas import Alert
-from services.common.streams import require_alert_streams, raise_alert
+from services.common.streams import raise_alert, require_alert_streams
 from services.common.subjects import Subjects
 from tests.up_stack import UpStack
 
@@ -34,9 +34,9 @@ FLAGS = [
 ]
 
 
-def _complete(router_port: int, prompt: str, session: str = "") -> str:
+def _complete(router_port: int, auth: dict[str, str], prompt: str, session: str = "") -> str:
     body = json.dumps({"model": "sim-llama-8b", "prompt": prompt, "max_tokens": 4}).encode()
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **auth}
     if session:
         headers["x-session-id"] = session
     req = urllib.request.Request(
@@ -97,7 +97,9 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
         stack = json.loads((tmp_path / "state" / "stack.json").read_text())
         asyncio.run(_raise(stack["nats_url"], stack["subject_prefix"], tmp_path / "state"))
         api = f"http://127.0.0.1:{up.ports['api']}"
-        stack_worker = _complete(up.ports["router"], "warm up")  # the one simulated worker
+        stack_worker = _complete(
+            up.ports["router"], up.auth(), "warm up"
+        )  # the one simulated worker
         # a canary that stays running (its criteria ask for more samples than the test sends)
         _admin(
             api, token, "POST", "/api/v1/policies", {"name": "ctl", "spec": {"name": "round_robin"}}
@@ -132,7 +134,7 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
                 expect(workers.first.locator("td").first).to_have_text(stack_worker)
                 assert "token=" not in page.url
                 # a completion through the router shows up as a routing decision
-                worker = _complete(up.ports["router"], "hello operator page")
+                worker = _complete(up.ports["router"], up.auth(), "hello operator page")
                 row = page.locator("#decisions tbody tr").first
                 expect(row).to_contain_text(worker, timeout=15_000)
                 expect(row).to_contain_text("ok")
@@ -141,7 +143,7 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
                 ).not_to_have_text("0")
                 # the canary: both arms' curves and the header's policy line
                 for i in range(12):  # sessions spread over both arms
-                    _complete(up.ports["router"], f"canary traffic {i}", session=f"s{i}")
+                    _complete(up.ports["router"], up.auth(), f"canary traffic {i}", session=f"s{i}")
                 box = page.locator(f'[data-canary="{canary["id"]}"]')
                 expect(box).to_contain_text("ctl@1", timeout=15_000)
                 expect(box).to_contain_text("cand@1")

@@ -31,13 +31,19 @@ def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) ->
         output = up.banner(timeout=120)
         assert f"http://127.0.0.1:{router}/v1" in output
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router}/v1", api_key="unused")
+        # the OpenAI endpoint wants the client key the banner printed (and nothing else)
+        assert f"client API key  : {up.client_key}" in output and up.client_key
+        anonymous = openai.OpenAI(base_url=f"http://127.0.0.1:{router}/v1", api_key="unused")
+        with pytest.raises(openai.AuthenticationError):
+            anonymous.models.list()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router}/v1", api_key=up.client_key)
         raw = client.chat.completions.with_raw_response.create(
             model="sim-llama-8b", messages=[{"role": "user", "content": "Say hello"}], max_tokens=8
         )
         completion = raw.parse()
         assert completion.choices[0].message.content
         assert raw.headers["x-kvgate-worker"].startswith("sim")
+        _check_children_hold_only_their_secrets(state, up.client_key)
         # operator endpoints answer on the operator port only
         with urllib.request.urlopen(f"http://127.0.0.1:{operator}/metrics", timeout=5) as resp:
             assert b"kvgate_router" in resp.read()
@@ -60,7 +66,16 @@ def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) ->
         rc = up.stop()
     assert rc == 0, up.rest_of_output()
     passwords = json.loads((state / "nats" / "passwords.json").read_text())
-    assert set(passwords) == {"worker", "telemetry", "indexer", "router", "api", "operator"}
+    assert set(passwords) == {
+        "worker-sim-0",
+        "worker-sim-1",
+        "telemetry",
+        "indexer",
+        "router",
+        "api",
+        "operator",
+        "provisioner",
+    }
     assert (state / "nats" / "passwords.json").stat().st_mode & 0o077 == 0
     outputs = {"banner": "".join(up.lines)} | {
         p.name: p.read_text(errors="replace") for p in (state / "logs").glob("*.log")
@@ -76,3 +91,39 @@ def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) ->
     leftovers = processes_mentioning(str(state)) + processes_mentioning(f"--port {router}")
     leftovers += processes_mentioning(f"--port {sim}")
     assert leftovers == [], leftovers
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(
+        item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
+    )
+
+
+def _check_children_hold_only_their_secrets(state: Path, client_key: str) -> None:
+    """Every child of `kvgate up` has in its environment exactly the secrets its role uses
+    (read from /proc/<pid>/environ): the admin token and the database URL only the api's; each
+    NATS password only its own user's; the provisioner's and the client key nobody's."""
+    stack = json.loads((state / "stack.json").read_text())
+    passwords = json.loads((state / "nats" / "passwords.json").read_text())
+    admin_token = (state / "admin-token").read_text().strip()
+    own = {  # child -> the NATS users whose passwords it may hold
+        "sim-workers": {"worker-sim-0", "worker-sim-1"},
+        "indexer-1": {"indexer"},
+        "indexer-2": {"indexer"},
+        "telemetry": {"telemetry"},
+        "api": {"api"},
+        "router": {"router"},
+    }
+    assert set(own) <= set(stack["pids"]), stack["pids"]
+    for child, users in own.items():
+        env = _environ(stack["pids"][child])
+        text = "\0".join(f"{k}={v}" for k, v in env.items())
+        held = {user for user, pw in passwords.items() if pw in text}
+        assert held == users, f"{child} holds the NATS passwords of {held}"
+        assert client_key not in text, f"{child} holds the client key"
+        assert (admin_token in text) == (child == "api"), f"{child}: admin token"
+        assert ("KVGATE_DATABASE_URL" in env) == (child == "api"), f"{child}: database URL"
+        assert ("KVGATE_SIGNING_SEED" in env) == (child == "api"), f"{child}: signing seed"
+    sim = _environ(stack["pids"]["sim-workers"])
+    assert "KVGATE_NATS_PASSWORD" not in sim  # no shared worker credential: one per worker

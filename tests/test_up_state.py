@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 async def _raise_alert(nats_url: str, prefix: str, state: Path) -> None:
     from services.common.bus import Bus, NatsAuth
     from services.common.schemas import Alert
-    from services.common.streams import require_alert_streams, raise_alert
+    from services.common.streams import raise_alert, require_alert_streams
     from services.common.subjects import Subjects
 
     # as the telemetry agent would: with the telemetry user `kvgate up` generated

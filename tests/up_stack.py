@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.common import stackfile
 from services.common.embedded import env_without_proxy, free_port
 
 PORT_FLAGS = ("router", "router-operator", "api", "indexer", "telemetry", "sim")
@@ -26,7 +27,12 @@ def up_env() -> dict[str, str]:
     """The test's environment without proxies and without what would point `kvgate up` (or
     the commands that find its stack) at another stack: admin token, NATS and database URLs."""
     env = env_without_proxy()
-    for var in ("KVGATE_API_ADMIN_TOKEN", "KVGATE_NATS_URL", "KVGATE_DATABASE_URL"):
+    for var in (
+        "KVGATE_API_ADMIN_TOKEN",
+        "KVGATE_NATS_URL",
+        "KVGATE_DATABASE_URL",
+        "KVGATE_ROUTER_API_KEYS",
+    ):
         env.pop(var, None)
     return env
 
@@ -62,6 +68,7 @@ class UpStack:
             env={**up_env(), **(env or {})},
         )
         self.lines: list[str] = []
+        self.client_key = ""  # the router's client API key (kvgate up makes one): after banner()
 
     def url(self, name: str, path: str = "") -> str:
         return f"http://127.0.0.1:{self.ports[name]}{path}"
@@ -83,7 +90,12 @@ class UpStack:
             logs = sorted((self.state / "logs").glob("*.log"))
             tails = "".join(f"\n--- {f.name}\n" + f.read_text()[-2000:] for f in logs)
             raise AssertionError(out + tails)
+        self.client_key = stackfile.read_client_key(self.state) or ""
         return out
+
+    def auth(self) -> dict[str, str]:
+        """The header a client of the stack's OpenAI endpoint sends."""
+        return {"Authorization": f"Bearer {self.client_key}"} if self.client_key else {}
 
     def stop(self, sig: signal.Signals = signal.SIGINT) -> int:
         if self.proc.poll() is None:

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 STACK_FILE = "stack.json"
 LOCK_FILE = "up.lock"
 TOKEN_FILE = "admin-token"
+CLIENT_KEY_FILE = "router-api-key"  # the client API key of the stack's OpenAI endpoint
+CLIENT_KEY_PREFIX = "kvc_"
 TOKEN_PREFIX = "kvg_"
 NATS_PASSWORDS_FILE = "nats/passwords.json"  # role -> password of the embedded NATS's users
 
@@ -52,6 +54,7 @@ class StackState:
     ports: dict[str, int] = field(default_factory=dict)  # service -> port
     pids: dict[str, int] = field(default_factory=dict)  # process name -> pid
     admin_token_file: str = ""
+    client_key_file: str = ""  # empty: the router's keys came from the environment, or none
 
     @classmethod
     def from_dict(cls, d: dict) -> StackState:
@@ -226,16 +229,31 @@ def clean_stale(state_dir: str | Path) -> list[str]:
 # ---------------------------------------------------------------------- the admin token
 def ensure_admin_token(state_dir: str | Path) -> tuple[str, bool]:
     """The state dir's admin token, created on first use; returns (token, created_now)."""
-    path = Path(state_dir) / TOKEN_FILE
+    return _ensure_secret(Path(state_dir) / TOKEN_FILE, TOKEN_PREFIX)
+
+
+def ensure_client_key(state_dir: str | Path) -> tuple[str, bool]:
+    """The state dir's client API key for the router, created on first use."""
+    return _ensure_secret(Path(state_dir) / CLIENT_KEY_FILE, CLIENT_KEY_PREFIX)
+
+
+def read_client_key(state_dir: str | Path) -> str | None:
+    try:
+        return (Path(state_dir) / CLIENT_KEY_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _ensure_secret(path: Path, prefix: str) -> tuple[str, bool]:
     with contextlib.suppress(FileNotFoundError):
-        token = path.read_text().strip()
-        if token:
-            return token, False
-    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        secret = path.read_text().strip()
+        if secret:
+            return secret, False
+    secret = prefix + secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token, True
+        f.write(secret + "\n")
+    return secret, True
 
 
 def read_admin_token(state_dir: str | Path) -> str | None:

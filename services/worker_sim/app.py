@@ -18,7 +18,7 @@ from typing import Any
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus, NatsAuth
 from services.common.logging import get_logger
-from services.common.streams import ensure_kv_events_stream
+from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects, check_token
 from services.common.tokenizer import load_tokenizer
 from services.core.engine import DEFAULT_OUTPUT_VOCAB, EngineConfig
@@ -101,6 +101,46 @@ def _selected(spec: str, i: int, wid: str) -> bool:
     return str(i) in items or wid in items
 
 
+def _buses(st: Any, ids: list[str]) -> dict[str, Bus]:
+    """The NATS connection of each worker: one shared (the process's credential), or with
+    ``worker_passwords`` one per worker as its own user ``worker-<id>``, so a worker's
+    credential speaks for that worker only (services.common.permissions)."""
+    subjects = Subjects(st.subject_prefix)
+    if not st.worker_passwords:
+        auth = NatsAuth.from_settings(st)
+        bus = Bus(st.nats_url, "sim-worker", subjects, auth=auth, role="worker")
+        return dict.fromkeys(ids, bus)
+    passwords = parse_worker_passwords(st.worker_passwords)
+    out: dict[str, Bus] = {}
+    for wid in ids:
+        if wid not in passwords:
+            raise SystemExit(f"KVGATE_SIM_WORKER_PASSWORDS has no password for worker {wid}")
+        auth = NatsAuth(user=f"worker-{wid}", password=passwords[wid])
+        out[wid] = Bus(st.nats_url, f"sim-worker-{wid}", subjects, auth=auth, role="worker")
+    return out
+
+
+def parse_worker_passwords(text: str) -> dict[str, str]:
+    """``id=password,id=password`` -> {id: password}; an error names the entry, never a secret."""
+    out: dict[str, str] = {}
+    for n, item in enumerate(x.strip() for x in text.split(",")):
+        wid, sep, password = item.partition("=")
+        if not item:
+            continue
+        if not sep or not wid.strip() or not password:
+            raise SystemExit(f"KVGATE_SIM_WORKER_PASSWORDS: entry {n + 1} is not id=password")
+        out[check_token(wid.strip(), "worker id")] = password
+    return out
+
+
+def _by_bus(buses: dict[str, Bus], workers: list[SimWorker]) -> list[tuple[Bus, list[SimWorker]]]:
+    groups: dict[int, tuple[Bus, list[SimWorker]]] = {}
+    for w in workers:
+        bus = buses[w.worker_id]
+        groups.setdefault(id(bus), (bus, []))[1].append(w)
+    return list(groups.values())
+
+
 async def _connect_bus(bus: Bus, workers: list[SimWorker], first_wait_s: float) -> None:
     try:
         await bus.connect(max_wait_s=first_wait_s)
@@ -110,7 +150,7 @@ async def _connect_bus(bus: Bus, workers: list[SimWorker], first_wait_s: float) 
     delay = 0.5
     while True:
         try:
-            await ensure_kv_events_stream(bus)
+            await require_kv_events_stream(bus)
             break
         except Exception as exc:  # JetStream not ready yet (or out of storage): back off
             log.warning(
@@ -138,15 +178,10 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     config = engine_config_from(st, tokenizer)
     patch = fault_patch_from(st)
     loras = tuple(x.strip() for x in st.lora_modules.split(",") if x.strip())
-    bus = Bus(
-        st.nats_url,
-        "sim-worker",
-        Subjects(st.subject_prefix),
-        auth=NatsAuth.from_settings(st),
-        role="worker",
-    )
+    ids = worker_ids(st.worker_id, st.count)
+    buses = _buses(st, ids)
     workers: list[SimWorker] = []
-    for i, wid in enumerate(worker_ids(st.worker_id, st.count)):
+    for i, wid in enumerate(ids):
         ws = WorkerSettings(
             worker_id=wid,
             host=st.host,
@@ -169,12 +204,15 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
             faults=patch if patch and _selected(st.fault_workers, i, wid) else {},
             fault_seed=i,
         )
-        workers.append(SimWorker(ws, config, tokenizer, bus))
-    connect = asyncio.create_task(_connect_bus(bus, workers, first_wait_s=3.0))
-    tasks: list[asyncio.Task[None]] = [connect]
+        workers.append(SimWorker(ws, config, tokenizer, buses[wid]))
+    groups = _by_bus(buses, workers)
+    connects = [
+        asyncio.create_task(_connect_bus(bus, ws_, first_wait_s=3.0)) for bus, ws_ in groups
+    ]
+    tasks: list[asyncio.Task[None]] = list(connects)
     try:
         with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-            await asyncio.wait_for(asyncio.shield(connect), timeout=3.5)
+            await asyncio.wait_for(asyncio.shield(asyncio.gather(*connects)), timeout=3.5)
         for w in workers:
             try:
                 await w.start()
@@ -186,7 +224,9 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
             for i, w in enumerate(workers):
                 if _selected(st.fault_workers, i, w.worker_id):
                     tasks.append(asyncio.create_task(_crash_later(w, st.fault_crash_after, st)))
-        tasks.append(asyncio.create_task(_heartbeats(bus, workers, st.heartbeat_interval)))
+        tasks += [
+            asyncio.create_task(_heartbeats(bus, ws_, st.heartbeat_interval)) for bus, ws_ in groups
+        ]
         log.info(
             "sim workers up",
             count=len(workers),
@@ -201,7 +241,8 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
         log.info("stopping sim workers", count=len(workers))
         await cancel_and_wait(tasks)
         await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
-        await bus.close()
+        for bus, _ in groups:
+            await bus.close()
         log.info("sim workers stopped")
 
 

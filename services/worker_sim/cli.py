@@ -23,6 +23,14 @@ OPTIONS = S.COMMON + (
     ),
     S.option("count", 1, "number of workers in this process", env="KVGATE_SIM_COUNT"),
     S.option(
+        "worker_passwords",
+        "",
+        "per-worker NATS credentials as id=password pairs (comma-separated; secret, prefer the"
+        " env var): worker <id> connects as its own user worker-<id> (kvgate nats-config), which"
+        " may speak for that worker only; empty: every worker uses the --nats-user credential",
+        env="KVGATE_SIM_WORKER_PASSWORDS",
+    ),
+    S.option(
         "worker_id",
         "sim",
         "worker id (with --count > 1: prefix, '-<i>' appended)",
