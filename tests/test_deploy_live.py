@@ -165,6 +165,7 @@ class Running:
     health: str
     log: Path
     port: int
+    operator_health: str = ""  # a router's operator port /health (the public one: status only)
 
 
 def _service_env(svc: dict, overrides: dict[str, str]) -> dict[str, str]:
@@ -260,15 +261,19 @@ def test_compose_services_come_up_route_and_stop_cleanly(
         for i, (name, port) in enumerate(plan):
             svc = services[name]
             log = tmp_path / f"{i}-{name}.log"
+            env = _service_env(svc, overrides(name, port))
             proc = subprocess.Popen(
                 kvgate + command_of(svc),
-                env=_service_env(svc, overrides(name, port)),
+                env=env,
                 stdout=open(log, "wb"),  # noqa: SIM115 - the child owns it
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
             _, _, path = health_url(svc)
             running.append(Running(name, proc, f"http://127.0.0.1:{port}{path}", log, port))
+            if "KVGATE_ROUTER_OPERATOR_PORT" in env:
+                op = env["KVGATE_ROUTER_OPERATOR_PORT"]
+                running[-1].operator_health = f"http://127.0.0.1:{op}/health"
 
         deadline = time.monotonic() + 60
         pending = list(running)
@@ -286,7 +291,7 @@ def test_compose_services_come_up_route_and_stop_cleanly(
         for r in routers:  # each replica learns every worker from the heartbeats
             seen = 0
             while time.monotonic() < deadline:
-                seen = int(json.loads(_get(r.health)[1]).get("workers", 0))
+                seen = int(json.loads(_get(r.operator_health)[1]).get("workers", 0))
                 if seen >= sim_count:
                     break
                 time.sleep(0.1)

@@ -69,6 +69,7 @@ from services.router.public_surface import (
     public_surface,
     server_ssl_context,
     start_operator_http,
+    status_only_health,
 )
 from services.router.request_path import RequestPath
 from services.router.send import Sender
@@ -318,7 +319,11 @@ async def start_router_http(
 ) -> Server:
     """Serve the router's OpenAI port (https with ``ssl_context``); on stop, in-flight
     requests get ``shutdown_s`` to finish."""
-    server = Server(router.make_routes(), public_surface(router.st), shutdown_s=shutdown_s)
+    surface = public_surface(router.st)
+    routes = router.make_routes()
+    if not operator_on_public_port(router.st):  # the details are the operator port's
+        routes.add("GET", "/health", status_only_health(router.handlers.health, surface))
+    server = Server(routes, surface, shutdown_s=shutdown_s)
     return await server.start(host, port, ssl_context=ssl_context, reuse_port=reuse_port)
 
 

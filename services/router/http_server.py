@@ -9,7 +9,9 @@ Serves: routes by method and exact path (plus prefix routes with one parameter),
 GET routes, keep-alive and pipelining (HTTP/1.1; HTTP/1.0 with ``Connection: keep-alive``),
 ``Content-Length`` and chunked request bodies, ``Expect: 100-continue`` (sent when a handler
 first reads the body), TLS (``ssl_context``), chunked streaming responses (HTTP/1.0: until
-close), write flow control, an idle keep-alive timeout, a graceful stop.
+close), write flow control, a graceful stop, and the limits of ``surface.limits``
+(services.router.conn_limits): head size, header count and URL length, header / body /
+keep-alive timeouts, the number of open connections.
 
 Invariants:
 - a connection answers its requests in the order they arrived, one handler at a time
@@ -20,6 +22,16 @@ Invariants:
   client still sends for a moment, so the response is not lost to a reset);
 - ``surface.check`` sees every request before its handler and before its body is read;
   a body over ``surface.max_body`` is never buffered past that size;
+- a request head is measured before the parser sees it: one over ``max_header_bytes`` (or a
+  URL over ``max_url_bytes``, or more than ``max_headers`` fields) is answered 431 (414) and
+  never buffered past the limit (a head that starts in the same socket read as the end of
+  the previous request is measured from the next read: at most one read, 256 KiB, more);
+- a head still incomplete ``header_timeout_s`` after it began (or after the accept), a body
+  silent for ``body_timeout_s`` while the server waits for it, get 408 and the connection
+  closes (a connection that never sent a byte is closed without an answer); a connection
+  beyond ``max_connections`` gets 503 with Retry-After and is closed;
+- a path with ``.`` or ``..`` segments (percent-encoded or not) or control characters gets
+  400: no route, check or upstream sees a path that a normaliser would read differently;
 - bytes that do not parse as HTTP/1.x get a 400 and the connection closes (when they follow
   requests still in progress, those are answered and the connection closes after them);
 - the client leaving cancels the handler of its request (its ``finally`` blocks release
@@ -31,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http
+import re
 import ssl
 import time
 from collections import deque
@@ -43,6 +56,7 @@ import httptools
 import msgspec
 
 from services.common.logging import get_logger
+from services.router.conn_limits import ConnLimits, reject
 
 log = get_logger("router.http")
 
@@ -50,11 +64,28 @@ _encode = msgspec.json.encode
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 MAX_PIPELINED = 32  # parsed requests waiting on one connection before reading pauses
 LINGER_S = 2.0  # after a closing response: how long what the client still sends is dropped
-IDLE_SWEEP_S = 1.0
+# where a head ends: an empty line (llhttp also takes a bare LF as a line's end)
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+# a path segment "." or "..", or a control character (after percent-decoding)
+_UNSAFE_PATH = re.compile(r"(?:^|/)\.{1,2}(?:/|$)|[\x00-\x1f\x7f]")
 
 
 class BodyTooLarge(Exception):
     """The request body grew past the server's limit while it was read."""
+
+
+class BodyTimeout(Exception):
+    """The client stopped sending its request body (``body_timeout_s``)."""
+
+
+class _Refused(Exception):
+    """Raised in a parser callback: the head broke a limit (the parser stops there)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
 
 
 class Headers(dict[str, str]):
@@ -76,11 +107,13 @@ class Request:
     """One parsed request. The body arrives after the handler starts: :meth:`read`."""
 
     __slots__ = (
+        "_awaits_continue",
         "_body",
         "_chunks",
         "_complete",
         "_conn",
         "_size",
+        "_timed_out",
         "_too_large",
         "_waiter",
         "fixed",
@@ -116,6 +149,9 @@ class Request:
         self._size = 0
         self._complete = False
         self._too_large = False
+        self._timed_out = False
+        # the client waits for "100 Continue" before it sends the body: no body timeout yet
+        self._awaits_continue = headers.get("expect", "").lower() == "100-continue"
         self._body: bytes | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -143,17 +179,22 @@ class Request:
         return None if c.lost else c.transport
 
     async def read(self) -> bytes:
-        """The whole body (read once, kept); :class:`BodyTooLarge` past the server's limit."""
+        """The whole body (read once, kept); :class:`BodyTooLarge` past the server's limit,
+        :class:`BodyTimeout` when the client stopped sending it."""
         if self._body is not None:
             return self._body
-        if not self._complete and not self._too_large:
+        if not self._complete and not self._too_large and not self._timed_out:
             conn = self._conn
-            if self.headers.get("expect", "").lower() == "100-continue" and not conn.lost:
+            if self._awaits_continue and not conn.lost:
                 conn.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                conn.last = conn.loop.time()  # the body timeout counts from the invitation
+                self._awaits_continue = False
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         if self._too_large:
             raise BodyTooLarge()
+        if self._timed_out:
+            raise BodyTimeout()
         if not self._complete:  # the client left (or half-closed) before its body ended
             raise ConnectionResetError("the request body was cut short")
         self._body = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
@@ -291,9 +332,11 @@ Handler = Callable[[Request], Awaitable[Reply]]
 
 class Surface(Protocol):
     """What a port lets through (services.router.public_surface): a check before each
-    handler (None: go on), the body limit, and errors in the port's shape."""
+    handler (None: go on), the body limit, the connection limits, and errors in the port's
+    shape."""
 
     max_body: int
+    limits: ConnLimits
 
     def check(self, request: Request) -> Response | None: ...
 
@@ -344,11 +387,18 @@ class Routes:
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: parses requests, answers them in order."""
+    """One client connection: parses requests, answers them in order.
+
+    Phases, for the timeouts (:meth:`check_timeouts`): *head* (``in_head``: waiting for or
+    receiving a request's head; ``head_started`` is when its first byte came, or the accept
+    for the first request), *body* (``req``: the head is parsed, its body is arriving), and
+    between them *busy* (a handler answers) or *idle* (nothing in progress, since
+    ``idle_since``)."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
         self.loop = server.loop
+        self.limits = server.limits
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.queue: deque[Request] = deque()
@@ -359,20 +409,57 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self.paused = False  # the transport's buffer is full: writers wait
         self.reading_paused = False
-        self.broken = False  # a parse error: nothing more is read
+        self.broken = False  # a parse error or a refusal: nothing more is read
         self.closing = False  # a closing response went out: what arrives is dropped
-        self.last = self.loop.time()
+        self.last = self.loop.time()  # when bytes last arrived
+        self.idle_since = self.last
+        # the head in progress: measured before the parser sees it
+        self.in_head = True
+        self.head_started: float | None = self.last  # the first request: from the accept
+        self.head_begun = False  # some byte of it arrived
+        self.head_bytes = 0
+        self.head_tail = b""  # its last bytes, to find an empty line split over two reads
+        self.line_done = False  # its request line has ended
+        self.line_bytes = 0  # how long its request line is (so far)
+        self.header_count = 0
         self._drain: asyncio.Future[None] | None = None
         self._linger: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.server.conns.add(self)
+        server = self.server
+        if len(server.conns) >= self.limits.max_connections:
+            self._refuse_connection()
+            return
+        server.conns.add(self)
+
+    def _refuse_connection(self) -> None:
+        """Over ``max_connections``: 503 with Retry-After before reading anything, then close
+        (after a moment of dropping what the client sends, so the answer is not lost to a
+        reset). Past as many again refused and lingering: closed with no answer."""
+        server = self.server
+        self.broken = self.closing = True
+        reject("connection_limit", self._peer(), status=503)
+        if len(server.refusing) >= self.limits.max_connections:
+            self.transport.close()
+            return
+        server.refusing.add(self)
+        retry = str(self.limits.retry_after_s)
+        reply = server.surface.error(
+            503,
+            f"the router is at its limit of {self.limits.max_connections} connections; "
+            f"retry after {retry} s",
+            {"Retry-After": retry},
+        )
+        framing = b"Content-Length: %d\r\nConnection: close\r\n" % len(reply.body)
+        self.transport.write(_head(503, reply.headers, framing) + reply.body)
+        self._linger = self.loop.call_later(LINGER_S, self.transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.server.conns.discard(self)
+        self.server.refusing.discard(self)
         if self._linger is not None:
             self._linger.cancel()
         if self.task is not None and not self.task.done():
@@ -406,14 +493,55 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing or self.broken:
             return
-        self.last = self.loop.time()
+        self.last = now = self.loop.time()
+        if self.in_head:
+            if self.head_started is None:
+                self.head_started = now
+            self.head_begun = True
+            if not self._measure_head(data):
+                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.broken = True  # no protocol switch: the request is answered, then close
         except httptools.HttpParserError as exc:
-            self.broken = True
-            self._enqueue_error(400, f"malformed HTTP request: {exc}")
+            refused = exc.__context__
+            if isinstance(refused, _Refused):  # a limit, raised in a callback
+                self._refuse(refused.status, refused.reason, refused.message)
+                return
+            self._refuse(400, "malformed", f"malformed HTTP request: {exc}", linger=False)
+
+    def _measure_head(self, data: bytes) -> bool:
+        """Count the bytes of ``data`` that belong to the head in progress; False (and the
+        head refused, the data dropped) when they take it past ``max_header_bytes``."""
+        tail = self.head_tail
+        m = _HEAD_END.search(tail + data[:3]) if tail else None
+        if m is not None and m.end() > len(tail):
+            ends = m.end() - len(tail)
+        else:
+            m = _HEAD_END.search(data)
+            ends = m.end() if m is not None else -1
+        n = len(data) if ends < 0 else ends
+        if not self.line_done:
+            i = data.find(b"\n", 0, n)
+            self.line_bytes = self.head_bytes + (n if i < 0 else i)
+            self.line_done = i >= 0
+        self.head_bytes += n
+        limit = self.limits.max_header_bytes
+        if self.head_bytes > limit:
+            if self.line_bytes > self.limits.max_url_bytes:
+                self._refuse(
+                    414,
+                    "url_too_long",
+                    f"request line is over the limit of {self.limits.max_url_bytes} bytes",
+                )
+            else:
+                self._refuse(
+                    431, "header_too_large", f"request headers are over the limit of {limit} bytes"
+                )
+            return False
+        self.head_tail = data[-3:] if ends < 0 else b""
+        return True
 
     def eof_received(self) -> bool | None:
         """The client half-closed: complete requests in progress are still answered, then
@@ -427,14 +555,31 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.url = b""
         self.headers = Headers()
+        self.header_count = 0
+        if self.head_started is None:  # a head that began inside the previous one's read
+            self.head_started = self.loop.time()
+            self.head_begun = True
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        if len(self.url) > self.limits.max_url_bytes:
+            raise _Refused(
+                414, "url_too_long", f"URL is over the limit of {self.limits.max_url_bytes} bytes"
+            )
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_count += 1
+        if self.header_count > self.limits.max_headers:
+            raise _Refused(
+                431,
+                "too_many_headers",
+                f"request has more than {self.limits.max_headers} header fields",
+            )
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
+        self.head_started = None
         p = self.parser
         url = self.url
         if not url.startswith(b"/"):  # absolute form (a proxy's), or "*"
@@ -443,9 +588,9 @@ class _Connection(asyncio.Protocol):
             except httptools.HttpParserInvalidURLError:
                 url = b"/"
         path, _, qs = url.partition(b"?")
-        spath = path.decode("latin-1")
-        if "%" in spath:
-            spath = unquote(spath)
+        raw = spath = path.decode("latin-1")
+        if "%" in raw:
+            spath = unquote(raw)
         req = Request(
             self,
             p.get_method().decode(),
@@ -455,6 +600,11 @@ class _Connection(asyncio.Protocol):
             p.get_http_version(),
             p.should_keep_alive(),
         )
+        if ("." in raw or "%" in raw) and _UNSAFE_PATH.search(spath):
+            reject("bad_path", self._peer(), status=400)
+            req.fixed = self.server.surface.error(
+                400, "request path has '.' or '..' segments or control characters"
+            )
         self.req = req
         self._enqueue(req)
 
@@ -466,6 +616,59 @@ class _Connection(asyncio.Protocol):
         if self.req is not None:
             self.req._end()
             self.req = None
+        self.in_head = True
+        self.head_begun = False
+        self.head_bytes = 0
+        self.head_tail = b""
+        self.line_done = False
+        self.line_bytes = 0
+
+    # ------------------------------------------------------------------ limits
+    def _peer(self) -> Any:
+        return self.transport.get_extra_info("peername") if self.transport else None
+
+    def _refuse(self, status: int, reason: str, message: str, *, linger: bool = True) -> None:
+        """Answer ``status`` after the requests before it; nothing more is read. ``linger``:
+        the client may still be sending (a head past the limit), so what it sends is dropped
+        for a moment before the close instead of resetting the connection under the answer."""
+        self.broken = True
+        reject(reason, self._peer(), status=status)
+        req = Request(self, "", "", "", Headers(), "1.1", False)
+        req.fixed = self.server.surface.error(status, message)
+        req._complete = not linger
+        self.req = None
+        self._enqueue(req)
+
+    def check_timeouts(self, now: float) -> None:
+        """Act on a timeout of the phase the connection is in (the server's sweep)."""
+        if self.lost or self.closing or self.broken:
+            return
+        limits = self.limits
+        if self.in_head:
+            started = self.head_started
+            if started is not None and now - started > limits.header_timeout_s:
+                if self.head_begun:
+                    message = f"request head not received within {limits.header_timeout_s:g} s"
+                    self._refuse(408, "header_timeout", message, linger=False)
+                else:  # nothing sent since the accept: no request to answer
+                    reject("header_timeout", self._peer(), status=None)
+                    self.transport.close()
+            elif (
+                started is None
+                and self.task is None
+                and now - self.idle_since > limits.keepalive_timeout_s
+            ):
+                self.transport.close()
+            return
+        req = self.req
+        if req is None or self.reading_paused or req._awaits_continue:
+            return
+        if now - self.last > limits.body_timeout_s:
+            self.broken = True
+            self.req = None
+            reject("body_timeout", self._peer(), status=408)
+            req._timed_out = True
+            req._wake()
 
     # ------------------------------------------------------------------ answering
     def _enqueue(self, req: Request) -> None:
@@ -475,13 +678,6 @@ class _Connection(asyncio.Protocol):
             self.transport.pause_reading()
         if self.task is None:
             self.task = self.loop.create_task(self._serve())
-
-    def _enqueue_error(self, status: int, message: str) -> None:
-        req = Request(self, "", "", "", Headers(), "1.1", False)
-        req.fixed = self.server.surface.error(status, message)
-        req._complete = True
-        self.req = None
-        self._enqueue(req)
 
     def may_keep(self, req: Request) -> bool:
         """Can the connection take another request after ``req``'s response?"""
@@ -511,6 +707,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.close()
         finally:
             self.task = None
+            self.idle_since = self.loop.time()
 
     def _send(self, req: Request, reply: Reply) -> bool:
         """Write ``reply`` (what is left of it); whether the connection stays open."""
@@ -556,13 +753,14 @@ class Server:
         surface: Surface,
         *,
         shutdown_s: float = 5.0,
-        keepalive_s: float = 75.0,
     ) -> None:
         self.routes = routes
         self.surface = surface
+        self.limits = surface.limits
         self.shutdown_s = shutdown_s
-        self.keepalive_s = keepalive_s
         self.conns: set[_Connection] = set()
+        # connections over max_connections, answered 503 and lingering until closed
+        self.refusing: set[_Connection] = set()
         self.stopping = False
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.base_events.Server | None = None
@@ -584,8 +782,10 @@ class Server:
             reuse_address=True,
             reuse_port=reuse_port or None,
             backlog=1024,
+            # a TLS handshake is part of the head's time
+            ssl_handshake_timeout=self.limits.header_timeout_s if ssl_context else None,
         )
-        self._sweeper = self.loop.create_task(self._close_idle())
+        self._sweeper = self.loop.create_task(self._sweep())
         return self
 
     async def respond(self, req: Request) -> Reply:
@@ -608,20 +808,24 @@ class Server:
             return await found(req)
         except BodyTooLarge:
             return surface.too_large(None)
+        except BodyTimeout:
+            return surface.error(
+                408, f"request body not received: {self.limits.body_timeout_s:g} s without data"
+            )
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("handler failed", method=req.method, path=req.path)
             return surface.error(500, "internal error in the router")
 
-    async def _close_idle(self) -> None:
-        """Close connections with no request in progress that were silent for keepalive_s."""
+    async def _sweep(self) -> None:
+        """Apply the header, body and keep-alive timeouts (services.router.conn_limits)."""
+        every = self.limits.sweep_s
         while True:
-            await asyncio.sleep(IDLE_SWEEP_S)
-            cutoff = self.loop.time() - self.keepalive_s
+            await asyncio.sleep(every)
+            now = self.loop.time()
             for c in list(self.conns):
-                if c.task is None and c.last < cutoff:
-                    c.transport.close()
+                c.check_timeouts(now)
 
     async def stop(self) -> None:
         """Stop listening; requests in progress get ``shutdown_s`` to finish, then are
@@ -641,7 +845,7 @@ class Server:
                 t.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
-        for c in list(self.conns):
+        for c in [*self.conns, *self.refusing]:
             c.transport.close()
         if self._server is not None:
             with contextlib.suppress(Exception):

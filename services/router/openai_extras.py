@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from services.common.tokenizer import adds_special_tokens, render_chat
 from services.core.cluster import ClusterState
 from services.router.http_server import Reply, Request, Response, Routes, json_response
+from services.router.route_paths import check_route_path
 from services.router.tokenize import RequestParser
 
 EMBEDDINGS_PATH = "/v1/embeddings"
@@ -43,14 +44,14 @@ def error(status: int, message: str, etype: str, param: str | None = None) -> Re
 
 
 def passthrough_paths(setting: str) -> list[str]:
-    """``--passthrough-paths``: comma-separated POST paths, each starting with '/'."""
+    """``--passthrough-paths``: comma-separated POST paths, each one canonical
+    (services.router.route_paths: absolute, no dot segments, encodings, query or '//')."""
     out: list[str] = []
     for raw in (setting or "").split(","):
         p = raw.strip()
         if not p:
             continue
-        if not p.startswith("/"):
-            raise ValueError(f"passthrough path {p!r} must start with '/'")
+        check_route_path(p)
         out.append(p)
     return out
 

@@ -10,8 +10,15 @@
   text is measured (``--max-prompt-chars``) before the tokenizer sees it.
 - **TLS** (optional): with ``--tls-cert`` and ``--tls-key`` the OpenAI port serves https
   itself (for a router without a TLS-terminating gateway in front).
+- **Connection limits** (services.router.conn_limits): head size, header count, URL length,
+  header / body / keep-alive timeouts and the number of open connections, enforced by the
+  HTTP server on both ports.
+- **Health without details**: with the operator endpoints on their own port, ``/health`` on
+  the public port answers only its status (same code, ``{"status": ...}``) unless the client
+  shows a valid API key; router id, peers, workers and policy are the operator port's.
 - **Errors in OpenAI's shape**: every error the public port returns, the HTTP server's own
-  400, 404, 405, 413 and 500 included, is ``{"error": {"message", "type", "param", "code"}}``.
+  400, 404, 405, 408, 413, 414, 431, 500 and 503 included, is
+  ``{"error": {"message", "type", "param", "code"}}``.
 
 Invariant: the surface holds no per-request state; a refused request never reaches a
 handler, the tokenizer or a worker.
@@ -26,10 +33,21 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client import Counter
 
 from services.common import settings as S
-from services.router.http_server import Request, Response, Routes, Server, json_response
+from services.router.conn_limits import OPTIONS as CONN_LIMIT_OPTIONS
+from services.router.conn_limits import ConnLimits
+from services.router.http_server import (
+    Handler,
+    Reply,
+    Request,
+    Response,
+    Routes,
+    Server,
+    json_response,
+)
 from services.router.tokenize import BadRequest
 
 MIB = 1 << 20
@@ -83,6 +101,7 @@ OPTIONS = (
         "PEM private key of --tls-cert",
         env="KVGATE_ROUTER_TLS_KEY",
     ),
+    *CONN_LIMIT_OPTIONS,
 )
 
 
@@ -149,9 +168,12 @@ class PublicSurface:
     body without a length that grows past the limit while read: 413 (the server stops
     buffering it); every error of the server's own (404, 405, 400, 500) in OpenAI's shape."""
 
-    def __init__(self, max_body: int, keys: ApiKeys | None = None) -> None:
+    def __init__(
+        self, max_body: int, keys: ApiKeys | None = None, limits: ConnLimits | None = None
+    ) -> None:
         self.max_body = max_body
         self.keys = keys if keys is not None and keys.enabled else None
+        self.limits = limits if limits is not None else ConnLimits()
 
     def check(self, request: Request) -> Response | None:
         if self.keys is not None and request.path.startswith("/v1/"):
@@ -242,11 +264,15 @@ class ApiKeys:
             ok |= hmac.compare_digest(digest, known)
         return ok
 
-    def refusal(self, request: Request) -> Response | None:
-        """401 unless the request carries one of the keys."""
+    def presented(self, request: Request) -> bool:
+        """Does the request carry one of the keys (``Authorization: Bearer <key>``)?"""
         auth = request.headers.get("Authorization", "")
         scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip() or not self.allows(key.strip()):
+        return scheme.lower() == "bearer" and bool(key.strip()) and self.allows(key.strip())
+
+    def refusal(self, request: Request) -> Response | None:
+        """401 unless the request carries one of the keys."""
+        if not self.presented(request):
             REFUSED.labels("api_key").inc()
             return openai_error(
                 401,
@@ -258,10 +284,34 @@ class ApiKeys:
 
 # ---------------------------------------------------------------------------- wiring
 def public_surface(st: Any) -> PublicSurface:
-    """The OpenAI port's surface: body limit and client API keys from the settings."""
+    """The OpenAI port's surface: body limit, client API keys and connection limits from the
+    settings."""
     max_body = int(getattr(st, "max_body_bytes", 4 * MIB))
     keys = ApiKeys(load_key_digests(getattr(st, "api_keys", ""), getattr(st, "api_keys_file", "")))
-    return PublicSurface(max_body, keys)
+    return PublicSurface(max_body, keys, ConnLimits.from_settings(st))
+
+
+def status_only_health(health: Handler, surface: PublicSurface) -> Handler:
+    """``/health`` for a public port whose operator endpoints are elsewhere: the full
+    handler's status code and ``status`` field, nothing else (a load balancer needs no more),
+    unless the client shows a valid API key."""
+
+    async def public_health(request: Request) -> Reply:
+        reply = await health(request)
+        keys = surface.keys
+        if keys is not None and keys.presented(request):
+            return reply
+        status = "ok" if reply.status < 400 else "unavailable"
+        if isinstance(reply, Response):
+            try:
+                said = msgspec.json.decode(reply.body)
+            except msgspec.DecodeError:
+                said = None
+            if isinstance(said, dict) and isinstance(said.get("status"), str):
+                status = said["status"]
+        return json_response({"status": status}, status=reply.status)
+
+    return public_health
 
 
 def operator_on_public_port(st: Any) -> bool:
@@ -272,5 +322,7 @@ async def start_operator_http(st: Any, routes: Routes) -> Server | None:
     """Serve ``routes`` (metrics, debug views, health) on the operator port, if one is set."""
     if operator_on_public_port(st):
         return None
-    server = Server(routes, PublicSurface(int(getattr(st, "max_body_bytes", 4 * MIB))))
-    return await server.start(st.operator_host, int(st.operator_port))
+    surface = PublicSurface(
+        int(getattr(st, "max_body_bytes", 4 * MIB)), limits=ConnLimits.from_settings(st)
+    )
+    return await Server(routes, surface).start(st.operator_host, int(st.operator_port))
