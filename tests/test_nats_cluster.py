@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.common.bus import Bus, NatsAuth
-from services.common.embedded import EmbeddedNatsCluster
+from services.common.embedded import EmbeddedNatsCluster, env_without_proxy
 from services.common.streams import cluster_size, require_kv_events_stream, stream_replicas
 from services.common.subjects import Subjects
 
@@ -75,7 +75,10 @@ async def test_kvgate_up_nats_cluster_starts_three_nodes(
     nats_url, _ = await asyncio.to_thread(stack.start_infra)
     try:
         assert len(nats_url.split(",")) == 3
-        # authorization is on in the cluster too: log in as the indexer, which owns KV_EVENTS
+        # authorization is on in the cluster too: `kvgate up` provisions the streams with the
+        # provisioner's credential, then the indexer finds KV_EVENTS at 3 replicas
+        env = {"KVGATE_NATS_URL": nats_url, "KVGATE_SUBJECT_PREFIX": subject_prefix}
+        await asyncio.to_thread(stack.provision_bus, {**env_without_proxy(), **env})
         creds = stack.role_env("indexer")
         auth = NatsAuth(user=creds["KVGATE_NATS_USER"], password=creds["KVGATE_NATS_PASSWORD"])
         bus = Bus(nats_url, "up-cluster-test", Subjects(subject_prefix), auth=auth, role="indexer")
