@@ -27,7 +27,7 @@ from services.api.workers import ControlRepublisher, WorkerRegistry
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus, NatsAuth
 from services.common.logging import RateLimiter, get_logger
-from services.common.schemas import PolicyRevisionReply, PolicyRevisionRequest
+from services.common.schemas import PolicyRevisionRequest
 from services.common.service import metrics_handler
 from services.common.signing import Signer
 from services.common.streams import require_policy_stream
@@ -95,11 +95,11 @@ class ApiService:
         )
         await registry.subscribe(bus)
 
-        async def answer_revision(_req: PolicyRevisionRequest) -> PolicyRevisionReply:
-            return PolicyRevisionReply(revision=await publisher.stored_revision())
-
         await bus.serve(
-            bus.subjects.policy_revision, PolicyRevisionRequest, answer_revision, queue="api"
+            bus.subjects.policy_revision,
+            PolicyRevisionRequest,
+            publisher.answer_revision,  # with ``repair``: re-publish over a poisoned stream
+            queue="api",
         )
         await ctx.decisions.start(bus)
         await require_policy_stream(bus)
@@ -140,6 +140,7 @@ class ApiService:
         parts = [p for p in (self.evaluator, self.controls, self.alerts, self.collector) if p]
         await asyncio.gather(*(p.stop() for p in parts), return_exceptions=True)
         if self.ctx is not None:
+            await self.ctx.publisher.close()
             await self.ctx.auth.stop()
             await self.ctx.decisions.stop()
             await self.ctx.bus.close()

@@ -6,25 +6,61 @@ Invariants:
 - ``revision`` is the database counter (bumped in the same transaction as the change), so
   routers can drop stale notices by comparing revisions.
 - A notice lost while NATS was down is re-sent by :meth:`PolicyPublisher.resync`, which
-  compares the newest message in the POLICY stream with the database revision.
+  compares the newest message in the POLICY stream with the database revision and re-sends
+  also when that message is not signed by the api's key (a notice from a stolen credential
+  must not stay the one every router reads at start).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
+from prometheus_client import Counter
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.api.db import Database
 from services.api.models import Canary, PolicyState
+from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
-from services.common.schemas import CanaryAssignment, PolicyUpdated, SchemaError, decode
+from services.common.schemas import (
+    CanaryAssignment,
+    PolicyRevisionReply,
+    PolicyRevisionRequest,
+    PolicyUpdated,
+    SchemaError,
+    decode,
+)
+from services.common.signing import Verifier
 from services.common.streams import require_policy_stream
 
 log = get_logger("api.publisher")
+
+STREAM_REPAIRS = Counter(
+    "kvgate_api_policy_stream_repairs_total",
+    "Notices the api re-published because the POLICY stream's newest was not its own current one",
+    ["problem"],  # missing, invalid, behind, ahead, unsigned, bad_signature, untrusted_signer, ...
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredNotice:
+    """The POLICY stream's newest notice: its revision (-1: none readable) and ``signature``,
+    the api's verdict on its signature ("" when it is the api's own)."""
+
+    revision: int
+    signature: str
+
+    def problem(self, db_revision: int) -> str:
+        """ "" when it is the api's own notice at ``db_revision``, else why it is not."""
+        if self.signature:  # also "missing" / "invalid": nothing to judge
+            return self.signature
+        if self.revision < db_revision:
+            return "behind"
+        return "ahead" if self.revision > db_revision else ""
 
 
 async def bump_revision(session: AsyncSession) -> int:
@@ -85,6 +121,8 @@ class PolicyPublisher:
         self._log = RateLimiter(30.0)
         self.last_published = -1
         self._lock = asyncio.Lock()  # one publish at a time per process keeps them in order
+        self._repair: asyncio.Task[None] | None = None
+        self._repair_gate = RateLimiter(1.0)
 
     async def publish_current(self) -> bool:
         """Publish the database's current notice; False if NATS did not take it (resync will)."""
@@ -115,15 +153,24 @@ class PolicyPublisher:
         return True
 
     async def stream_revision(self) -> int:
+        return (await self.stream_notice()).revision
+
+    async def stream_notice(self) -> StoredNotice:
+        """The POLICY stream's newest notice, as this api judges it."""
         s = self.bus.subjects
         try:
             msg = await self.bus.js.get_last_msg(s.policy_stream, s.policy_updated)
         except Exception:
-            return -1
+            return StoredNotice(-1, "missing")
         try:
-            return int(decode(PolicyUpdated, msg.data).revision)
+            revision = int(decode(PolicyUpdated, msg.data).revision)
         except SchemaError:
-            return -1
+            return StoredNotice(-1, "invalid")
+        # "the api's own": signed by this api's key (any replica's; none configured: any
+        # notice, as routers then check no signature either)
+        signer = self.bus.signer
+        own = Verifier([signer.public_key] if signer is not None else [])
+        return StoredNotice(revision, own.reject_reason(msg.subject, msg.data, msg.headers))
 
     async def stored_revision(self) -> int:
         async with self.db.session() as s:
@@ -131,17 +178,43 @@ class PolicyPublisher:
         return int(st.revision)
 
     async def resync(self) -> bool:
-        """Re-publish if the stream's newest notice is not the database's revision: older (a
-        lost publish) or newer (a notice the api never sent, e.g. a forged revision 10^9, which
-        would otherwise stay the stream's newest and shadow every later activation)."""
+        """Re-publish unless the stream's newest notice is this api's own at the database's
+        revision: not when it is older (a lost publish), newer (a notice the api never sent, e.g.
+        a forged revision 10^9, which would otherwise stay the stream's newest and shadow every
+        later activation), or not signed by the api's key (a stolen credential's notice, which
+        every router started later would read and reject, left with no policy to start from)."""
         async with self.db.session() as s:
             st = (await s.execute(select(PolicyState).where(PolicyState.id == 1))).scalar_one()
         if st.active_name is None:
             return False
-        stream = await self.stream_revision()
-        if stream == int(st.revision):
+        stored = await self.stream_notice()
+        problem = stored.problem(int(st.revision))
+        if not problem:
             return False
-        if stream > int(st.revision):
-            log.warning("policy stream holds a revision the api never stored; republishing",
-                        stream_revision=stream, stored_revision=int(st.revision))  # fmt: skip
+        STREAM_REPAIRS.labels(problem).inc()
+        if problem not in ("missing", "behind"):
+            log.warning("policy stream's newest notice is not the api's; republishing",
+                        problem=problem, stream_revision=stored.revision,
+                        stored_revision=int(st.revision))  # fmt: skip
         return await self.publish_current()
+
+    async def answer_revision(self, req: PolicyRevisionRequest) -> PolicyRevisionReply:
+        """``policy.revision``: the stored revision; with ``repair`` (a router found the stream's
+        newest notice unacceptable) a resync soon, at most one at a time and one a second, so
+        requests, forged or not, cost no more than the periodic resync."""
+        if req.repair and self._repair is None and self._repair_gate.allow("repair"):
+            log.info("policy stream repair requested", router=req.router_id[:64])
+            self._repair = asyncio.create_task(self._run_repair(), name="policy-repair")
+        return PolicyRevisionReply(revision=await self.stored_revision())
+
+    async def _run_repair(self) -> None:
+        try:
+            await self.resync()
+        except Exception as exc:  # the periodic resync retries
+            log.warning("policy repair failed", error=repr(exc)[:200])
+        finally:
+            self._repair = None
+
+    async def close(self) -> None:
+        if self._repair is not None:
+            await cancel_and_wait([self._repair])

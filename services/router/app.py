@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import ssl
 import uuid
@@ -31,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus, NatsAuth
 from services.common.logging import get_logger
+from services.common.replay_guard import DEFAULT_MAX_AGE_S, DEFAULT_MAX_SKEW_S, ReplayGuard
 from services.common.schemas import (
     PolicyUpdated,
     RouterLoad,
@@ -200,6 +202,10 @@ class Router:
             self.router_id,
             lambda alert: raise_alert(self.bus, alert),
             self.spawner.spawn,
+            ReplayGuard(
+                getattr(st, "signed_max_age_s", DEFAULT_MAX_AGE_S),
+                getattr(st, "signed_max_skew_s", DEFAULT_MAX_SKEW_S),
+            ),
         )
         self.feed.reject = self.trust.reject  # a heartbeat moving a pinned worker's URL
         self._tasks: list[asyncio.Task[Any]] = []
@@ -259,7 +265,7 @@ class Router:
         with contextlib.suppress(Exception):
             # not provisioned yet: start anyway; outcomes are counted as failed until it is
             await require_outcomes_stream(self.bus, timeout_s=10.0)
-        await self.reload.load_latest(self.trust.policy_signed_ok)
+        await self.reload.load_latest(functools.partial(self.trust.stored_policy_ok, self.bus))
         await self.index_source.start()
         self.outcomes.start()
         self._tasks = [
