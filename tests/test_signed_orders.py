@@ -298,3 +298,51 @@ def test_replay_guard_forgets_stale_nonces_and_stays_bounded() -> None:
     assert guard.check("s4", envs[4]) == "stale"
     fresh = signer.envelope()
     assert guard.check("s9", fresh) == "" and list(guard._nonces) == [fresh.nonce]
+
+
+async def test_a_router_started_after_a_drain_and_its_uncordon_rejects_the_captured_drain(
+    api: ApiHarness, nats_url: str, subjects, bus: Bus, api_seed: Path
+) -> None:
+    """A router that saw neither the drain nor its uncordon (started after both, inside the
+    freshness window) has no nonce or sequence to hold the captured drain against; the api
+    re-sends the uncordon for the window, so the router holds a later sequence and the copy
+    is out of order."""
+    alerts = await AlertInbox().start(bus)
+    subject = subjects.worker_control("sim-2")
+    seen: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def capture(msg: Any) -> None:
+        seen.put_nowait(msg)
+
+    await bus.client.subscribe(subject, cb=capture)
+    await bus.client.flush()
+    assert (await api.call("POST", "/api/v1/workers/sim-2/drain", {}))[0] == 200
+    drain = await asyncio.wait_for(seen.get(), 5)
+    assert (await api.call("POST", "/api/v1/workers/sim-2/uncordon", {}))[0] == 200
+    await asyncio.wait_for(seen.get(), 5)  # the uncordon, before any router started
+
+    assert api.service is not None and api.service.controls is not None
+    async with Fleet(bus, nats_url, subjects, Signer.from_file(api_seed).public_key) as fleet:
+        # the republisher's round (driven here: the fixture turns the period off)
+        assert await api.service.controls.once() == 1
+        resent = await asyncio.wait_for(seen.get(), 5)
+        assert decode(WorkerControl, resent.data).action == "uncordon"
+        env = Envelope.from_headers(resent.headers)
+        assert env is not None
+        assert fleet.router is not None and fleet.router.router is not None
+        guard = fleet.router.router.trust.replay
+        await wait_until(
+            lambda: guard.last_seq(env.signer, env.instance, subject) == env.seq,
+            5,
+            "the router took the re-sent uncordon",
+        )
+        before = _rejected("WorkerControl", "out_of_order")
+        await bus.client.publish(drain.subject, drain.data, headers=drain.headers)
+        await alerts.next("out_of_order")
+        assert _rejected("WorkerControl", "out_of_order") == before + 1
+        assert not fleet.draining("sim-2")
+
+    # once the window has passed the uncordon is no longer re-sent, and its row is gone
+    api.service.controls.uncordon_resend_s = 0.0
+    assert await api.service.controls.once() == 0
+    assert await api.service.controls.once() == 0

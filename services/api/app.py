@@ -51,6 +51,9 @@ class ApiConfig:
     eval_interval_s: float = 1.0
     flush_interval_s: float = 0.5
     republish_s: float = 5.0
+    # an uncordon is re-sent this long (the routers' --signed-max-age-s): a router that saw
+    # neither a drain nor its uncordon must not take a replayed drain for the current order
+    uncordon_resend_s: float = 300.0
     name: str = "api"
 
 
@@ -109,7 +112,9 @@ class ApiService:
         self.evaluator.start()
         self.alerts = AlertManager(db, bus)
         await self.alerts.start()
-        self.controls = ControlRepublisher(db, bus, period_s=cfg.republish_s)
+        self.controls = ControlRepublisher(
+            db, bus, period_s=cfg.republish_s, uncordon_resend_s=cfg.uncordon_resend_s
+        )
         self.controls.start()
         self._resync = asyncio.create_task(self._resync_loop(), name="policy-resync")
         app = web.Application(client_max_size=1024 * 1024)
@@ -164,6 +169,7 @@ async def serve(st, stop: asyncio.Event) -> None:
             auth_tracked_addresses=st.auth_tracked_addresses,
             eval_interval_s=st.canary_eval_interval_s,
             republish_s=st.republish_s,
+            uncordon_resend_s=st.signed_max_age_s,
         )
     )
     app = await service.start()

@@ -34,6 +34,7 @@ TOKEN_MAX_TTL_S = S.option(
 )
 OPTIONS = S.COMMON + (
     S.SIGNING_SEED,
+    S.SIGNED_MAX_AGE_S,  # how long an uncordon is re-sent (the routers' freshness window)
     S.DATABASE_URL,
     S.DATABASE_PASSWORD_FILE,
     S.option(

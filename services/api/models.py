@@ -188,7 +188,8 @@ class CanaryDecision(Base):
 
 
 class WorkerControlState(Base):
-    """A worker's non-default admin state (cordoned / draining); uncordon deletes the row."""
+    """A worker's admin order (cordon / drain, or a recent uncordon: re-sent for the routers'
+    freshness window, then deleted by services.api.workers.ControlRepublisher)."""
 
     __tablename__ = "worker_controls"
 

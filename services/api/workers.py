@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from msgspec import Meta
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from services.api.bodies import Body, Reason
 from services.api.db import Database
@@ -152,6 +153,18 @@ class WorkerRegistry:
         await bus.subscribe(bus.subjects.telemetry_all, WorkerLoad, on_load)
 
 
+async def forget_uncordons(db: Database, worker_ids: list[str], older_than: datetime) -> None:
+    """Delete uncordon rows no longer re-sent (unless an order replaced them meanwhile)."""
+    async with db.transaction() as s:
+        await s.execute(
+            delete(WorkerControlState).where(
+                WorkerControlState.worker_id.in_(worker_ids),
+                WorkerControlState.action == "uncordon",
+                WorkerControlState.updated_at < older_than,  # one stored since stays
+            )
+        )
+
+
 async def control_states(db: Database) -> dict[str, WorkerControlState]:
     async with db.session() as s:
         rows = (await s.execute(select(WorkerControlState))).scalars().all()
@@ -173,10 +186,22 @@ async def publish_control(bus: Bus, worker_id: str, action: str, by: str, url: s
 
 
 class ControlRepublisher:
-    def __init__(self, db: Database, bus: Bus, period_s: float = 5.0) -> None:
+    """Re-sends every worker's admin order every ``period_s``, so a router that missed one
+    (started later, reconnected) converges.
+
+    An uncordon is kept as a row and re-sent for ``uncordon_resend_s`` (the routers' freshness
+    window for signed orders), then forgotten: a router started after a drain and its uncordon,
+    within that window, would otherwise accept a captured copy of the drain (its nonce and
+    sequence are new to it); with the uncordon re-sent, the router holds a later sequence from
+    the same signer, and the copy is out of order."""
+
+    def __init__(
+        self, db: Database, bus: Bus, period_s: float = 5.0, uncordon_resend_s: float = 300.0
+    ) -> None:
         self.db = db
         self.bus = bus
         self.period_s = period_s
+        self.uncordon_resend_s = uncordon_resend_s
         self._task: asyncio.Task[None] | None = None
         self._log = RateLimiter(60.0)
 
@@ -189,9 +214,19 @@ class ControlRepublisher:
 
     async def once(self) -> int:
         states = await control_states(self.db)
+        now = datetime.now(UTC)
+        expired = [
+            wid
+            for wid, row in states.items()
+            if row.action == "uncordon"
+            and (now - row.updated_at).total_seconds() > self.uncordon_resend_s
+        ]
         for wid, row in states.items():
-            await publish_control(self.bus, wid, row.action, row.by)
-        return len(states)
+            if wid not in expired:
+                await publish_control(self.bus, wid, row.action, row.by)
+        if expired:
+            await forget_uncordons(self.db, expired, older_than=now)
+        return len(states) - len(expired)
 
     async def _loop(self) -> None:
         while True:

@@ -4,7 +4,8 @@ Invariants:
 - A worker's view joins three sources: the live registry (heartbeats, load), the persisted
   admin action (``worker_control``) and the open breaker alerts; a worker the API has never
   heard of and holds no action for is a 404.
-- ``uncordon`` deletes the stored action (active is the default, not a row). The action is
+- ``uncordon`` stores the action too (active is the default): the republisher re-sends it for
+  the routers' freshness window, then deletes the row (services.api.workers). The action is
   committed with its audit entry before it is published to the routers.
 - ``repin`` (a worker's URL, services.core.url_pin) is audited, then published once; it
   changes no stored state.
@@ -33,9 +34,10 @@ def routes(ctx: ApiContext) -> list[Route]:
 
     async def _workers(ids: list[str] | None = None) -> list[dict[str, Any]]:
         async with db.session() as s:
-            controls = {
+            controls = {  # an uncordon row is "active" (the default), kept only to be re-sent
                 w.worker_id: w.action
                 for w in (await s.execute(select(WorkerControlState))).scalars()
+                if w.action != "uncordon"
             }
             breakers = {w for (w,) in (await s.execute(open_breakers_query())).all()}
         known = ids if ids is not None else sorted(set(ctx.registry.ids()) | set(controls))
@@ -66,10 +68,7 @@ def routes(ctx: ApiContext) -> list[Route]:
                     )
                 ).scalar_one_or_none()
                 before = {"action": row.action} if row else {"action": "uncordon"}
-                if action == "uncordon":
-                    if row is not None:
-                        await s.delete(row)
-                elif row is None:
+                if row is None:
                     s.add(WorkerControlState(worker_id=wid, action=action, by=r.actor))
                 else:
                     row.action, row.by, row.updated_at = action, r.actor, datetime.now(UTC)
