@@ -107,11 +107,11 @@ class Request:
     """One parsed request. The body arrives after the handler starts: :meth:`read`."""
 
     __slots__ = (
-        "_awaits_continue",
         "_body",
         "_chunks",
         "_complete",
         "_conn",
+        "_continued",
         "_size",
         "_timed_out",
         "_too_large",
@@ -150,8 +150,7 @@ class Request:
         self._complete = False
         self._too_large = False
         self._timed_out = False
-        # the client waits for "100 Continue" before it sends the body: no body timeout yet
-        self._awaits_continue = headers.get("expect", "").lower() == "100-continue"
+        self._continued = False  # "100 Continue" was sent
         self._body: bytes | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -163,6 +162,11 @@ class Request:
             return int(v) if v is not None else None
         except ValueError:
             return None
+
+    @property
+    def expects_continue(self) -> bool:
+        """The client waits for "100 Continue" before it sends the body."""
+        return dict.get(self.headers, "expect", "").lower() == "100-continue"
 
     @property
     def can_read_body(self) -> bool:
@@ -185,10 +189,10 @@ class Request:
             return self._body
         if not self._complete and not self._too_large and not self._timed_out:
             conn = self._conn
-            if self._awaits_continue and not conn.lost:
+            if not self._continued and self.expects_continue and not conn.lost:
                 conn.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 conn.last = conn.loop.time()  # the body timeout counts from the invitation
-                self._awaits_continue = False
+                self._continued = True
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         if self._too_large:
@@ -422,6 +426,7 @@ class _Connection(asyncio.Protocol):
         self.line_done = False  # its request line has ended
         self.line_bytes = 0  # how long its request line is (so far)
         self.header_count = 0
+        self.heads_done = 0  # heads parsed on this connection
         self._drain: asyncio.Future[None] | None = None
         self._linger: asyncio.TimerHandle | None = None
 
@@ -494,12 +499,16 @@ class _Connection(asyncio.Protocol):
         if self.closing or self.broken:
             return
         self.last = now = self.loop.time()
+        heads = -1
         if self.in_head:
             if self.head_started is None:
                 self.head_started = now
             self.head_begun = True
-            if not self._measure_head(data):
-                return
+            if self.head_bytes or len(data) > self.limits.max_header_bytes:
+                if not self._measure_head(data):
+                    return
+            else:  # this read cannot take the head past the limit: measured only if it goes on
+                heads = self.heads_done
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -508,8 +517,11 @@ class _Connection(asyncio.Protocol):
             refused = exc.__context__
             if isinstance(refused, _Refused):  # a limit, raised in a callback
                 self._refuse(refused.status, refused.reason, refused.message)
-                return
-            self._refuse(400, "malformed", f"malformed HTTP request: {exc}", linger=False)
+            else:
+                self._refuse(400, "malformed", f"malformed HTTP request: {exc}", linger=False)
+            return
+        if heads >= 0 and self.in_head and self.heads_done == heads and not self.broken:
+            self._measure_head(data)  # the head goes on in the next read
 
     def _measure_head(self, data: bytes) -> bool:
         """Count the bytes of ``data`` that belong to the head in progress; False (and the
@@ -580,6 +592,7 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.in_head = False
         self.head_started = None
+        self.heads_done += 1
         p = self.parser
         url = self.url
         if not url.startswith(b"/"):  # absolute form (a proxy's), or "*"
@@ -618,10 +631,11 @@ class _Connection(asyncio.Protocol):
             self.req = None
         self.in_head = True
         self.head_begun = False
-        self.head_bytes = 0
-        self.head_tail = b""
-        self.line_done = False
-        self.line_bytes = 0
+        if self.head_bytes:  # it was measured (a large head, or one over several reads)
+            self.head_bytes = 0
+            self.head_tail = b""
+            self.line_done = False
+            self.line_bytes = 0
 
     # ------------------------------------------------------------------ limits
     def _peer(self) -> Any:
@@ -661,8 +675,8 @@ class _Connection(asyncio.Protocol):
                 self.transport.close()
             return
         req = self.req
-        if req is None or self.reading_paused or req._awaits_continue:
-            return
+        if req is None or self.reading_paused or (req.expects_continue and not req._continued):
+            return  # not waiting on the client
         if now - self.last > limits.body_timeout_s:
             self.broken = True
             self.req = None
