@@ -316,3 +316,18 @@ async def test_public_health_says_only_its_status(nats_url, subjects) -> None:
             assert r.status == 200 and await r.json() == {"status": "ok"}
     finally:
         await proc.stop()
+
+
+def test_bad_limits_stop_the_router_naming_the_flag() -> None:
+    from services.router.cli import settings
+    from services.router.conn_limits import ConnLimits
+
+    for name, value, flag in (
+        ("header_timeout_s", 0.0, "--header-timeout-s"),
+        ("max_header_bytes", 0, "--max-header-bytes"),
+        ("max_connections", -1, "--max-connections"),
+    ):
+        with pytest.raises(SystemExit, match=flag):
+            ConnLimits.from_settings(settings(**{name: value}))
+    auto = ConnLimits.from_settings(settings())
+    assert 1 <= auto.max_connections <= 10_000 and auto.max_header_bytes == 64 * 1024

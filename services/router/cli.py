@@ -175,6 +175,7 @@ def main(args: argparse.Namespace) -> int:
     from services.core.policy import PolicyError
     from services.core.url_pin import parse_allowlist
     from services.router.app import parse_policy_option, serve
+    from services.router.conn_limits import ConnLimits
     from services.router.openai_extras import passthrough_paths
 
     st = S.resolve(args, OPTIONS)
@@ -186,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
         passthrough_paths(st.passthrough_paths)
     except ValueError as exc:
         raise SystemExit(f"invalid --passthrough-paths: {exc}") from None
+    ConnLimits.from_settings(st)  # a bad connection limit stops the router before it starts
     try:
         parse_allowlist(st.worker_url_allow)
     except ValueError as exc:
