@@ -240,16 +240,17 @@ def test_compose_services_come_up_route_and_stop_cleanly(
         return {k: v for k, v in out.items() if k in environment_of(svc) or k.endswith("_PORT")}
 
     kvgate = [sys.executable, "-m", "services.cli"]
-    # the one-shot migrate service first (the API waits for it to complete successfully)
-    migrate = services["migrate"]
-    done = subprocess.run(
-        kvgate + command_of(migrate),
-        env=_service_env(migrate, overrides("migrate", 0)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    # the one-shot jobs first (the services wait for them to complete successfully): the
+    # database migrations, and the streams, which no service's credential may create
+    for job in ("migrate", "bus-provision"):
+        done = subprocess.run(
+            kvgate + command_of(services[job]),
+            env=_service_env(services[job], overrides(job, 0)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
 
     sim_count = int(environment_of(services["sim"])["KVGATE_SIM_COUNT"])
     replicas = int(services["router"]["deploy"]["replicas"])
@@ -308,7 +309,10 @@ def test_compose_services_come_up_route_and_stop_cleanly(
             req = urllib.request.Request(
                 f"http://127.0.0.1:{r.port}/v1/chat/completions",
                 data=body,
-                headers={"Content-Type": "application/json"},
+                headers={
+                    "Content-Type": "application/json",  # compose's client key is required
+                    "Authorization": f"Bearer {TEST_SECRETS['KVGATE_ROUTER_API_KEYS']}",
+                },
             )
             opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
             with opener.open(req, timeout=30) as resp:
