@@ -176,3 +176,35 @@ def test_next_up_stops_a_dead_runs_leftovers(tmp_path: Path) -> None:
         rc = second.stop()
     assert rc == 0, "".join(second.lines)
     assert processes_mentioning(str(state)) == []
+
+
+def test_each_child_is_planned_with_its_own_credentials_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without starting anything: the plan gives the bridge its worker's own NATS user (the id it
+    publishes as), each simulated worker its own user, and no child the provisioner's password."""
+    import argparse
+
+    from services import up
+    from services.common import settings as S
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args(["--state-dir", str(tmp_path), "--workers", "2", "--bridge", "vllm"])
+    monkeypatch.setenv("KVGATE_BRIDGE_WORKER_ID", "gpu-a")  # the bridge's own setting
+    stack = up.Stack(S.resolve(args, up.OPTIONS, environ={}))
+    stack._nats_authorization()
+    assert {"worker-sim-0", "worker-sim-1", "worker-gpu-a", "provisioner"} <= set(
+        stack.nats_passwords
+    )
+    assert "worker" not in stack.nats_passwords  # no credential that speaks for every worker
+    kids = {k.name: k for k in stack.plan()}
+    bridge = kids["bridge"].env
+    assert bridge["KVGATE_NATS_USER"] == "worker-gpu-a"
+    assert bridge["KVGATE_BRIDGE_WORKER_ID"] == "gpu-a"
+    assert bridge["KVGATE_NATS_PASSWORD"] == stack.nats_passwords["worker-gpu-a"]
+    sims = kids["sim-workers"].env["KVGATE_SIM_WORKER_PASSWORDS"].split(",")
+    assert sims == [f"sim-{i}={stack.nats_passwords[f'worker-sim-{i}']}" for i in (0, 1)]
+    provisioner = stack.nats_passwords["provisioner"]
+    for kid in kids.values():
+        assert provisioner not in str(kid.env), kid.name
