@@ -33,15 +33,10 @@ from services.common.signing import (
     Verifier,
     new_seed,
 )
-from services.router.trust import REJECTED
 from tests.test_router_support import Beats, FakeWorker, RouterProc, wait_until
-from tests.test_security_router_trust import AlertInbox
+from tests.test_security_router_trust import AlertInbox, _rejected
 
 HOUR_S = 3600.0
-
-
-def _rejected(type_name: str, reason: str) -> float:
-    return REJECTED.labels(type_name, reason)._value.get()
 
 
 @pytest.fixture

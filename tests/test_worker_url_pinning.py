@@ -27,13 +27,13 @@ import pytest
 from services.api.testing import ApiHarness, start_api
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
-from services.common.schemas import Alert, WorkerCapacity, WorkerControl, WorkerHeartbeat, decode
+from services.common.schemas import WorkerCapacity, WorkerControl, WorkerHeartbeat
 from services.common.signing import Signer, new_seed
-from services.common.streams import require_alert_streams
 from services.core.cluster import ClusterState
 from services.core.url_pin import UrlPins, parse_allowlist
 from services.router.trust import REJECTED
 from tests.test_router_support import Beats, FakeWorker, RouterProc, post, wait_until
+from tests.test_security_router_trust import AlertInbox
 
 
 def _refused(reason: str) -> float:
@@ -48,30 +48,6 @@ def _rejected_controls() -> float:
         for s in metric.samples
         if s.name.endswith("_total") and s.labels.get("type") == "WorkerControl"
     )
-
-
-class AlertInbox:
-    """The forged_message alert signals routers send, as they arrive."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[Alert] = asyncio.Queue()
-
-    async def start(self, bus: Bus) -> AlertInbox:
-        await require_alert_streams(bus)
-
-        async def on(msg) -> None:
-            alert = decode(Alert, msg.data)
-            if alert.kind == "forged_message":
-                self.queue.put_nowait(alert)
-
-        await bus.client.subscribe(bus.subjects.alert_signal("router"), cb=on)
-        return self
-
-    async def next(self, reason: str) -> Alert:
-        while True:
-            alert = await asyncio.wait_for(self.queue.get(), 5)
-            if alert.details.get("reason") == reason:
-                return alert
 
 
 @contextlib.asynccontextmanager

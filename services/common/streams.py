@@ -223,15 +223,7 @@ async def provision(bus: Bus, specs: list[StreamSpec] | None = None) -> list[tup
             before = None
         if spec.lease_bucket:
             if before is None:
-                await bus.js.create_key_value(
-                    KeyValueConfig(
-                        bucket=spec.lease_bucket,
-                        history=1,
-                        ttl=spec.max_age_s,
-                        storage=spec.storage,
-                        replicas=replicas,
-                    )
-                )
+                await bus.js.create_key_value(_bucket_config(spec, replicas))
                 done.append((spec.name, "created"))
                 continue
             config = before
@@ -241,15 +233,7 @@ async def provision(bus: Bus, specs: list[StreamSpec] | None = None) -> list[tup
             config.allow_rollup_hdrs = True  # nats-py's KV sets it; kept as the bucket had it
             config.subjects = list(spec.subjects)
         else:
-            config = StreamConfig(
-                name=spec.name,
-                subjects=list(spec.subjects),
-                storage=spec.storage,
-                max_age=spec.max_age_s,
-                max_bytes=spec.max_bytes,
-                max_msgs_per_subject=spec.max_msgs_per_subject,
-                num_replicas=replicas,
-            )
+            config = _stream_config(spec, replicas)
             if before is None:
                 await bus.js.add_stream(config)
                 done.append((spec.name, "created"))
@@ -260,6 +244,28 @@ async def provision(bus: Bus, specs: list[StreamSpec] | None = None) -> list[tup
             (spec.name, "updated" if drift or _sized_apart(before, config) else "unchanged")
         )
     return done
+
+
+def _stream_config(spec: StreamSpec, replicas: int) -> StreamConfig:
+    return StreamConfig(
+        name=spec.name,
+        subjects=list(spec.subjects),
+        storage=spec.storage,
+        max_age=spec.max_age_s,
+        max_bytes=spec.max_bytes,
+        max_msgs_per_subject=spec.max_msgs_per_subject,
+        num_replicas=replicas,
+    )
+
+
+def _bucket_config(spec: StreamSpec, replicas: int) -> KeyValueConfig:
+    return KeyValueConfig(
+        bucket=spec.lease_bucket,
+        history=1,
+        ttl=spec.max_age_s,
+        storage=spec.storage,
+        replicas=replicas,
+    )
 
 
 def _sized_apart(before: StreamConfig, after: StreamConfig) -> bool:
@@ -336,27 +342,9 @@ async def _check_once(bus: Bus, spec: StreamSpec) -> str:
 async def _create_unprovisioned(bus: Bus, spec: StreamSpec) -> None:
     """An open development server: the service provisions the one stream it needs."""
     if spec.lease_bucket:
-        await bus.js.create_key_value(
-            KeyValueConfig(
-                bucket=spec.lease_bucket,
-                history=1,
-                ttl=spec.max_age_s,
-                storage=spec.storage,
-                replicas=stream_replicas(bus),
-            )
-        )
-        return
-    await bus.js.add_stream(
-        StreamConfig(
-            name=spec.name,
-            subjects=list(spec.subjects),
-            storage=spec.storage,
-            max_age=spec.max_age_s,
-            max_bytes=spec.max_bytes,
-            max_msgs_per_subject=spec.max_msgs_per_subject,
-            num_replicas=stream_replicas(bus),
-        )
-    )
+        await bus.js.create_key_value(_bucket_config(spec, stream_replicas(bus)))
+    else:
+        await bus.js.add_stream(_stream_config(spec, stream_replicas(bus)))
 
 
 async def _refuse_drift(bus: Bus, stream: str, drift: list[str]) -> None:
