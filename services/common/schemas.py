@@ -98,6 +98,31 @@ class KvDumpRequest(Message):
     max_chunk_bytes: Pos | None = None
 
 
+class EngineHistoryLost(Struct, kw_only=True):
+    """What a bridge's dump cannot vouch for: the bridge knows only the engine batches it
+    received, and some it never got (``reason`` ``lost_history``: it started after the engine
+    had already published, or after an engine restart, and the engine's replay no longer held
+    the first batches; ``unrecovered_gap``: a gap its replay could not fill). Its view is built
+    from engine seq ``view_from_seq`` on (a vLLM/SGLang batch seq, a TensorRT-LLM event id):
+    blocks the engine stored before it may still be cached by the engine and are in neither
+    the dump nor the index. ``unkeyed_blocks``: blocks the engine stored since the loss that
+    could not be keyed because their parent was in the lost history, and ``unknown_hashes``:
+    removals or moves of blocks the bridge never saw -- both evidence (a lower bound) of what
+    the dump lacks. ``losses``: how many such losses since the engine's cache was last known
+    whole. ``detail``: why the history could not be replayed."""
+
+    reason: Literal["lost_history", "unrecovered_gap"]
+    first_lost_seq: NonNeg
+    last_lost_seq: NonNeg
+    view_from_seq: NonNeg
+    kv_seq: int = -1
+    unkeyed_blocks: NonNeg = 0
+    unknown_hashes: NonNeg = 0
+    losses: NonNeg = 1
+    since: float = 0.0
+    detail: str = ""
+
+
 class KvDumpChunk(Message):
     """One chunk of a worker's full cache, frozen right after its KV batch ``kv_seq``.
 
@@ -116,6 +141,8 @@ class KvDumpChunk(Message):
     blocks: NonNeg
     ts: float
     events: list[KvEvent]
+    # set by a bridge that lost engine history (chunk 0): the dump is not the engine's cache
+    history_lost: EngineHistoryLost | None = None
 
 
 # --------------------------------------------------------------------------- workers
@@ -400,11 +427,13 @@ class IndexVerifyRequest(Message):
 class WorkerDivergence(Struct, kw_only=True):
     """The index vs one worker's dump. ``status``: equal | divergent | inconclusive (the
     worker restarted or was resynced meanwhile, or its batches did not catch up in time) |
-    unreachable (no dump). ``missing``: pairs the worker holds that the index lacks;
-    ``extra``: pairs the index holds that the worker does not (a pair is a key on a tier)."""
+    unreachable (no dump) | unknown (the index equals a bridge's dump, but the bridge lost
+    engine history, so the engine may hold blocks neither has: ``history_lost`` says which).
+    ``missing``: pairs the worker holds that the index lacks; ``extra``: pairs the index holds
+    that the worker does not (a pair is a key on a tier)."""
 
     worker_id: str
-    status: Literal["equal", "divergent", "inconclusive", "unreachable"]
+    status: Literal["equal", "divergent", "inconclusive", "unreachable", "unknown"]
     kv_seq: int = -1
     worker_blocks: NonNeg = 0
     index_blocks: NonNeg = 0
@@ -414,6 +443,7 @@ class WorkerDivergence(Struct, kw_only=True):
     extra_sample: list[U64] = []
     detail: str = ""
     repaired: bool = False
+    history_lost: EngineHistoryLost | None = None
 
 
 class IndexVerifyReply(Message):
