@@ -27,7 +27,10 @@ Invariants:
 - a frozen dump is dropped when its last chunk is sent, or when a request finds it idle
   for ``ttl_s``; at most ``max_open`` are kept (the oldest goes first): memory is bounded;
 - a request for an unknown or expired ``dump_id`` raises in the responder, which
-  :meth:`Bus.serve` turns into an error reply (the requester sees RemoteError).
+  :meth:`Bus.serve` turns into an error reply (the requester sees RemoteError);
+- a bridge that lost engine history says so in every chunk (``history_lost``, read together
+  with the cache): such a dump is the bridge's view, not the engine's cache, and a check
+  that finds the index equal to it is ``unknown``, never ``equal`` (:func:`qualify_check`).
 """
 
 from __future__ import annotations
@@ -44,10 +47,12 @@ import msgspec
 from services.common.bus import Bus
 from services.common.logging import get_logger
 from services.common.schemas import (
+    EngineHistoryLost,
     KvDumpChunk,
     KvDumpRequest,
     KvEvent,
     KvEventBatch,
+    WorkerDivergence,
     decode,
     encode,
 )
@@ -59,6 +64,7 @@ _EVENT_OVERHEAD = 96  # upper bound of one event's msgpack bytes besides its key
 _KEY_BYTES = 9  # a uint64 in msgpack
 
 DumpSource = Callable[[KvDumpRequest], Awaitable[KvEventBatch]]
+HistorySource = Callable[[], EngineHistoryLost | None]
 
 
 class DumpError(RuntimeError):
@@ -104,6 +110,7 @@ class FrozenDump:
     blocks: int
     limit: int
     last_used: float
+    history_lost: EngineHistoryLost | None = None
 
 
 @dataclass
@@ -111,11 +118,14 @@ class KvDumpServer:
     """Answers one worker's ``workers.kvdump.<worker>`` requests chunk by chunk.
 
     ``source`` returns the worker's whole cache as a KvEventBatch whose ``seq`` is the last
-    batch the cache reflects; it must not await between reading the cache and the seq."""
+    batch the cache reflects; it must not await between reading the cache and the seq.
+    ``history_lost`` (bridges) is read right after it, with no await between, so it
+    describes exactly the cache dumped."""
 
     bus: Bus
     worker_id: str
     source: DumpSource
+    history_lost: HistorySource | None = None
     ttl_s: float = 30.0
     max_open: int = 4
     clock: Callable[[], float] = time.monotonic
@@ -154,10 +164,13 @@ class KvDumpServer:
         self._expire(now)
         if req.dump_id is None:
             batch = await self.source(req)
+            lost = self.history_lost() if self.history_lost is not None else None
             limit = self._limit(req)
             max_keys = max(1, (limit - 2 * _EVENT_OVERHEAD) // _KEY_BYTES)
             pieces = split_events(batch.events, max_keys)
-            fd = FrozenDump(uuid.uuid4().hex[:16], batch, pieces, count_blocks(pieces), limit, now)
+            fd = FrozenDump(
+                uuid.uuid4().hex[:16], batch, pieces, count_blocks(pieces), limit, now, lost
+            )
             self._open[fd.dump_id] = fd
             self._expire(now)
             self.dumps_started += 1
@@ -211,6 +224,7 @@ class KvDumpServer:
                     blocks=fd.blocks,
                     ts=fd.batch.ts,
                     events=pieces[cursor:end],
+                    history_lost=fd.history_lost,
                 )
             )
             if len(data) <= fd.limit or end - cursor <= 1:
@@ -227,6 +241,7 @@ class FetchedDump:
     chunks: int
     bytes: int
     seconds: float
+    history_lost: EngineHistoryLost | None = None
 
 
 async def fetch_kvdump(
@@ -292,4 +307,43 @@ async def fetch_kvdump(
         ts=first.ts,
         events=events,
     )
-    return FetchedDump(batch, got, chunks, nbytes, time.perf_counter() - t0)
+    return FetchedDump(batch, got, chunks, nbytes, time.perf_counter() - t0, first.history_lost)
+
+
+def describe_history_lost(h: EngineHistoryLost) -> str:
+    """One line for an operator: which engine history is gone and what that hides."""
+    lost = (
+        f"engine batch {h.first_lost_seq}"
+        if h.first_lost_seq == h.last_lost_seq
+        else f"engine batches {h.first_lost_seq}..{h.last_lost_seq}"
+    )
+    what = {
+        "lost_history": "the bridge started (or the engine restarted) after them",
+        "unrecovered_gap": "a gap the bridge could not replay",
+    }[h.reason]
+    text = (
+        f"engine history lost: {lost} never reached the bridge ({what}"
+        + (f"; {h.detail}" if h.detail else "")
+        + f"); its view starts at engine seq {h.view_from_seq}, so blocks the engine stored "
+        f"before are unverifiable; since then {h.unkeyed_blocks} blocks stored on a lost "
+        f"parent could not be keyed and {h.unknown_hashes} removals named blocks never seen"
+    )
+    if h.losses > 1:
+        text += f" ({h.losses} losses)"
+    return text
+
+
+def qualify_check(result: WorkerDivergence, lost: EngineHistoryLost | None) -> WorkerDivergence:
+    """A check against a dump that lost engine history: "equal" only proves the index equals
+    the bridge's view, so it becomes "unknown" (no repair can help: the bridge has nothing
+    more to give); "divergent" stays (the index differs even from what the bridge knows) with
+    the loss noted. Other results are returned unchanged."""
+    if lost is None or result.status not in ("equal", "divergent"):
+        return result
+    note = describe_history_lost(lost)
+    return msgspec.structs.replace(
+        result,
+        status="unknown" if result.status == "equal" else result.status,
+        history_lost=lost,
+        detail=f"{result.detail}; {note}" if result.detail else note,
+    )

@@ -3,8 +3,13 @@
 Asks the running indexer (``kv.index.verify``) to fetch each worker's own full dump and compare
 it with the index at exactly the dump's batch seq, then prints the difference per worker:
 ``missing`` blocks the worker holds that the index lacks, ``extra`` blocks the index holds that
-the worker does not. Exit status: 0 all equal, 1 some worker divergent, 2 some worker could
-not be checked (unreachable / inconclusive) and none divergent, 3 no indexer answered.
+the worker does not. A worker behind a bridge (``kvgate bridge``) is checked against what the
+bridge can prove of its engine: a bridge that lost engine history (it started after the engine
+had published, or a gap outlived the engine's replay buffer) cannot vouch that the engine holds
+nothing more, so an index equal to its view is ``unknown``, with the lost engine batches and
+the blocks seen stored on lost parents, never ``equal``. Exit status: 0 all equal, 1 some
+worker divergent, 2 some worker could not be checked (unreachable / inconclusive / unknown)
+and none divergent, 3 no indexer answered.
 
 Examples::
 
@@ -82,6 +87,13 @@ def format_reply(reply: IndexVerifyReply) -> str:
     if not reply.workers:
         lines.append("(no workers registered)")
     lines.append(f"divergent blocks: {reply.divergent_blocks}")
+    unknown = [r.worker_id for r in reply.workers if r.status == "unknown"]
+    if unknown:
+        lines.append(
+            f"unknown: {len(unknown)} bridged worker(s) lost engine history, so the index "
+            "cannot be verified against the engine (restarting the engine, or clearing its "
+            "cache, makes them verifiable again): " + ", ".join(unknown)
+        )
     return "\n".join(lines)
 
 

@@ -31,7 +31,10 @@ Invariants:
 - a stored block whose parent hash is unknown cannot be keyed (its key depends on the whole
   prefix): the event is dropped and counted as ``unknown_parent``, never guessed;
 - bad input is counted per reason in ``counts`` and never raises; one bad event never costs
-  the other events of its batch.
+  the other events of its batch;
+- ``unkeyed_blocks`` (engine blocks dropped for an unknown parent), ``unknown_hashes``
+  (removed or moved hashes never stored) and ``engine_clears`` (the engine's AllBlocksCleared)
+  only grow: the bridge's history ledger reads them as evidence of lost engine history.
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ class Rekeyer:
         self.skipped: collections.Counter[str] = collections.Counter()
         self._seeds: dict[tuple[str | None, str | None], int] = {}
         self.num_gpu_blocks: int | None = None  # TensorRT-LLM "created" event
+        self.unkeyed_blocks = 0  # engine blocks whose parent was never stored
+        self.unknown_hashes = 0  # engine hashes removed or moved that were never stored
+        self.engine_clears = 0  # the engine's own AllBlocksCleared events
         self._first_window: int | None = None  # TensorRT-LLM: its window is group 0
 
     def bad(self, reason: str, detail: str) -> None:
@@ -188,6 +194,7 @@ class Rekeyer:
         if parent_hash is not None:
             parent_key = self._last_key(parent_hash)
             if parent_key is None:
+                self.unkeyed_blocks += n
                 self.bad("unknown_parent", f"parent hash {parent_hash!r} never stored")
                 return None
         try:
@@ -341,11 +348,14 @@ class Rekeyer:
         if gpu:
             by_tier.setdefault("gpu", [])[:0] = gpu
         if unknown:
+            self.unknown_hashes += unknown
             self.bad("unknown_block", f"{unknown} removed hashes never stored")
         return [BlockRemoved(keys=keys, tier=t) for t, keys in by_tier.items()]  # type: ignore[arg-type]
 
     def cleared(self) -> AllBlocksCleared:
+        """The engine emptied its cache (its own event, not a bridge reset)."""
         self.reset()
+        self.engine_clears += 1
         return AllBlocksCleared()
 
     # ------------------------------------------------------------------ engine batches
@@ -463,6 +473,7 @@ class Rekeyer:
                     continue
                 entry = self._entry(d.block_hash if not group else (group, d.block_hash))
                 if entry is None:
+                    self.unknown_hashes += 1
                     self.bad("unknown_block", f"updated hash {d.block_hash} never stored")
                     continue
                 new = TIER_OF_LEVEL.get(lvl.new_value, "disk")

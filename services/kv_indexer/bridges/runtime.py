@@ -14,7 +14,10 @@ Invariants:
   ``state="starting"`` so routers do not trust the still-incomplete cache view;
 - an engine whose ``process_start_time_seconds`` changes, or that comes back after its
   ``/health`` failed and its start time cannot be read, restarted: ``restart_detected`` is
-  set for the bridge to start a new instance and replay from 0.
+  set for the bridge to start a new instance and replay from 0;
+- engine history the bridge could not replay is recorded (``history``, a HistoryLedger) until
+  the view is whole again, and every dump carries it: a dump never passes for the engine's
+  cache when it is only the bridge's partial view of it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.aio import cancel_and_wait
@@ -37,14 +40,17 @@ from services.common.kvdump import KvDumpServer
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
     AllBlocksCleared,
+    EngineHistoryLost,
     KvDumpRequest,
     KvEvent,
     KvEventBatch,
     WorkerCapacity,
     WorkerHeartbeat,
+    to_builtins,
 )
 from services.common.service import metrics_handler
 from services.common.streams import require_kv_events_stream
+from services.kv_indexer.bridges.history import HistoryLedger, LossReason
 from services.kv_indexer.bridges.rekey import Rekeyer
 
 log = get_logger("bridge")
@@ -69,6 +75,17 @@ BRIDGE_RESETS = Counter(
     "Times a bridge dropped what it knew of its engine and resynced from the engine's replay "
     "(engine restart or history that cannot be recovered), by reason",
     ["reason"],
+)
+BRIDGE_HISTORY_LOST = Counter(
+    "kvgate_bridge_history_lost_total",
+    "Engine history a bridge could not replay (its view, and the index, may lack blocks the "
+    "engine holds; index verify says unknown), by reason",
+    ["reason"],
+)
+BRIDGE_UNVERIFIABLE = Gauge(
+    "kvgate_bridge_history_incomplete",
+    "1 while the bridge's view lacks engine history it could not replay (until the engine "
+    "restarts or clears its cache), else 0",
 )
 
 
@@ -151,6 +168,7 @@ class BridgeRuntime:
         self.engine_start_time: float | None = None
         self._engine_was_down = False
         self.resets: dict[str, int] = {}
+        self.history = HistoryLedger()
         self.instance_id = uuid.uuid4().hex[:16]
         self.out_seq = -1  # last assigned
         self.published_seq = -1
@@ -192,7 +210,9 @@ class BridgeRuntime:
     async def start(self) -> None:
         await require_kv_events_stream(self.bus)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
-        self._sub = KvDumpServer(self.bus, self.worker_id, self._on_dump)  # chunked dumps
+        self._sub = KvDumpServer(  # chunked dumps, each saying which engine history is lost
+            self.bus, self.worker_id, self._on_dump, history_lost=self.history_report
+        )
         await self._sub.start()
         self.emit([AllBlocksCleared()])  # seq 0: this instance starts empty (dumps need a seq)
         self._tasks.append(asyncio.create_task(self._publisher(), name="bridge-publish"))
@@ -211,6 +231,8 @@ class BridgeRuntime:
         """The engine restarted (or its history cannot be recovered): forget its blocks,
         number batches afresh; the indexer clears the old instance's blocks."""
         self.rekeyer.reset()
+        self.history.forget()  # a caller that lost history notes it after the reset
+        BRIDGE_UNVERIFIABLE.set(0)
         self.instance_id = uuid.uuid4().hex[:16]
         self.out_seq = -1
         self.published_seq = -1
@@ -223,6 +245,41 @@ class BridgeRuntime:
             reason=reason,
             instance=self.instance_id,
         )
+
+    def history_lost(
+        self,
+        reason: LossReason,
+        first_lost_seq: int,
+        last_lost_seq: int,
+        view_from_seq: int,
+        detail: str = "",
+    ) -> None:
+        """Engine batches ``first_lost_seq..last_lost_seq`` will never be applied: until the
+        view is whole again, dumps say so (index verify: unknown, not equal)."""
+        lost = self.history.note_loss(
+            reason,
+            first_lost_seq,
+            last_lost_seq,
+            view_from_seq,
+            self.rekeyer,
+            kv_seq=self.out_seq,
+            detail=detail,
+        )
+        BRIDGE_HISTORY_LOST.labels(reason).inc()
+        BRIDGE_UNVERIFIABLE.set(1)
+        log.warning(
+            "engine history lost: the index cannot be verified against the engine",
+            worker_id=self.worker_id,
+            reason=reason,
+            first_lost_seq=lost.first_lost_seq,
+            last_lost_seq=lost.last_lost_seq,
+            view_from_seq=lost.view_from_seq,
+            detail=detail,
+        )
+
+    def history_report(self) -> EngineHistoryLost | None:
+        """The engine history this bridge lost, with its evidence so far (None: none)."""
+        return self.history.report(self.rekeyer)
 
     def mark_ready(self) -> None:
         """The engine's history has been replayed (as far as it keeps one)."""
@@ -238,6 +295,12 @@ class BridgeRuntime:
     # ------------------------------------------------------------------ output
     def emit(self, events: list[KvEvent], ts: float | None = None) -> None:
         """Queue canonical events as the next batch (no await: seq order = state order)."""
+        if self.history.after_batch(self.rekeyer):
+            BRIDGE_UNVERIFIABLE.set(0)
+            log.info(
+                "engine cleared its cache: the lost history no longer matters",
+                worker_id=self.worker_id,
+            )
         if not events:
             return
         self.out_seq += 1
@@ -396,6 +459,7 @@ class BridgeRuntime:
             "bad_input": dict(self.rekeyer.counts),
             "skipped": dict(self.rekeyer.skipped),
             "resets": dict(self.resets),
+            "history_lost": to_builtins(lost) if (lost := self.history_report()) else None,
         }
 
     def make_app(self) -> web.Application:

@@ -6,6 +6,11 @@ vLLM. ``event_id`` increases by one per event; the endpoint has no replay, so a 
 counted (``seq_gap_unrecovered``) and the indexer's view of this worker is repaired by the
 usual path (its blocks age out through removals; a fresh ``created`` event or an engine
 restart starts clean). An ``event_id`` that falls back (engine restart) starts a new instance.
+
+History lost -- a jump in ``event_id``, or a first event past id 0 that is not the engine's
+``created`` event (the bridge started after the engine's first events were drained or
+dropped) -- is recorded in the runtime's history ledger: until the engine restarts or clears
+its cache, dumps say the view lacks it and ``index verify`` answers unknown, not equal.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from services.kv_indexer.bridges.runtime import BRIDGE_GAPS, BridgeRuntime
 
 log = get_logger("bridge.trtllm")
 
+NO_REPLAY = "TensorRT-LLM's /kv_cache_events has no replay: events not polled are gone"
+
 
 class TrtllmBridge:
     def __init__(self, runtime: BridgeRuntime, url: str, poll_s: float = 0.05) -> None:
@@ -32,6 +39,7 @@ class TrtllmBridge:
         self.events = 0
         self.gaps = 0
         self.errors = 0
+        self.view_from = 0  # event id of the first event of the current view
 
     def handle_body(self, body: bytes) -> None:
         """One poll's reply: check event ids, re-key, queue one canonical batch."""
@@ -47,12 +55,20 @@ class TrtllmBridge:
                     self.rt.emit(self.rt.rekeyer.trtllm_events(keep))
                     keep = []
                     self.rt.new_instance("engine_restarted")
+                    self.view_from = ev.event_id
                 else:
                     continue  # duplicate
             elif last is not None and ev.event_id > last + 1:
                 self.gaps += 1
                 BRIDGE_GAPS.inc()
                 self.rt.bad("seq_gap_unrecovered", f"events {last + 1}..{ev.event_id - 1} lost")
+                self.rt.history_lost(
+                    "unrecovered_gap", last + 1, ev.event_id - 1, self.view_from, NO_REPLAY
+                )
+            elif last is None:
+                self.view_from = ev.event_id
+                if ev.event_id > 0 and not isinstance(ev.data, TCreated):
+                    self.rt.history_lost("lost_history", 0, ev.event_id - 1, ev.event_id, NO_REPLAY)
             self.last_event_id = ev.event_id
             keep.append(ev)
         self.events += len(keep)

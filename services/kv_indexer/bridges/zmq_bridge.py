@@ -26,6 +26,11 @@ indexer drops the old blocks -- then replays from 0, and is counted by reason):
 - ``lost_history``: at start (or after a reset) the replay begins past seq 0: the engine's
   earliest batches are gone (short replay buffer); the blocks they stored cannot be keyed.
 
+History lost (``lost_history``, ``unrecovered_gap``, or batches missing after an engine restart
+with no replay to fill them) is recorded in the runtime's history ledger, with the engine seq
+the view starts at and why the replay could not help; every dump says so until the view is
+whole again (see runtime, history).
+
 Start: the bridge waits for the engine's block size, replays from seq 0 and only then says
 it is ready; while idle it asks the replay socket for anything after its last seq every
 ``tail_check_s`` (a lost last batch is refilled without waiting for the next one).
@@ -109,6 +114,8 @@ class ZmqBridge:
         self.expected: int | None = None  # next engine seq (None: nothing applied yet)
         self.recent: dict[int, int] = {}  # seq -> payload digest of recently applied batches
         self.last_live = -1  # highest seq received on the live socket (this engine process)
+        self.view_from = 0  # engine seq of the first batch in the current view
+        self.replay_note = ""  # what the last replay request found (why a gap stayed open)
         self.gaps = 0
         self.replays = 0
         self.replay_failures = 0
@@ -123,6 +130,8 @@ class ZmqBridge:
     # ------------------------------------------------------------------ engine batches
     def handle(self, seq: int, payload: bytes) -> None:
         """Apply one engine batch that is next in order (decode, re-key, queue)."""
+        if self.expected is None:
+            self.view_from = seq
         self.expected = seq + 1
         d = _digest(payload)
         recent = self.recent
@@ -160,9 +169,16 @@ class ZmqBridge:
                 await self.replay(0)
             if self.expected is not None and seq < self.expected:
                 return
-            if seq > (self.expected or 0):
-                self.rt.bad(
-                    "seq_gap_unrecovered", f"engine batches {self.expected or 0}..{seq - 1} lost"
+            if seq > (self.expected or 0):  # the new process's first batches are gone
+                first = self.expected or 0
+                self.rt.bad("seq_gap_unrecovered", f"engine batches {first}..{seq - 1} lost")
+                fresh = self.expected is None
+                self.rt.history_lost(
+                    "lost_history" if fresh else "unrecovered_gap",
+                    first,
+                    seq - 1,
+                    seq if fresh else self.view_from,
+                    self._why(),
                 )
             self.handle(seq, payload)
             return
@@ -198,10 +214,18 @@ class ZmqBridge:
         blocks those batches stored cannot be keyed (their children count unknown_parent)."""
         self.rt.bad("seq_gap_unrecovered", f"engine batches {first_missing}..{seq - 1} lost")
         self.rt.new_instance("lost_history")
+        self.rt.history_lost("lost_history", first_missing, seq - 1, seq, self._why())
 
     def _unrecovered(self, first_missing: int, seq: int) -> None:
         self.rt.bad("seq_gap_unrecovered", f"engine batches {first_missing}..{seq - 1} lost")
         self.reset("unrecovered_gap")
+        self.rt.history_lost("unrecovered_gap", first_missing, seq - 1, seq, self._why())
+
+    def _why(self) -> str:
+        """Why a gap could not be filled, for the operator reading ``index verify``."""
+        if not self.replay_endpoint:
+            return "the engine has no replay endpoint (--replay-endpoint)"
+        return self.replay_note
 
     async def _fetch(self, start: int) -> list[tuple[int, bytes]] | None:
         """The engine's buffered batches from ``start`` (None when the replay failed)."""
@@ -223,9 +247,19 @@ class ZmqBridge:
                     break
                 out.append(parsed)
             BRIDGE_REPLAYS.labels("ok").inc()
+            if not out:
+                self.replay_note = f"the engine's replay from seq {start} was empty"
+            elif out[0][0] > start:
+                self.replay_note = (
+                    f"the engine's replay buffer no longer held them: asked from seq {start}, "
+                    f"it began at seq {out[0][0]}"
+                )
+            else:
+                self.replay_note = f"the engine's replay from seq {start} ended at {out[-1][0]}"
             return out
         except (TimeoutError, zmq.ZMQError) as exc:
             self.replay_failures += 1
+            self.replay_note = f"the engine's replay failed: {exc!s}"[:200]
             BRIDGE_REPLAYS.labels("failed").inc()
             self.rt.bad("replay_failed", str(exc))
             return None
