@@ -13,7 +13,12 @@ Invariants:
   ``AllBlocksCleared`` batch (a restarted worker starts empty); a batch dropped by a fault still
   uses its seq; heartbeats carry ``kv_seq`` = the last seq handled (published or dropped);
 - a kvdump (services.common.kvdump, chunked: any cache size) carries the latest assigned seq
-  (it does not advance it) and the full cache as of that seq.
+  and the full cache as of exactly that seq. The engine changes its cache when a step is
+  scheduled, but the loop publishes the step's events after the step's simulated duration;
+  a dump that arrives in between first publishes them (giving them their seq), so the cache
+  it reads is never ahead of the seq it names. (It used to be: the indexer's verifier then
+  compared the index at seq S with a cache at S + 1 and "repaired" a divergence that the next
+  batch would have closed.)
 """
 
 from __future__ import annotations
@@ -147,6 +152,9 @@ class SimWorker:
         if not self.faults.hang:
             self._not_hung.set()
         self._busy_until = 0.0
+        # the running step's KV events: in the engine's cache already, published (given a
+        # seq) when the step's simulated duration is over, or earlier by a kvdump
+        self._step_kv: tuple[list[KvEvent], list[EventMeta | None]] | None = None
         self.zmq: ZmqPublisher | None = None
 
     async def start(self) -> None:
@@ -283,6 +291,8 @@ class SimWorker:
             out = self.engine.step(now * speed)
             if out is None:
                 continue
+            if out.kv_events:
+                self._step_kv = (out.kv_events, out.kv_event_meta)
             self.busy_sim_s += out.duration_s * self.faults.slow_factor
             dur = out.duration_s * self.faults.slow_factor / speed
             start = max(self._busy_until, now - MAX_LAG_S)
@@ -300,8 +310,13 @@ class SimWorker:
             mono_shift = time.monotonic() - loop.time()
             self.gpu.record_step(start + mono_shift, self._busy_until + mono_shift, out)
             self._deliver(out)
-            if out.kv_events:
-                self._emit_kv(out.kv_events, out.kv_event_meta)
+            self._publish_step_kv()
+
+    def _publish_step_kv(self) -> None:
+        """Give the running step's KV events their seq and queue them (once)."""
+        step_kv, self._step_kv = self._step_kv, None
+        if step_kv is not None:
+            self._emit_kv(*step_kv)
 
     def _deliver(self, out: StepOutput) -> None:
         for rid, toks in out.tokens.items():
@@ -365,6 +380,9 @@ class SimWorker:
             self.kv_seq_done = max(self.kv_seq_done, seq)
 
     async def _on_kvdump(self, req: KvDumpRequest) -> KvEventBatch:
+        # the cache already holds the running step's changes: name their seq (no await
+        # between this, reading the cache and reading the seq)
+        self._publish_step_kv()
         events: list[KvEvent] = [AllBlocksCleared()]
         events.extend(self.engine.dump_cache())  # KvDumpServer logs the dump
         return KvEventBatch(
