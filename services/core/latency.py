@@ -147,6 +147,20 @@ def predict_fast(
     return ttft, ov + decode_step + own, prefill_s + output * own, prefill_s
 
 
+def step_s(
+    c: StepCoefficients | list[float],
+    decoding: int,
+    kv_tokens: float,
+    prefill_tokens: float = 0.0,
+    prefill_context: float = 0.0,
+) -> float:
+    """One engine step's predicted duration with this work: the inter-token time of the
+    sequences decoding in it (the quantity :meth:`LatencyModel.observe_step` fits)."""
+    th = c.as_list() if isinstance(c, StepCoefficients) else c
+    x = step_features(prefill_tokens, prefill_context, decoding, kv_tokens)
+    return th[0] * x[0] + th[1] * x[1] + th[2] * x[2] + th[3] * x[3] + th[4] * x[4]
+
+
 def ttft_features(load: WorkerLoad, uncached: float, prompt: float) -> list[float]:
     """The regressors of an observed TTFT (coefficients dotted with these = predicted TTFT)."""
     d = load.decoding

@@ -9,6 +9,7 @@ from services.common import settings as S
 from services.common.service import run_service
 from services.router.outlier import OPTIONS as OUTLIER_OPTIONS
 from services.router.public_surface import OPTIONS as PUBLIC_SURFACE_OPTIONS
+from services.router.stall import OPTIONS as STALL_OPTIONS
 
 OPTIONS = S.COMMON + (
     *PUBLIC_SURFACE_OPTIONS,
@@ -95,7 +96,7 @@ OPTIONS = S.COMMON + (
         "stream_idle_timeout",
         60.0,
         "streaming: max seconds between events (first one included) before the worker "
-        "counts as failed",
+        "counts as failed (after the first token, --stall-factor may judge sooner)",
         env="KVGATE_ROUTER_STREAM_IDLE_TIMEOUT",
     ),
     S.option(
@@ -155,6 +156,7 @@ OPTIONS = S.COMMON + (
 
 
 OPTIONS += OUTLIER_OPTIONS
+OPTIONS += STALL_OPTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +179,7 @@ def main(args: argparse.Namespace) -> int:
     from services.router.app import parse_policy_option, serve
     from services.router.conn_limits import ConnLimits
     from services.router.openai_extras import passthrough_paths
+    from services.router.stall import StallBound
 
     st = S.resolve(args, OPTIONS)
     try:
@@ -188,6 +191,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"invalid --passthrough-paths: {exc}") from None
     ConnLimits.from_settings(st)  # a bad connection limit stops the router before it starts
+    try:
+        StallBound.from_settings(st)
+    except ValueError as exc:
+        raise SystemExit(f"invalid stall detection option: {exc}") from None
     try:
         parse_allowlist(st.worker_url_allow)
     except ValueError as exc:

@@ -74,6 +74,13 @@ RETRIES = LoopCounter(
 MIGRATIONS = LoopCounter(
     "kvgate_router_migrations_total", "Streams moved to another worker mid-way", ["result"]
 )
+STREAM_STALLS = LoopCounter(
+    "kvgate_router_stream_stalls_total",
+    "Streams whose worker went silent after the first token, treated as broken (they migrate) "
+    "(bound: predicted = the stall bound from the latency model, idle_timeout = "
+    "--stream-idle-timeout)",
+    ["bound"],
+)
 BREAKER = LoopGauge(
     "kvgate_router_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["worker"]
 )

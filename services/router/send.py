@@ -6,20 +6,24 @@ event (``sse``).
 
 Invariants: a failure before the client saw anything raises :class:`WorkerFailed` (the
 request path retries elsewhere); a failure after output raises :class:`StreamBroken`, handled
-here by the migrator (the client's stream continues elsewhere); 5xx other than 503 is passed
+here by the migrator (the client's stream continues elsewhere), a stream silent past its stall
+bound after its first token (:mod:`services.router.stall`) included; 5xx other than 503 is passed
 through and counted against the worker's breaker; a complete answer counts as a breaker
 success; the first token (or the whole answer) is reported to the dispatcher exactly once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, NoReturn, Protocol
 
 import aiohttp
 import msgspec
 
+from services.common.logging import get_logger
 from services.core.cluster import ClusterState, Ticket
+from services.router import metrics as M
 from services.router import sse
 from services.router.circuits import Circuits
 from services.router.dispatch import Dispatcher
@@ -36,8 +40,11 @@ from services.router.proxy import (
     worker_headers,
     write,
 )
+from services.router.stall import StallBound
 from services.router.upstream import FastClient, Stream, UpstreamError
 from services.router.usage import continued_usage
+
+log = get_logger("router")
 
 
 class _UsageOnly(msgspec.Struct):
@@ -83,6 +90,7 @@ class Sender:
         self.migrator: StreamMigrator | None = None  # set by the router (migrate.Migrator)
         # streams keep their text only when a broken one can continue elsewhere
         self.keep_text = getattr(st, "max_migrations", 1) > 0
+        self.stall = StallBound.from_settings(st)
 
     async def send(self, request: Request, ctx: Ctx, ticket: Ticket) -> Reply:
         wid = ticket.worker_id
@@ -250,9 +258,16 @@ class Sender:
         rest = last = b""
         seen_done = False
         first_seen = False  # this attempt's first token (a continuation has its own ticket)
+        # past the first token: the longest silence before the stream counts as stalled
+        # (None: the idle timeout, until the first token or with stall detection off)
+        stall_s: float | None = None
         try:
             while not seen_done:
-                data = await resp.content.readany()
+                if stall_s is None or isinstance(resp, Stream):
+                    data = await resp.content.readany()
+                else:  # aiohttp (https workers): its read timeout is the idle timeout
+                    async with asyncio.timeout(stall_s):
+                        data = await resp.content.readany()
                 if not data:
                     break
                 buf = rest + data if rest else data
@@ -295,6 +310,9 @@ class Sender:
                     if text and not first_seen:
                         first_seen = True
                         self.dispatcher.first_token(ctx, ticket)
+                        stall_s = self._stall_bound(ctx, wid)
+                        if stall_s is not None and isinstance(resp, Stream):
+                            resp.idle_timeout = stall_s  # read by each wait from now on
                     if wire is not None:
                         outgoing.append(wire)
                 if outgoing:
@@ -305,10 +323,12 @@ class Sender:
                         break
                     await write(out, last)
         except TimeoutError as exc:
-            resp.release()
             if not out.prepared:
+                resp.release()
                 raise WorkerFailed(wid, "stream stalled before output", timeout=True) from exc
-            raise StreamBroken(wid, "stream stalled") from exc
+            # closed, not parked: a hung engine that wakes stops generating for nobody
+            resp.close()
+            raise self._stalled(ctx, wid, stall_s) from exc
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
             resp.release()
             if isinstance(exc, ConnectionResetError) and request.transport is None:
@@ -337,6 +357,42 @@ class Sender:
             # update is not on the client's wait
             if not reframe and not ctx.migrated:
                 self.dispatcher.decoded(ctx, ticket, ended_at)
+
+    def _stall_bound(self, ctx: Ctx, wid: str) -> float | None:
+        """The stall bound of ``wid``'s stream now that its first token is out (None: no
+        tighter than the idle timeout)."""
+        if not self.stall.enabled:
+            return None
+        bound = self.stall.bound_s(ctx.arm.policy, wid, *self._decode_load(ctx, wid))
+        return bound if bound < self.stall.idle_s else None
+
+    def _decode_load(self, ctx: Ctx, wid: str) -> tuple[int, float]:
+        """The sequences in flight on ``wid`` (this one included) and this request's mean
+        context over its decode (what the latency model predicts a step from)."""
+        s = self.state.states.get(wid)
+        p = ctx.parsed
+        return (s.inflight if s is not None else 1), len(p.token_ids) + p.max_tokens / 2.0
+
+    def _stalled(self, ctx: Ctx, wid: str, stall_s: float | None) -> StreamBroken:
+        """A stream silent past its bound after output: counted, logged, broken (migrates)."""
+        kind = "predicted" if stall_s is not None else "idle_timeout"
+        bound = stall_s if stall_s is not None else self.stall.idle_s
+        M.child(M.STREAM_STALLS, kind).inc()
+        gap, _ = self.stall.gaps_s(ctx.arm.policy, wid, *self._decode_load(ctx, wid))
+        log.warning(
+            "stream stalled",
+            request_id=ctx.request_id,
+            worker=wid,
+            bound=kind,
+            silent_s=round(bound, 3),
+            predicted_itl_ms=round(gap * 1000.0, 2),
+            chunks=ctx.chunks,
+        )
+        return StreamBroken(
+            wid,
+            f"stream stalled: no token for {bound:.1f} s"
+            + (f" ({self.stall.factor:g} x predicted {gap * 1000:.0f} ms)" if stall_s else ""),
+        )
 
     def _inspected(
         self, ctx: Ctx, ev: bytes, payload: bytes, chat: bool, reframe: bool
