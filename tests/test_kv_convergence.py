@@ -35,7 +35,7 @@ from services.common.streams import require_kv_events_stream
 from services.common.subjects import Subjects
 from services.kv_indexer.app import IndexerService
 from services.kv_indexer.divergence import apply_events
-from services.kv_indexer.verifier import CHECKS, DIVERGENT, REPAIRS
+from services.kv_indexer.verifier import CHECKS, DIVERGENT, repairs_total
 from services.worker_sim.app import _heartbeats
 from services.worker_sim.cachefill import fill_cache
 from services.worker_sim.worker import SimWorker
@@ -210,12 +210,12 @@ async def test_background_verifier_finds_and_repairs_divergence(
         await wait_until(lambda: "v0" in svc.core.workers)
         await churn(workers, 3_000, seed=5)
         await wait_until(lambda: index_equals(svc, workers), what="events applied")
-        repairs = REPAIRS._value.get()
+        repairs = repairs_total()
         # the index loses pairs behind the indexer's back (nothing a seq number would show)
         lost = list(truth(w))[:25]
         svc.core.index.apply_removed("v0", lost)
         await wait_until(
-            lambda: REPAIRS._value.get() > repairs, timeout=15, what="divergence found"
+            lambda: repairs_total() > repairs, timeout=15, what="divergence found"
         )
         assert svc.core.counts["resync:verify"] >= 1
         await wait_until(lambda: index_equals(svc, workers), what="repaired")

@@ -10,7 +10,9 @@
 - While NATS is down no heartbeat can arrive, so workers are kept (the expiry clock stands
   still); when it is back, workers whose heartbeat shows lost batches resync at once.
 - Verification (services.kv_indexer.verifier): ``kv.index.verify`` on request, and a
-  background check paced to ``verify_cpu_share`` of a core that repairs what it finds.
+  background check paced to ``verify_cpu_share`` of a core that repairs what it finds; a
+  repair is counted per worker and alerted once per incident (``index_repaired``, resolved
+  after ``verify_alert_quiet_s`` without one).
 - Deltas: ordered IndexDelta on ``kv.index.delta`` (one publisher task keeps the order);
   snapshots: SnapshotRequest on ``kv.index.snapshot`` answered with SnapshotChunk messages.
 - Queries: ``kv.query`` (KvQuery -> KvQueryReply); HTTP /health, /metrics, /debug/workers,
@@ -128,6 +130,7 @@ class IndexerService:
         durable: str | None = None,
         ack_every: int = 512,  # ack-all every this many messages (and at each burst end)
         verify_cpu_share: float = 0.01,  # background verifier's share of a core (0: off)
+        verify_alert_quiet_s: float = 300.0,  # a repair incident resolves after this quiet
         ha_id: str | None = None,  # join the namespace's HA group (services/kv_indexer/lease.py)
         lease_ttl_s: float = 1.5,
     ) -> None:
@@ -185,6 +188,8 @@ class IndexerService:
             self._resync,
             cpu_share=verify_cpu_share or 0.01,
             chunk_timeout_s=dump_timeout_s,
+            alert_quiet_s=verify_alert_quiet_s,
+            indexer_name=ha_id or "indexer",
         )
 
     # ------------------------------------------------------------------ bad input

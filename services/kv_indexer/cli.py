@@ -75,6 +75,13 @@ OPTIONS = S.COMMON + (
         "one worker at a time and repairs what diverges)",
         env="KVGATE_INDEXER_VERIFY_CPU_SHARE",
     ),
+    S.option(
+        "verify_alert_quiet",
+        300.0,
+        "seconds without a repair (and an equal check) before a worker's index_repaired "
+        "alert resolves; repairs meanwhile raise no new alert",
+        env="KVGATE_INDEXER_VERIFY_ALERT_QUIET",
+    ),
 )
 
 
@@ -104,6 +111,7 @@ async def serve(st, stop: asyncio.Event) -> None:
         default_block_size=st.block_size,
         dump_timeout_s=st.dump_timeout,
         verify_cpu_share=st.verify_cpu_share,
+        verify_alert_quiet_s=st.verify_alert_quiet,
         ha_id=st.ha_id or None,
         lease_ttl_s=st.lease_ttl,
     )
@@ -117,5 +125,13 @@ async def serve(st, stop: asyncio.Event) -> None:
         await bus.close()
 
 
+def check_settings(st) -> None:
+    """Stop before starting, naming the flag, on a value the indexer cannot run with."""
+    if not st.verify_alert_quiet > 0:
+        raise SystemExit(f"invalid --verify-alert-quiet {st.verify_alert_quiet}: must be > 0 s")
+
+
 def main(args: argparse.Namespace) -> int:
-    return run_service("indexer", serve, S.resolve(args, OPTIONS))
+    st = S.resolve(args, OPTIONS)
+    check_settings(st)
+    return run_service("indexer", serve, st)

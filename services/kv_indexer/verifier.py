@@ -7,7 +7,10 @@ index applied after S onto the dump). Two users:
 - ``kv.index.verify`` (IndexVerifyRequest -> IndexVerifyReply): ``kvgate index verify``
   asks for every (or some) worker and prints the difference per worker;
 - a background loop that checks one worker at a time, round robin, repairs (resyncs) a
-  divergent worker and sets ``kvgate_index_divergent_blocks{worker}``. It paces itself to
+  divergent worker and sets ``kvgate_index_divergent_blocks{worker}``. A repair is counted
+  (``kvgate_index_verify_repairs_total{worker,reason}``, the pairs it fixed in
+  ``kvgate_index_verify_repaired_blocks_total{worker,kind}``) and alerted once per incident
+  (services.kv_indexer.repair_incidents: ``index_repaired``, warning). It paces itself to
   ``cpu_share`` of one core: after a check that cost c CPU seconds it waits c / cpu_share
   (at least ``min_interval_s``), so a 1 M-block worker is checked about once a minute and a
   small fleet every few seconds.
@@ -26,10 +29,17 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from services.common.bus import Bus
-from services.common.kvdump import fetch_kvdump, qualify_check
+from services.common.kvdump import fetch_kvdump
 from services.common.logging import RateLimiter, get_logger
-from services.common.schemas import IndexVerifyReply, IndexVerifyRequest, WorkerDivergence
+from services.common.schemas import (
+    Alert,
+    IndexVerifyReply,
+    IndexVerifyRequest,
+    WorkerDivergence,
+)
+from services.common.streams import raise_alert
 from services.kv_indexer.core import IndexerCore
+from services.kv_indexer.repair_incidents import RepairIncidents, repair_reason
 
 log = get_logger("kv_verifier")
 
@@ -40,11 +50,34 @@ DIVERGENT = Gauge(
 )
 CHECKS = Counter("kvgate_index_verify_checks_total", "Index-vs-dump checks, by result", ["result"])
 REPAIRS = Counter(
-    "kvgate_index_verify_repairs_total", "Workers resynced because a check found divergence"
+    "kvgate_index_verify_repairs_total",
+    "Workers resynced because a check found divergence, by what it found "
+    "(reason: missing, extra, missing_and_extra); 0 in a healthy fleet",
+    ["worker", "reason"],
+)
+REPAIRED_BLOCKS = Counter(
+    "kvgate_index_verify_repaired_blocks_total",
+    "Divergent (key, tier) pairs found by checks that started a repair, by kind (missing, extra)",
+    ["worker", "kind"],
+)
+REPAIR_ALERTS = Counter(
+    "kvgate_index_repair_alerts_total",
+    "index_repaired alert signals, by state (firing, resolved) and result (sent, failed)",
+    ["state", "result"],
 )
 CPU = Counter(
     "kvgate_index_verify_cpu_seconds_total", "Indexer CPU time spent checking (upper bound)"
 )
+
+
+def repairs_total() -> float:
+    """Repairs started since the process began, every worker and reason together."""
+    return sum(
+        s.value
+        for m in REPAIRS.collect()
+        for s in m.samples
+        if s.name == "kvgate_index_verify_repairs_total"
+    )
 
 
 class Verifier:
@@ -58,6 +91,8 @@ class Verifier:
         min_interval_s: float = 1.0,
         chunk_timeout_s: float = 5.0,
         settle_s: float = 5.0,
+        alert_quiet_s: float = 300.0,
+        indexer_name: str = "",
     ) -> None:
         if not 0 < cpu_share <= 1:
             raise ValueError("cpu_share must be in (0, 1]")
@@ -72,6 +107,8 @@ class Verifier:
         self.last: dict[str, WorkerDivergence] = {}
         self._log = RateLimiter(60.0)
         self._busy: set[str] = set()
+        self.incidents = RepairIncidents(alert_quiet_s, indexer_name)
+        self._sending: set[asyncio.Task[None]] = set()  # alerts in flight (tasks held)
 
     # ------------------------------------------------------------------ one worker
     async def check(self, worker: str, *, repair: bool, max_sample: int = 10) -> WorkerDivergence:
@@ -94,6 +131,8 @@ class Verifier:
         if result.status in ("equal", "divergent"):
             DIVERGENT.labels(worker).set(result.missing + result.extra)
             self.last[worker] = result
+        if result.status == "equal":
+            self._send(self.incidents.checked_equal(worker, time.monotonic()))
         if result.status == "divergent":
             if self._log.allow(("divergent", worker)):
                 log.warning(
@@ -105,10 +144,42 @@ class Verifier:
                     repair=repair,
                 )
             if repair and self.core.request_repair(worker):
-                REPAIRS.inc()
+                REPAIRS.labels(worker, repair_reason(result)).inc()
+                REPAIRED_BLOCKS.labels(worker, "missing").inc(result.missing)
+                REPAIRED_BLOCKS.labels(worker, "extra").inc(result.extra)
                 result.repaired = True
                 self.resync([worker])
+                self._send(self.incidents.repaired(result, time.monotonic()))
         return result
+
+    def _send(self, alert: Alert | None) -> None:
+        """Publish an alert signal without holding up the check (JetStream acks it)."""
+        if alert is None:
+            return
+
+        async def send() -> None:
+            try:
+                await raise_alert(self.bus, alert)
+            except Exception as exc:  # no alert stream (or NATS down): counted, logged
+                REPAIR_ALERTS.labels(alert.state, "failed").inc()
+                if self._log.allow(("alert", alert.state)):
+                    log.warning(
+                        "index_repaired alert not sent",
+                        worker_id=alert.worker_id,
+                        state=alert.state,
+                        error=repr(exc),
+                    )
+                return
+            REPAIR_ALERTS.labels(alert.state, "sent").inc()
+            log.warning(
+                "index_repaired alert " + alert.state,
+                worker_id=alert.worker_id,
+                summary=alert.summary,
+            )
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _check(self, worker: str, max_sample: int) -> WorkerDivergence:
         if not self.core.verify_begin(worker):
@@ -126,8 +197,8 @@ class Verifier:
         deadline = time.monotonic() + self.settle_s
         while True:
             result = self.core.verify_check(worker, fetched.batch, max_sample)
-            if result is not None:  # a bridge that lost engine history: unknown, not equal
-                return qualify_check(result, fetched.history_lost)
+            if result is not None:
+                return result
             if time.monotonic() > deadline:
                 return WorkerDivergence(
                     worker_id=worker,
@@ -160,6 +231,8 @@ class Verifier:
             for gone in set(self.last) - set(workers):
                 del self.last[gone]
                 DIVERGENT.remove(gone)
+            for gone in set(self.incidents.open) - set(workers):
+                self._send(self.incidents.worker_gone(gone, time.monotonic()))
             if not workers:
                 await asyncio.sleep(self.min_interval_s)
                 continue
@@ -177,6 +250,10 @@ class Verifier:
         return {
             "cpu_share": self.cpu_share,
             "cpu_seconds": round(self.cpu_s, 3),
+            "repair_incidents": {
+                w: {"repairs": i.repairs, "missing": i.missing, "extra": i.extra}
+                for w, i in sorted(self.incidents.open.items())
+            },
             "workers": {
                 w: {"status": r.status, "missing": r.missing, "extra": r.extra, "kv_seq": r.kv_seq}
                 for w, r in sorted(self.last.items())
