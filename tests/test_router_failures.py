@@ -1,5 +1,5 @@
 """Failures: retry on 503 / connect failure / hang, migration mid-stream, circuit breaker with
-half-open probing and alerts on the real bus, cordon / drain from workers.control."""
+half-open trial requests and alerts on the real bus, cordon / drain from workers.control."""
 
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ async def test_breaker_opens_alerts_probes_and_closes(nats_url, subjects, bus: B
         n=2,
         policy='{"name":"weighted","params":{"weights":{"session":1}}}',
         breaker_threshold=3,
+        breaker_recovery_s=0.3,
         max_retries=0,
     )
     r = router.router
@@ -134,14 +135,30 @@ async def test_breaker_opens_alerts_probes_and_closes(nats_url, subjects, bus: B
                 {"x-session-id": sid},
             )
             assert st == 200 and h["x-kvgate-worker"] == "w1"
-            # still failing: half-open probes fail (503 health), circuit stays open
-            await wait_until(
-                lambda: r.breakers["w0"].wait_s > 0.3, what="a failed probe doubled the wait"
+            # still failing: half-open, the session's next request is a trial on w0; it
+            # fails and the circuit re-opens for longer (no new alert)
+            await wait_until(lambda: r.breaker_state("w0") == "half_open", what="half-open")
+            st, h, _ = await post(
+                s,
+                router.url + "/v1/completions",
+                {"model": "m", "prompt": "x"},
+                {"x-session-id": sid},
             )
+            assert st == 500 and h["x-kvgate-worker"] == "w0"
+            assert r.breaker_state("w0") == "open" and r.breakers["w0"].wait_s == 0.6
             workers[0].mode = "ok"
-            await wait_until(
-                lambda: r.breaker_state("w0") == "closed", what="probe closed the circuit"
-            )
+            # recovered: three trials succeed and close it; closed 0.3 s ends the incident
+            await wait_until(lambda: r.breaker_state("w0") == "half_open", what="half-open")
+            for _ in range(3):
+                st, h, _ = await post(
+                    s,
+                    router.url + "/v1/completions",
+                    {"model": "m", "prompt": "x"},
+                    {"x-session-id": sid},
+                )
+                assert st == 200 and h["x-kvgate-worker"] == "w0"
+            assert r.breaker_state("w0") == "closed"
+            assert alerts.empty()  # re-opening and closing inside the incident: no alert
             resolved = await asyncio.wait_for(alerts.get(), 10)
             assert resolved.state == "resolved" and resolved.fingerprint == "circuit_open:w0"
             st, h, _ = await post(

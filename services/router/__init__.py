@@ -21,8 +21,9 @@ The request path, in order (each step one module, each module's docstring states
 
 Beside the request path, each with a narrow interface to it:
 
-- ``circuits``: per-worker breakers (``breaker``), half-open health probes and their alerts;
-  the request path reports ``success`` / ``failure``, the decision sees ``circuit_open``.
+- ``circuits``: per-worker breakers (``breaker``: half-open trial requests, growing open
+  times) and one alert per incident; the request path reports ``sent`` / ``success`` /
+  ``failure``, the decision sees ``circuit_open``.
 - ``load_share``: this router's in-flight counts out (``router.load``) and other routers' in.
 - ``cluster_feed``: heartbeats, telemetry and worker control into ``ClusterState``.
 - ``policy_reload``: applies ``policy.updated`` (and the newest stored one at start).

@@ -49,7 +49,7 @@ from services.core.policy import DEFAULT_POLICY, build_policy
 from services.core.url_pin import DEFAULT_KEEP_DEPARTED_S, UrlPins, parse_allowlist
 from services.router import openai_extras
 from services.router.admission import Admission
-from services.router.breaker import Breaker
+from services.router.breaker import Breaker, breaker_config
 from services.router.canary import PolicySet
 from services.router.circuits import Circuits
 from services.router.cluster_feed import ClusterFeed
@@ -144,9 +144,7 @@ class Router:
             self.state,
             self.capacity,
             self.spawner,
-            threshold=st.breaker_threshold,
-            open_s=st.breaker_open_s,
-            probe_timeout_s=st.connect_timeout + 1,
+            breaker_config(st),
         )
         self.sweeper = Sweeper(bus, self.state, self.circuits, self.capacity)
         self.outcomes = OutcomePublisher(bus, maxsize=st.outcome_buffer)
@@ -245,7 +243,7 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True),
             auto_decompress=False,
         )
-        self.circuits.session = self.dispatcher.session = self.sender.session = self.session
+        self.dispatcher.session = self.sender.session = self.session
         s = self.bus.subjects
         self._subs = [
             await self.bus.subscribe(

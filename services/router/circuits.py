@@ -1,21 +1,26 @@
-"""Circuit breaking for the router: one :class:`Breaker` per worker, half-open health probes,
-and the ``circuit_open`` alert (firing when a circuit opens, resolved when it closes).
+"""Circuit breaking for the router: one :class:`~services.router.breaker.Breaker` per worker
+(the model and its parameters are in :mod:`services.router.breaker`), the worker's
+``circuit_open`` in the cluster state, and the ``circuit_open`` alert.
 
-Interface to the request path: :meth:`Circuits.success` / :meth:`Circuits.failure` after each
-attempt, with the monotonic time the attempt was sent (only evidence from after a circuit
-opened moves it, see :mod:`services.router.breaker`); the decision sees the result through ``ClusterState.set_breaker_open`` (the worker's
-``circuit_open``). The sweeper calls :meth:`Circuits.tick`.
+Interface to the request path: :meth:`Circuits.sent` when a request is dispatched to a worker
+(a half-open circuit counts its trials there), :meth:`Circuits.success` /
+:meth:`Circuits.failure` after each attempt with the monotonic time it was sent. The sweeper
+calls :meth:`Circuits.tick` every 100 ms.
 
-Invariants: a worker's circuit is open in the cluster state exactly while its breaker is open
-or half-open with a probe in flight; at most one probe per worker at a time; alerts are sent
-off the request path and a failure to send them is logged (rate-limited), never raised.
+Invariants:
+- a worker's ``circuit_open`` in the cluster state is True exactly while its breaker is not
+  :attr:`~services.router.breaker.Breaker.routable` (open, or half-open with all its trials
+  admitted);
+- one ``circuit_open`` alert per incident: ``firing`` at its first opening, ``resolved`` when
+  it ends (closed for ``recovery_s``, or the worker left the cluster); re-openings inside an
+  incident are logged and counted (``kvgate_router_breaker_openings_total``), not alerted;
+- alerts are sent off the request path; a failure to send one is logged (rate-limited), never
+  raised.
 """
 
 from __future__ import annotations
 
 import time
-
-import aiohttp
 
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
@@ -23,7 +28,7 @@ from services.common.schemas import Alert
 from services.common.streams import raise_alert
 from services.core.cluster import ClusterState
 from services.router import metrics as M
-from services.router.breaker import STATE_VALUE, Breaker
+from services.router.breaker import CLOSED, HALF_OPEN, OPEN, STATE_VALUE, Breaker, BreakerConfig
 from services.router.signals import CapacitySignal, Spawner
 
 log = get_logger("router")
@@ -37,48 +42,52 @@ class Circuits:
         state: ClusterState,
         capacity: CapacitySignal,
         spawner: Spawner,
-        threshold: int,
-        open_s: float,
-        probe_timeout_s: float,
+        config: BreakerConfig,
     ) -> None:
         self.router_id = router_id
         self.bus = bus
         self.state = state
         self.capacity = capacity
         self.spawner = spawner
-        self.threshold = threshold
-        self.open_s = open_s
-        self.probe_timeout_s = probe_timeout_s
+        self.config = config
         self.breakers: dict[str, Breaker] = {}
-        self.session: aiohttp.ClientSession | None = None  # set by the router at start
         self._log = RateLimiter(30.0)
 
     def state_of(self, wid: str) -> str:
         br = self.breakers.get(wid)
-        return "closed" if br is None else br.state
+        return CLOSED if br is None else br.state
 
     def _breaker(self, wid: str) -> Breaker:
         br = self.breakers.get(wid)
         if br is None:
-            br = self.breakers[wid] = Breaker(threshold=self.threshold, open_s=self.open_s)
+            br = self.breakers[wid] = Breaker(self.config)
             M.BREAKER.labels(wid).set(0)
         return br
 
-    def success(self, wid: str, sent_at: float) -> None:
-        """A request (or probe) sent to ``wid`` at ``sent_at`` (monotonic) succeeded."""
+    def sent(self, wid: str) -> None:
+        """A request was dispatched to ``wid`` (called right after the decision, before any
+        other decision can run, so a half-open circuit admits exactly its trials)."""
         br = self.breakers.get(wid)
-        if br is None or (br.state == "closed" and br.failures == 0):
+        if br is None or br.state != HALF_OPEN:
+            return
+        br.sent()
+        if not br.routable:
+            self.state.set_breaker_open(wid, True)  # the last trial: wait for the verdicts
+
+    def success(self, wid: str, sent_at: float) -> None:
+        """A request sent to ``wid`` at ``sent_at`` (monotonic) succeeded."""
+        br = self.breakers.get(wid)
+        if br is None or (br.state == CLOSED and br.failures == 0):
             return
         was = br.state
-        br.success(sent_at)
-        if was != "closed" and br.state == "closed":
+        if br.success(time.monotonic(), sent_at) == CLOSED and was != CLOSED:
             self.state.set_breaker_open(wid, False)
             M.BREAKER.labels(wid).set(0)
-            log.info("circuit closed", worker=wid)
-            self._alert(
-                wid,
-                "resolved",
-                f"circuit_open resolved: worker {wid} answers again, circuit closed",
+            log.info(
+                "circuit closed: trial requests succeeded",
+                worker=wid,
+                trials=br.config.trial_requests,
+                recovery_s=br.config.recovery_s,
             )
             self.capacity.notify()
 
@@ -86,47 +95,67 @@ class Circuits:
         """A request sent at ``sent_at`` (default: now) failed."""
         br = self._breaker(wid)
         was = br.state
-        br.failure(time.monotonic(), sent_at)
-        if br.state == "open":
-            self.state.set_breaker_open(wid, True)
-            M.BREAKER.labels(wid).set(2)
-            if was == "closed":
-                log.warning("circuit opened", worker=wid, reason=reason, failures=br.failures)
-                self._alert(
-                    wid,
-                    "firing",
-                    f"circuit open for worker {wid} after {br.failures} consecutive failures ({reason})",
-                )
+        if br.failure(time.monotonic(), sent_at) != OPEN or was == OPEN:
+            return
+        self.state.set_breaker_open(wid, True)
+        M.BREAKER.labels(wid).set(2)
+        M.BREAKER_OPENINGS.labels(wid).inc()
+        log.warning(
+            "circuit opened",
+            worker=wid,
+            reason=reason,
+            was=was,
+            opening=br.openings,
+            open_s=br.wait_s,
+        )
+        if br.openings == 1:  # a new incident
+            self._alert(
+                wid,
+                "firing",
+                f"circuit open for worker {wid} after {self.config.failures_to_open} "
+                f"consecutive failures ({reason})",
+            )
 
     def tick(self, now: float) -> None:
-        """Move open circuits whose wait is over to half-open and probe them."""
+        """Open circuits whose time is over go half-open (routable for their trials);
+        incidents end; trials lost to cancelled requests are given again."""
         for wid, br in list(self.breakers.items()):
-            before = br.state
-            if br.tick(now) == "half_open" and not br.probing:
-                br.start_probe()
-                self.state.set_breaker_open(wid, True)
-                self.spawner.spawn(self._probe(wid))
-            if before != br.state:
-                M.BREAKER.labels(wid).set(STATE_VALUE[br.state])
+            if wid not in self.state.states:
+                self._forget(wid, br)
+                continue
+            before, in_incident = br.state, br.in_incident
+            after = br.tick(now)
+            if before == OPEN and after == HALF_OPEN:
+                M.BREAKER.labels(wid).set(STATE_VALUE[HALF_OPEN])
+                self.state.set_breaker_open(wid, False)
+                log.info("circuit half-open", worker=wid, trials=br.config.trial_requests)
+                self.capacity.notify()
+            elif after == HALF_OPEN and not br.routable and not self._in_flight(wid):
+                br.trials_lost()
+                self.state.set_breaker_open(wid, False)
+                self.capacity.notify()
+            elif in_incident and not br.in_incident:
+                log.info("circuit incident over", worker=wid, recovery_s=br.config.recovery_s)
+                self._alert(
+                    wid,
+                    "resolved",
+                    f"circuit_open resolved: worker {wid} answered every request for "
+                    f"{br.config.recovery_s:g} s after its circuit closed",
+                )
 
-    async def _probe(self, wid: str) -> None:
-        """Half-open probe: GET /health on the worker; success closes the breaker."""
-        ws = self.state.states.get(wid)
-        ok = False
-        sent_at = time.monotonic()
-        if ws is not None and self.session is not None:
-            try:
-                async with self.session.get(
-                    ws.url + "/health",
-                    timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s),
-                ) as r:
-                    ok = r.status == 200
-            except Exception:
-                ok = False
-        if ok:
-            self.success(wid, sent_at)
-        else:
-            self.failure(wid, "health probe failed", sent_at)
+    def _in_flight(self, wid: str) -> bool:
+        return self.state.local_inflight().get(wid, 0) > 0
+
+    def _forget(self, wid: str, br: Breaker) -> None:
+        """The worker left the cluster: its breaker goes, and its incident ends with it."""
+        del self.breakers[wid]
+        M.BREAKER.labels(wid).set(0)
+        if br.in_incident:
+            self._alert(
+                wid,
+                "resolved",
+                f"circuit_open resolved: worker {wid} left the cluster",
+            )
 
     def _alert(self, wid: str, state: str, summary: str) -> None:
         alert = Alert(
@@ -138,8 +167,10 @@ class Circuits:
             source="router",
             worker_id=wid,
             summary=summary,
-            remedy="The router stopped sending new requests to this worker and probes it; "
-            "check the engine's logs and health. Requests in flight were retried or migrated.",
+            remedy="The router stopped sending new requests to this worker; it lets a few "
+            "requests through at growing intervals and closes the circuit when they all "
+            "succeed. Check the engine's logs and health. Requests in flight were retried or "
+            "migrated.",
             details={"router_id": self.router_id},
         )
 

@@ -7,6 +7,7 @@ import os
 
 from services.common import settings as S
 from services.common.service import run_service
+from services.router.breaker import OPTIONS as BREAKER_OPTIONS
 from services.router.outlier import OPTIONS as OUTLIER_OPTIONS
 from services.router.public_surface import OPTIONS as PUBLIC_SURFACE_OPTIONS
 from services.router.stall import OPTIONS as STALL_OPTIONS
@@ -100,18 +101,6 @@ OPTIONS = S.COMMON + (
         env="KVGATE_ROUTER_STREAM_IDLE_TIMEOUT",
     ),
     S.option(
-        "breaker_threshold",
-        5,
-        "consecutive worker failures (5xx, timeouts, connect errors) that open its circuit",
-        env="KVGATE_ROUTER_BREAKER_THRESHOLD",
-    ),
-    S.option(
-        "breaker_open_s",
-        5.0,
-        "seconds an open circuit waits before a half-open health probe (doubles on failure)",
-        env="KVGATE_ROUTER_BREAKER_OPEN_S",
-    ),
-    S.option(
         "telemetry_stale_s",
         2.0,
         "telemetry older than this is ignored (neutral) by policies",
@@ -155,6 +144,7 @@ OPTIONS = S.COMMON + (
 )
 
 
+OPTIONS += BREAKER_OPTIONS
 OPTIONS += OUTLIER_OPTIONS
 OPTIONS += STALL_OPTIONS
 
@@ -177,6 +167,7 @@ def main(args: argparse.Namespace) -> int:
     from services.core.policy import PolicyError
     from services.core.url_pin import parse_allowlist
     from services.router.app import parse_policy_option, serve
+    from services.router.breaker import breaker_config
     from services.router.conn_limits import ConnLimits
     from services.router.openai_extras import passthrough_paths
     from services.router.stall import StallBound
@@ -191,6 +182,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"invalid --passthrough-paths: {exc}") from None
     ConnLimits.from_settings(st)  # a bad connection limit stops the router before it starts
+    try:
+        breaker_config(st)
+    except ValueError as exc:
+        raise SystemExit(f"invalid circuit breaker option: {exc}") from None
     try:
         StallBound.from_settings(st)
     except ValueError as exc:

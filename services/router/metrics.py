@@ -84,6 +84,12 @@ STREAM_STALLS = LoopCounter(
 BREAKER = LoopGauge(
     "kvgate_router_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["worker"]
 )
+BREAKER_OPENINGS = LoopCounter(
+    "kvgate_router_breaker_openings_total",
+    "Times the worker's circuit opened (the first opening of an incident and each re-opening "
+    "after failed half-open trials or a relapse)",
+    ["worker"],
+)
 OUTLIER_EJECTED = LoopGauge(
     "kvgate_router_outlier_ejected",
     "1 while the worker is ejected as a latency outlier",

@@ -104,6 +104,7 @@ class Migrator:
             wid = d.worker_id
             ctx.worker_id = wid
             ticket = self.dispatcher.reserve(wid, len(cont.token_ids), remaining, d.cached_tokens)
+            self.circuits.sent(wid)  # a half-open circuit counts its trials
             try:
                 body = upstream_body(ctx, migrate=True, max_tokens=remaining)
                 ctx.sent_at = time.monotonic()

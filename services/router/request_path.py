@@ -130,6 +130,7 @@ class RequestPath:
             if isinstance(d, Response):
                 return d
             ticket = self.dispatcher.dispatch(ctx, d)
+            self.circuits.sent(ticket.worker_id)  # a half-open circuit counts its trials
             try:
                 await self.dispatcher.hold(d)
                 ctx.sent_at = time.monotonic()  # the breaker weighs only evidence sent after
