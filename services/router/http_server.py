@@ -9,7 +9,7 @@ Serves: routes by method and exact path (plus prefix routes with one parameter),
 GET routes, keep-alive and pipelining (HTTP/1.1; HTTP/1.0 with ``Connection: keep-alive``),
 ``Content-Length`` and chunked request bodies, ``Expect: 100-continue`` (sent when a handler
 first reads the body), TLS (``ssl_context``), chunked streaming responses (HTTP/1.0: until
-close), write flow control, a graceful stop, and the limits of ``surface.limits``
+close), write flow control, a graceful drain (:meth:`Server.drain`), and the limits of ``surface.limits``
 (services.router.conn_limits): head size, header count and URL length, header / body /
 keep-alive timeouts, the number of open connections.
 
@@ -35,7 +35,10 @@ Invariants:
 - bytes that do not parse as HTTP/1.x get a 400 and the connection closes (when they follow
   requests still in progress, those are answered and the connection closes after them);
 - the client leaving cancels the handler of its request (its ``finally`` blocks release
-  what it held; an upstream request in flight is closed with it).
+  what it held; an upstream request in flight is closed with it);
+- draining (:meth:`Server.drain`): no connection is accepted any more; every request already
+  received, and every one that arrives on an open connection before the drain ends, is
+  answered, with ``Connection: close``; a handler is cancelled only at the drain's deadline.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from email.utils import formatdate
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, unquote
@@ -430,6 +434,13 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._linger: asyncio.TimerHandle | None = None
 
+    @property
+    def busy(self) -> bool:
+        """A request is being received or answered (a drain waits for it)."""
+        if self.lost:
+            return False
+        return self.task is not None or (self.head_begun and not self.closing and not self.broken)
+
     # ------------------------------------------------------------------ transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -472,6 +483,8 @@ class _Connection(asyncio.Protocol):
         for r in self.queue:
             r._wake()
         self._wake_drain()
+        if self.server.stopping:
+            self.server.check_drained()
 
     def pause_writing(self) -> None:
         self.paused = True
@@ -722,14 +735,16 @@ class _Connection(asyncio.Protocol):
         finally:
             self.task = None
             self.idle_since = self.loop.time()
+            if self.server.stopping:
+                self.server.check_drained()
 
     def _send(self, req: Request, reply: Reply) -> bool:
         """Write ``reply`` (what is left of it); whether the connection stays open."""
         if self.lost:
             return False
         if isinstance(reply, StreamResponse):
-            if reply._eof:
-                return reply._keep
+            if reply._eof:  # its head said keep-alive; while draining it closes anyway
+                return reply._keep and not self.server.stopping
             if reply._started:  # cut short (an error, the client left): the framing is broken
                 return False
             reply = Response(b"", reply.status, reply.headers)  # never written: empty
@@ -758,6 +773,15 @@ class _Connection(asyncio.Protocol):
         self._linger = self.loop.call_later(LINGER_S, self.transport.close)
 
 
+@dataclass
+class DrainResult:
+    """What a drain found and did."""
+
+    in_flight: int  # connections with a request in progress when it began
+    cut: int  # handlers cancelled at the deadline (their clients got no complete answer)
+    seconds: float
+
+
 class Server:
     """Serves ``routes`` behind ``surface`` on one listening socket."""
 
@@ -779,6 +803,7 @@ class Server:
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._drained = asyncio.Event()  # while stopping: no connection is busy
 
     async def start(
         self,
@@ -841,29 +866,49 @@ class Server:
             for c in list(self.conns):
                 c.check_timeouts(now)
 
+    def check_drained(self) -> None:
+        """While stopping: wake the drain when no connection is busy any more."""
+        if not any(c.busy for c in self.conns):
+            self._drained.set()
+
     async def stop(self) -> None:
-        """Stop listening; requests in progress get ``shutdown_s`` to finish, then are
-        cancelled; every connection is closed."""
+        """:meth:`drain` with ``shutdown_s``."""
+        await self.drain(self.shutdown_s)
+
+    async def drain(self, timeout_s: float, cut_now: asyncio.Event | None = None) -> DrainResult:
+        """Stop listening; answer every request in progress, and every one that still arrives
+        on an open connection, with ``Connection: close``, for up to ``timeout_s`` (or until
+        ``cut_now`` is set); then cancel the handlers still running and close every
+        connection. Idle kept-alive connections stay open meanwhile: closing one under a
+        request the client is sending on it would lose that request."""
+        began = self.loop.time()
         self.stopping = True
         if self._server is not None:
             self._server.close()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        for c in list(self.conns):
-            if c.task is None:
-                c.transport.close()
+        in_flight = sum(1 for c in self.conns if c.busy)
+        self.check_drained()
+        waits = [asyncio.ensure_future(self._drained.wait())]
+        if cut_now is not None:
+            waits.append(asyncio.ensure_future(cut_now.wait()))
+        try:
+            await asyncio.wait(
+                waits, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for w in waits:
+                w.cancel()
         tasks = [c.task for c in self.conns if c.task is not None]
+        for t in tasks:
+            t.cancel()
         if tasks:
-            _done, pending = await asyncio.wait(tasks, timeout=self.shutdown_s)
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=1.0)
+            await asyncio.wait(tasks, timeout=1.0)
         for c in [*self.conns, *self.refusing]:
             c.transport.close()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         if self._sweeper is not None:
+            self._sweeper.cancel()
             with contextlib.suppress(BaseException):
                 await self._sweeper
+        return DrainResult(in_flight, len(tasks), self.loop.time() - began)
