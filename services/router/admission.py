@@ -8,13 +8,15 @@ Invariants: at most ``queue_size`` requests wait at once (the next one gets 429 
 request waits at most ``queue_timeout`` seconds (then 429 with the workers' reasons); the
 queue holds exactly the requests waiting now (each leaves it in ``finally``).
 Error mapping: never fits -> 400; every candidate failed this request -> 502/504; unknown
-model -> 404; nothing routable -> 503 with Retry-After.
+model -> 404, except while the router does not know the cluster yet (``starting``,
+services.router.readiness): 503 with Retry-After; nothing routable -> 503 with Retry-After.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from services.common.aio import wait_event
@@ -35,6 +37,8 @@ class Admission:
         self.state = state
         self.capacity = capacity
         self.st = st
+        # True while a model not seen yet may just not have been heard of (a router starting)
+        self.starting: Callable[[], bool] = lambda: False
 
     async def decide_or_wait(self, ctx: Ctx) -> Decision | Response:
         """A decision with a worker, or the error response (400 / 404 / 429 / 502 / 503 / 504)."""
@@ -115,6 +119,16 @@ class Admission:
         if ctx.parsed.model and ctx.parsed.model not in {
             s.model for s in self.state.states.values()
         }:
+            if self.starting():
+                return reject(
+                    ctx,
+                    503,
+                    f"the router is starting and has not heard of a worker serving model "
+                    f"{ctx.parsed.model!r} yet; retry after {self.st.retry_after} s",
+                    "service_unavailable",
+                    "error",
+                    {"Retry-After": str(self.st.retry_after)},
+                )
             return reject(
                 ctx,
                 404,

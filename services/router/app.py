@@ -12,7 +12,11 @@ Invariants:
 - every dispatched request holds exactly one ticket on its worker until it ends (in-flight
   counts and KV reservations are released in ``finally``);
 - when NATS is down the router keeps routing on its last known state (workers do not time out
-  while the bus is down) and nats-py reconnects by itself.
+  while the bus is down) and nats-py reconnects by itself;
+- lifecycle (services.router.readiness): until the router knows the cluster, a request for a
+  model not seen yet is answered 503 + Retry-After, never 404; on SIGTERM ``/ready`` answers
+  503 at once, the OpenAI port stops accepting and drains for ``--drain-timeout-s``, and the
+  bus, index replica and outcome publisher stay up until the drain is over.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import signal
 import ssl
 import uuid
 from typing import Any
@@ -41,7 +46,7 @@ from services.common.schemas import (
     WorkerLoad,
 )
 from services.common.signing import Verifier
-from services.common.streams import require_outcomes_stream, raise_alert
+from services.common.streams import raise_alert, require_outcomes_stream
 from services.common.tokenizer import load_tokenizer
 from services.core.cluster import ClusterState
 from services.core.lifecycle import AdmissionQueue, RequestLifecycle
@@ -73,6 +78,7 @@ from services.router.public_surface import (
     start_operator_http,
     status_only_health,
 )
+from services.router.readiness import DEFAULT_DRAIN_TIMEOUT_S, Readiness, model_list_gate
 from services.router.request_path import RequestPath
 from services.router.send import Sender
 from services.router.signals import CapacitySignal, Spawner
@@ -206,6 +212,9 @@ class Router:
             ),
         )
         self.feed.reject = self.trust.reject  # a heartbeat moving a pinned worker's URL
+        # start-up (cluster not known yet: 503, never 404) and drain state; /ready
+        self.readiness = Readiness(st.worker_timeout, self.index_source)
+        self.admission.starting = self.readiness.starting_refusal
         self._tasks: list[asyncio.Task[Any]] = []
         self._subs: list[Any] = []
 
@@ -247,7 +256,7 @@ class Router:
         s = self.bus.subjects
         self._subs = [
             await self.bus.subscribe(
-                s.heartbeat_all, WorkerHeartbeat, self.trust.guard_heartbeat(self.feed.on_heartbeat)
+                s.heartbeat_all, WorkerHeartbeat, self.trust.guard_heartbeat(self._on_heartbeat)
             ),
             await self.bus.subscribe(s.telemetry_all, WorkerLoad, self.feed.on_load),
             await self.bus.subscribe(
@@ -260,16 +269,22 @@ class Router:
                 self.trust.guard_policy(self.bus, self.reload.on_policy),
             ),
         ]
+        self.readiness.heartbeats_subscribed()
         with contextlib.suppress(Exception):
             # not provisioned yet: start anyway; outcomes are counted as failed until it is
             await require_outcomes_stream(self.bus, timeout_s=10.0)
         await self.reload.load_latest(functools.partial(self.trust.stored_policy_ok, self.bus))
         await self.index_source.start()
+        self.readiness.index_started = True
         self.outcomes.start()
         self._tasks = [
             asyncio.create_task(self.sweeper.run(), name="router-sweep"),
             asyncio.create_task(self.load.run(), name="router-load"),
         ]
+
+    async def _on_heartbeat(self, hb: WorkerHeartbeat, raw: Any) -> None:
+        self.readiness.heard(hb.worker_id)
+        await self.feed.on_heartbeat(hb, raw)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
@@ -291,6 +306,7 @@ class Router:
         routes.add("POST", "/v1/chat/completions", h.chat)
         routes.add("GET", "/v1/models", h.models)
         routes.add("GET", "/health", h.health)
+        routes.add("GET", "/ready", self.readiness.handle)
         if operator_on_public_port(self.st):
             self._add_operator_routes(routes)
         openai_extras.add_routes(routes, self.parser, self.state, self.path, self.st)
@@ -300,6 +316,7 @@ class Router:
         """Health, metrics and debug views: the operator port's (services.router.public_surface)."""
         routes = Routes()
         routes.add("GET", "/health", self.handlers.health)
+        routes.add("GET", "/ready", self.readiness.handle)
         self._add_operator_routes(routes)
         return routes
 
@@ -327,6 +344,7 @@ async def start_router_http(
     routes = router.make_routes()
     if not operator_on_public_port(router.st):  # the details are the operator port's
         routes.add("GET", "/health", status_only_health(router.handlers.health, surface))
+    surface.gate = model_list_gate(router.readiness, router.state.models, router.st.retry_after)
     server = Server(routes, surface, shutdown_s=shutdown_s)
     return await server.start(host, port, ssl_context=ssl_context, reuse_port=reuse_port)
 
@@ -362,8 +380,34 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
         policy=router.policies.control.spec,
     )
     await stop.wait()
-    await server.stop()
+    await drain(router, server, float(getattr(st, "drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)))
     if operator is not None:
         await operator.stop()
     await router.stop()
     await bus.close()
+
+
+async def drain(router: Router, server: Server, timeout_s: float) -> None:
+    """SIGTERM: ``/ready`` 503 at once, no new connection, what is in progress finishes
+    within ``timeout_s`` (a second SIGTERM or SIGINT cuts it short); the router's parts keep
+    running meanwhile (heartbeats, migration, outcomes)."""
+    router.readiness.start_draining()
+    cut_now = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, cut_now.set)
+    log.info(
+        "router draining",
+        in_flight=sum(1 for c in server.conns if c.busy),
+        drain_timeout_s=timeout_s,
+    )
+    result = await server.drain(timeout_s, cut_now)
+    said = log.warning if result.cut else log.info
+    said(
+        "router drained",
+        in_flight=result.in_flight,
+        cut=result.cut,
+        seconds=round(result.seconds, 3),
+        cut_short=cut_now.is_set(),
+    )

@@ -10,6 +10,7 @@ from services.common.service import run_service
 from services.router.breaker import OPTIONS as BREAKER_OPTIONS
 from services.router.outlier import OPTIONS as OUTLIER_OPTIONS
 from services.router.public_surface import OPTIONS as PUBLIC_SURFACE_OPTIONS
+from services.router.readiness import OPTIONS as READINESS_OPTIONS
 from services.router.stall import OPTIONS as STALL_OPTIONS
 
 OPTIONS = S.COMMON + (
@@ -146,6 +147,7 @@ OPTIONS = S.COMMON + (
 
 OPTIONS += BREAKER_OPTIONS
 OPTIONS += OUTLIER_OPTIONS
+OPTIONS += READINESS_OPTIONS
 OPTIONS += STALL_OPTIONS
 
 
@@ -194,6 +196,8 @@ def main(args: argparse.Namespace) -> int:
         parse_allowlist(st.worker_url_allow)
     except ValueError as exc:
         raise SystemExit(f"invalid --worker-url-allow: {exc}") from None
+    if not st.drain_timeout_s >= 0:
+        raise SystemExit("invalid --drain-timeout-s: must be >= 0")
     if st.worker_pin_keep_s < 0:
         raise SystemExit("invalid --worker-pin-keep-s: must be >= 0")
     if not (st.signed_max_age_s > 0 and st.signed_max_skew_s >= 0):
@@ -219,7 +223,9 @@ _INDEX_ENV = "KVGATE_ROUTER_REPLICA_INDEX"
 
 def _run_replicas(st: S.Settings) -> int:
     """Start ``processes - 1`` more router processes on the same port, serve in this one,
-    and stop them all together."""
+    and stop them all together: a SIGTERM here is passed on at once, so every replica drains
+    at the same time (each within --drain-timeout-s)."""
+    import asyncio
     import signal
     import subprocess
     import sys
@@ -239,13 +245,28 @@ def _run_replicas(st: S.Settings) -> int:
         }
         argv = [a for a in sys.argv[1:]]
         children.append(subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env))
+
+    async def serve_and_pass_on(st_: S.Settings, stop: asyncio.Event) -> None:
+        async def pass_on() -> None:
+            await stop.wait()
+            for c in children:
+                if c.poll() is None:
+                    c.send_signal(signal.SIGTERM)
+
+        passing = asyncio.create_task(pass_on())
+        try:
+            await serve(st_, stop)
+        finally:
+            passing.cancel()
+
     try:
-        return run_service("router", serve, st)
+        return run_service("router", serve_and_pass_on, st)
     finally:
         for c in children:
-            c.send_signal(signal.SIGTERM)
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
         for c in children:
             try:
-                c.wait(15)
+                c.wait(st.drain_timeout_s + 5)  # its drain, then its close
             except subprocess.TimeoutExpired:
                 c.kill()

@@ -16,6 +16,9 @@
 - **Health without details**: with the operator endpoints on their own port, ``/health`` on
   the public port answers only its status (same code, ``{"status": ...}``) unless the client
   shows a valid API key; router id, peers, workers and policy are the operator port's.
+- **Not before it knows the cluster** (services.router.readiness): a starting router answers
+  ``/v1/models`` 503 + Retry-After (``gate``) until it has heard its workers; ``/ready`` (200
+  or 503) is for load balancers and readiness probes, ``/health`` for liveness.
 - **Errors in OpenAI's shape**: every error the public port returns, the HTTP server's own
   400, 404, 405, 408, 413, 414, 431, 500 and 503 included, is
   ``{"error": {"message", "type", "param", "code"}}``.
@@ -29,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -174,10 +177,16 @@ class PublicSurface:
         self.max_body = max_body
         self.keys = keys if keys is not None and keys.enabled else None
         self.limits = limits if limits is not None else ConnLimits()
+        # a refusal of the router's state (starting), after the key check
+        self.gate: Callable[[Request], Response | None] | None = None
 
     def check(self, request: Request) -> Response | None:
         if self.keys is not None and request.path.startswith("/v1/"):
             refused = self.keys.refusal(request)
+            if refused is not None:
+                return refused
+        if self.gate is not None:
+            refused = self.gate(request)
             if refused is not None:
                 return refused
         length = request.content_length
