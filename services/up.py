@@ -136,6 +136,7 @@ OPTIONS = (
 )
 
 _PR_SET_PDEATHSIG = 1
+ROUTER_CLOSE_MARGIN_S = 5.0  # after its drain: closing the bus, flushing outcomes
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -183,6 +184,18 @@ def _http_ok(url: str) -> dict | None:
     except (urllib.error.URLError, OSError, ValueError):
         return None
     return None
+
+
+def router_stop_grace_s() -> float:
+    """How long the router may take to stop: its drain (--drain-timeout-s, from the
+    environment it inherits from this process) and its close, before SIGKILL."""
+    from services.router.readiness import DEFAULT_DRAIN_TIMEOUT_S
+
+    try:
+        drain = float(os.environ.get("KVGATE_ROUTER_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S))
+    except ValueError:  # the router refuses it at start; nothing to drain
+        drain = DEFAULT_DRAIN_TIMEOUT_S
+    return max(drain, 0.0) + ROUTER_CLOSE_MARGIN_S
 
 
 class Stack:
@@ -487,19 +500,10 @@ class Stack:
 
     def stop(self) -> None:
         self.stopping = True
-        for c in reversed(self.children):
-            if c.proc is not None and c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for c in reversed(self.children):
-            if c.proc is None:
-                continue
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.log.warning("child did not stop in time, killing", child=c.name)
-                c.proc.kill()
-                c.proc.wait()
+        # the router first, alone: it drains its streams while the workers still answer them
+        routers = [c for c in self.children if c.role == "router"]
+        self._stop_children(routers, router_stop_grace_s())
+        self._stop_children([c for c in reversed(self.children) if c not in routers], 10.0)
         if self.nats is not None:
             self.nats.stop()
         if self.pg is not None:
@@ -508,6 +512,22 @@ class Stack:
             stackfile.remove_state(self.state_dir)
             self.lock.close()
             self.lock = None
+
+    def _stop_children(self, children: list[Child], grace_s: float) -> None:
+        """SIGTERM ``children``, then SIGKILL those still running after ``grace_s``."""
+        for c in children:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log.warning("child did not stop in time, killing", child=c.name)
+                c.proc.kill()
+                c.proc.wait()
 
     def take_state_dir(self) -> None:
         """Refuse while another ``kvgate up`` runs here; stop what a dead one left behind."""
