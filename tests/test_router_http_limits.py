@@ -227,6 +227,9 @@ async def test_connection_cap_answers_503_with_retry_after(nats_url, subjects) -
 
 
 async def test_paths_with_dot_segments_are_refused(router: RouterProc) -> None:
+    # an unknown model's card (below) is a 404 once the router knows the cluster, 503 before
+    assert router.router is not None
+    await wait_until(router.router.readiness.cluster_known, 10, "cluster known")
     before = rejected("bad_path")
     reader, writer = await connect(router)
     for path in (

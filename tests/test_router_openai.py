@@ -276,6 +276,9 @@ async def test_router_endpoints_and_routed_requests(nats_url, subjects, bus: Bus
         # models
         card = await c.models.retrieve("m")
         assert card.id == "m" and card.model_extra["max_model_len"] > 0
+        # an unknown model's card is a 404 once the router knows the cluster (503 before)
+        assert router.router is not None
+        await wait_until(router.router.readiness.cluster_known, 10, "cluster known")
         with pytest.raises(openai.NotFoundError) as err:
             await c.models.retrieve("nope")
         assert err.value.body["param"] == "model" and err.value.body["code"] == 404
