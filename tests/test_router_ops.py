@@ -213,6 +213,7 @@ async def test_slow_worker_is_ejected_with_an_alert_and_returns(
         policy="round_robin",
         outlier_min_requests=3,
         outlier_eject_s=1.5,
+        outlier_window_s=2.0,  # the incident ends 2 s after its return
     )
     r = router.router
     workers[0].delay_s = 0.3  # each answer ~ 0.3 s; the others answer in milliseconds

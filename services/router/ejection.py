@@ -3,7 +3,9 @@
 (like an open circuit) and raises / resolves the ``latency_outlier`` alert.
 
 Invariant: a worker is out of rotation for latency exactly while the detector holds it
-ejected; each ejection fires one alert and its return resolves it.
+ejected; one alert per incident: its first ejection fires it, the incident's end (back a
+whole window without a new ejection) resolves it; re-ejections inside it are logged and
+counted (``kvgate_router_outlier_ejections_total``), not alerted.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def outlier_config(st: Any) -> OutlierConfig | None:
         window_s=float(getattr(st, "outlier_window_s", 30.0)),
         eject_s=float(getattr(st, "outlier_eject_s", 30.0)),
         min_requests=int(getattr(st, "outlier_min_requests", 5)),
+        max_eject_s=float(getattr(st, "outlier_max_eject_s", 300.0)),
     )
 
 
@@ -66,6 +69,11 @@ class RouterOutliers:
 
     def _apply(self, ch: Ejection, now: float) -> None:
         wid = ch.worker_id
+        if ch.recovered:
+            log.info("latency outlier incident over", worker=wid)
+            summary = f"latency_outlier resolved: worker {wid} kept pace with the fleet"
+            self._alert(ch, "resolved", summary)
+            return
         self.state.set_ejected(wid, ch.ejected)
         M.OUTLIER_EJECTED.labels(wid).set(1 if ch.ejected else 0)
         if ch.ejected:
@@ -76,18 +84,21 @@ class RouterOutliers:
                 s_per_token=round(ch.latency, 4),
                 fleet_s_per_token=round(ch.fleet, 4),
                 eject_s=round(ch.until - now, 1),
+                ejection=ch.count,
             )
-            summary = (
-                f"worker {wid} is a latency outlier: {ch.latency * 1000:.1f} ms per output "
-                f"token against the other workers' median {ch.fleet * 1000:.1f} ms "
-                f"({ch.latency / ch.fleet:.1f}x); ejected for {ch.until - now:.0f} s"
-            )
-            state = "firing"
+            if ch.count == 1:  # a new incident
+                summary = (
+                    f"worker {wid} is a latency outlier: {ch.latency * 1000:.1f} ms per output "
+                    f"token against the other workers' median {ch.fleet * 1000:.1f} ms "
+                    f"({ch.latency / ch.fleet:.1f}x); ejected for {ch.until - now:.0f} s"
+                )
+                self._alert(ch, "firing", summary)
         else:
-            log.info("latency outlier returns", worker=wid)
-            summary = f"latency_outlier resolved: worker {wid} is back in rotation"
-            state = "resolved"
+            log.info("latency outlier returns", worker=wid, ejection=ch.count)
             self.capacity.notify()
+
+    def _alert(self, ch: Ejection, state: str, summary: str) -> None:
+        wid = ch.worker_id
         alert = Alert(
             fingerprint=f"latency_outlier:{wid}",
             kind="latency_outlier",

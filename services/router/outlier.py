@@ -10,8 +10,12 @@ and short answers compare). Every :meth:`OutlierDetector.evaluate`:
 - it is an outlier when its latency is at least ``ratio`` times the median latency of the
   *other* workers that have one (at least two others are needed: with fewer there is no
   fleet to compare with);
-- an outlier is ejected for ``eject_s`` seconds, then returns with no samples (it must be
-  slow again on fresh requests to be ejected again).
+- an outlier is ejected, then returns with no samples (it must be slow again on fresh
+  requests to be ejected again). The *n*-th ejection of one incident lasts ``n × eject_s``,
+  at most ``max_eject_s`` (Envoy's outlier ejection: base time × ejection count, capped);
+- an incident runs from a worker's first ejection until it has been back in rotation a
+  whole ``window_s`` without being ejected again (judged on a full window of fresh samples):
+  then its ejection count restarts from zero (an :class:`Ejection` with ``recovered``).
 
 Cost: a worker keeps at most its last ``MAX_SAMPLES`` samples of the window (the median of
 the last thousand is as good a judge as of all, and a busy router finishes thousands of
@@ -20,7 +24,8 @@ workers with a latency).
 
 Invariants: never more than a third of the workers with a latency are ejected at once (a
 fleet-wide slowdown ejects nobody: each worker is compared with the others); a worker is
-ejected or not, and each change is returned exactly once as an :class:`Ejection`.
+ejected or not, and each change is returned exactly once as an :class:`Ejection`; so is the
+end of each incident, after the worker's last return.
 """
 
 from __future__ import annotations
@@ -36,25 +41,31 @@ from services.common import settings as S
 class OutlierConfig:
     ratio: float = 3.0  # latency >= ratio x the others' median -> outlier
     window_s: float = 30.0  # samples older than this are forgotten
-    eject_s: float = 30.0  # how long an outlier stays out of rotation
+    eject_s: float = 30.0  # the first ejection's length; the n-th of an incident n x this
     min_requests: int = 5  # samples a worker needs in the window to be judged
+    max_eject_s: float = 300.0  # cap on one ejection's length
 
     def __post_init__(self) -> None:
         if self.ratio <= 1.0:
             raise ValueError("outlier ratio must be > 1")
         if self.window_s <= 0 or self.eject_s <= 0 or self.min_requests < 1:
             raise ValueError("outlier window_s, eject_s > 0 and min_requests >= 1 required")
+        if self.max_eject_s < self.eject_s:
+            raise ValueError("--outlier-max-eject-s must be >= --outlier-eject-s")
 
 
 @dataclass(frozen=True)
 class Ejection:
-    """A change: ``ejected`` True (with the numbers that decided it) or False (it returned)."""
+    """A change: ``ejected`` True (with the numbers that decided it) or False (it returned);
+    ``recovered``: the incident is over (back a whole window without a new ejection)."""
 
     worker_id: str
     ejected: bool
     latency: float = 0.0  # the worker's median seconds per token
     fleet: float = 0.0  # the others' median
     until: float = 0.0
+    count: int = 0  # this ejection is the incident's count-th
+    recovered: bool = False
 
 
 MAX_SAMPLES = 1024  # per worker: the most recent samples of the window
@@ -65,6 +76,8 @@ class OutlierDetector:
     config: OutlierConfig = field(default_factory=OutlierConfig)
     _samples: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
     _ejected_until: dict[str, float] = field(default_factory=dict)
+    _ejections: dict[str, int] = field(default_factory=dict)  # per incident
+    _back_at: dict[str, float] = field(default_factory=dict)  # returned, incident still on
 
     def record(self, worker_id: str, now: float, seconds: float, tokens: int) -> None:
         """One successful request on ``worker_id`` took ``seconds`` for ``tokens`` tokens."""
@@ -95,10 +108,17 @@ class OutlierDetector:
 
     def evaluate(self, now: float) -> list[Ejection]:
         changes = [
-            Ejection(wid, False)
-            for wid, until in list(self._ejected_until.items())
-            if now >= until and self._ejected_until.pop(wid, None) is not None
+            Ejection(wid, False, recovered=True)
+            for wid, back in list(self._back_at.items())
+            if now - back >= self.config.window_s
+            and self._back_at.pop(wid, None) is not None
+            and self._ejections.pop(wid, None) is not None
         ]
+        for wid, until in list(self._ejected_until.items()):
+            if now >= until:
+                del self._ejected_until[wid]
+                self._back_at[wid] = now
+                changes.append(Ejection(wid, False, count=self._ejections.get(wid, 0)))
         if sum(len(q) >= self.config.min_requests for q in self._samples.values()) < 3:
             return changes  # no fleet to compare with (each one needs two others)
         lat = self.latencies(now)
@@ -112,16 +132,21 @@ class OutlierDetector:
                 break
             fleet = statistics.median(others)
             if fleet > 0 and value >= self.config.ratio * fleet:
-                until = now + self.config.eject_s
+                count = self._ejections.get(wid, 0) + 1
+                until = now + min(self.config.eject_s * count, self.config.max_eject_s)
+                self._ejections[wid] = count
+                self._back_at.pop(wid, None)
                 self._ejected_until[wid] = until
                 self._samples.pop(wid, None)
-                changes.append(Ejection(wid, True, value, fleet, until))
+                changes.append(Ejection(wid, True, value, fleet, until, count))
                 budget -= 1
         return changes
 
     def forget(self, worker_id: str) -> None:
         self._samples.pop(worker_id, None)
         self._ejected_until.pop(worker_id, None)
+        self._ejections.pop(worker_id, None)
+        self._back_at.pop(worker_id, None)
 
 
 OPTIONS = (
@@ -141,8 +166,16 @@ OPTIONS = (
     S.option(
         "outlier_eject_s",
         30.0,
-        "how long an ejected latency outlier stays out of rotation (seconds)",
+        "how long a latency outlier stays out of rotation the first time in an incident; "
+        "the n-th ejection of the same incident lasts n times this (seconds; the incident "
+        "ends after the worker was back a whole --outlier-window-s without a new ejection)",
         env="KVGATE_ROUTER_OUTLIER_EJECT_S",
+    ),
+    S.option(
+        "outlier_max_eject_s",
+        300.0,
+        "the longest one latency-outlier ejection lasts (seconds)",
+        env="KVGATE_ROUTER_OUTLIER_MAX_EJECT_S",
     ),
     S.option(
         "outlier_min_requests",
