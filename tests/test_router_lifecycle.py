@@ -356,3 +356,61 @@ async def test_restarted_router_answers_503_never_404_until_it_knows_the_cluster
         await beats.stop()
         await w.stop()
         await indexer.stop()
+
+
+class _Clock:
+    """Time the test sets (the rule under test is about intervals, not about waiting)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Replica:
+    def __init__(self) -> None:
+        self.ready = asyncio.Event()
+
+
+def test_cluster_known_after_one_heartbeat_interval_or_the_worker_timeout() -> None:
+    from services.router.readiness import Readiness
+
+    clock, replica = _Clock(), _Replica()
+    r = Readiness(3.0, replica, clock=clock)
+    r.heartbeats_subscribed()
+    r.index_started = True
+    r.heard("a")
+    clock.now += 0.01
+    r.heard("a")  # a duplicate, not an interval
+    clock.now += 0.4
+    r.heard("b")
+    assert not r.cluster_known() and r.ready()[1]["status"] == "starting"
+    clock.now += 0.59
+    r.heard("a")  # a's interval (1 s) has passed since it was first heard
+    assert not r.cluster_known()  # the jitter margin: a quarter of it
+    clock.now += 0.25
+    assert r.cluster_known()
+    ok, body = r.ready()
+    assert ok and body == {
+        "status": "ready",
+        "cluster_known": True,
+        "index": "catching_up",  # no snapshot: the replica's first attempt found no indexer
+        "draining": False,
+    }
+    replica.ready.set()
+    assert r.ready()[1]["index"] == "ready"
+    r.start_draining()
+    assert r.ready() == (
+        False,
+        {"status": "draining", "cluster_known": True, "index": "ready", "draining": True},
+    )
+    # no worker heard twice: known after --worker-timeout
+    quiet = Readiness(3.0, _Replica(), clock=clock)
+    quiet.heartbeats_subscribed()
+    quiet.heard("a")
+    clock.now += 2.9
+    assert not quiet.cluster_known() and quiet.starting_refusal()
+    clock.now += 0.1
+    assert quiet.cluster_known() and not quiet.starting_refusal()
+    assert not quiet.ready()[0]  # index replica still syncing
