@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -340,3 +341,16 @@ async def test_half_closed_clients(router: RouterProc) -> None:
     writer.write_eof()
     assert await closed(reader)
     writer.close()
+
+
+async def test_health_says_the_index_is_not_ready_until_the_replica_synced(
+    nats_url: str, subjects
+) -> None:
+    """No indexer answers on this subject prefix: the router's index replica never gets its
+    snapshot, and /health must say so (it said index_ready: true for any replica)."""
+    router = await RouterProc(nats_url, subjects).start()
+    try:
+        async with aiohttp.ClientSession() as s, s.get(router.url + "/health") as resp:
+            assert (await resp.json())["index_ready"] is False
+    finally:
+        await router.stop()
