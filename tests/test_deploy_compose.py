@@ -236,7 +236,8 @@ def test_gateway_balances_over_every_router_replica_on_the_router_port(compose: 
     cfg = (ROOT / "deploy" / "haproxy.cfg").read_text()
     router_port = SERVICES["router"][2]
     assert re.search(rf"^\s*server-template\s+\S+\s+\d+\s+router:{router_port}\b", cfg, re.M)
-    assert re.search(rf"^\s*option httpchk GET {SERVICES['router'][3]}\s*$", cfg, re.M)
+    # the gateway checks readiness (503 while a router starts or drains), not liveness
+    assert re.search(r"^\s*option httpchk GET /ready\s*$", cfg, re.M)
     assert re.search(r"^\s*bind :8080\s*$", cfg, re.M)
     gateway = compose["services"]["gateway"]
     _, port, path = health_url(gateway)
