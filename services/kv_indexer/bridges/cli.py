@@ -117,6 +117,15 @@ OPTIONS = S.COMMON + (
         "trtllm: seconds between /kv_cache_events polls",
         env="KVGATE_BRIDGE_POLL_INTERVAL",
     ),
+    S.option(
+        "history_recheck_interval",
+        30.0,
+        "vllm/sglang: seconds after a failed replay (timeout, socket error) lost engine "
+        "history before the bridge asks the engine's replay from seq 0 again, doubling after "
+        "each failure; if the engine still holds every batch from 0 the view is rebuilt and "
+        "index verify can say equal again (0 = never)",
+        env="KVGATE_BRIDGE_HISTORY_RECHECK_INTERVAL",
+    ),
 )
 
 
@@ -180,7 +189,12 @@ async def serve(st, stop: asyncio.Event) -> None:
             from services.kv_indexer.bridges.zmq_bridge import ZmqBridge
 
             await ZmqBridge(
-                rt, st.endpoint, st.replay_endpoint or None, st.topic, bind=st.bind
+                rt,
+                st.endpoint,
+                st.replay_endpoint or None,
+                st.topic,
+                bind=st.bind,
+                history_recheck_s=st.history_recheck_interval,
             ).run(stop)
     finally:
         if runner is not None:

@@ -29,7 +29,11 @@ indexer drops the old blocks -- then replays from 0, and is counted by reason):
 History lost (``lost_history``, ``unrecovered_gap``, or batches missing after an engine restart
 with no replay to fill them) is recorded in the runtime's history ledger, with the engine seq
 the view starts at and why the replay could not help; every dump says so until the view is
-whole again (see runtime, history).
+whole again (see runtime, history). A loss caused by a replay that *failed* (timeout, socket
+error) rather than by a short buffer may be recoverable: while idle, every
+``history_recheck_s`` (doubling after each failure) the bridge asks the replay from seq 0
+again, and if the engine still holds every batch from 0 it rebuilds its view from them (a
+new instance, counted ``history_recovered``) and the loss is gone.
 
 Start: the bridge waits for the engine's block size, replays from seq 0 and only then says
 it is ready; while idle it asks the replay socket for anything after its last seq every
@@ -52,6 +56,7 @@ import zmq.asyncio
 
 from services.common.logging import get_logger
 from services.kv_indexer.bridges.engine_formats import EngineFormatError, VllmDecoder
+from services.kv_indexer.bridges.history import LossReason
 from services.kv_indexer.bridges.runtime import BRIDGE_GAPS, BRIDGE_REPLAYS, BridgeRuntime
 
 log = get_logger("bridge.zmq")
@@ -102,6 +107,7 @@ class ZmqBridge:
         *,
         bind: bool = False,
         tail_check_s: float = 2.0,
+        history_recheck_s: float = 30.0,
     ) -> None:
         self.rt = runtime
         self.endpoint = endpoint
@@ -110,6 +116,11 @@ class ZmqBridge:
         self.replay_timeout_s = replay_timeout_s
         self.bind = bind
         self.tail_check_s = tail_check_s
+        self.history_recheck_s = history_recheck_s  # 0: never re-ask after a failed replay
+        self._recheck_at: float | None = None  # monotonic time of the next re-ask from 0
+        self._recheck_delay = history_recheck_s
+        self._last_fetch_failed = False
+        self.history_rechecks = 0
         self.decoder = VllmDecoder()
         self.expected: int | None = None  # next engine seq (None: nothing applied yet)
         self.recent: dict[int, int] = {}  # seq -> payload digest of recently applied batches
@@ -154,6 +165,7 @@ class ZmqBridge:
         self.rt.new_instance(reason)
         self.expected = None
         self.recent.clear()
+        self._recheck_at = None  # a new view owes nothing to the old one's losses
 
     async def on_message(self, seq: int, payload: bytes) -> None:
         exp = self.expected
@@ -173,12 +185,11 @@ class ZmqBridge:
                 first = self.expected or 0
                 self.rt.bad("seq_gap_unrecovered", f"engine batches {first}..{seq - 1} lost")
                 fresh = self.expected is None
-                self.rt.history_lost(
+                self._lose(
                     "lost_history" if fresh else "unrecovered_gap",
                     first,
                     seq - 1,
                     seq if fresh else self.view_from,
-                    self._why(),
                 )
             self.handle(seq, payload)
             return
@@ -214,12 +225,47 @@ class ZmqBridge:
         blocks those batches stored cannot be keyed (their children count unknown_parent)."""
         self.rt.bad("seq_gap_unrecovered", f"engine batches {first_missing}..{seq - 1} lost")
         self.rt.new_instance("lost_history")
-        self.rt.history_lost("lost_history", first_missing, seq - 1, seq, self._why())
+        self._recheck_at = None
+        self._lose("lost_history", first_missing, seq - 1, seq)
 
     def _unrecovered(self, first_missing: int, seq: int) -> None:
         self.rt.bad("seq_gap_unrecovered", f"engine batches {first_missing}..{seq - 1} lost")
         self.reset("unrecovered_gap")
-        self.rt.history_lost("unrecovered_gap", first_missing, seq - 1, seq, self._why())
+        self._lose("unrecovered_gap", first_missing, seq - 1, seq)
+
+    def _lose(self, reason: LossReason, first: int, last: int, view_from: int) -> None:
+        """Record lost engine batches ``first..last``; when a failed replay (not a short
+        buffer) lost them, re-ask the replay from 0 later (:meth:`recheck_history`)."""
+        self.rt.history_lost(reason, first, last, view_from, self._why())
+        if self._last_fetch_failed and self.replay_endpoint and self.history_recheck_s > 0:
+            self._recheck_delay = self.history_recheck_s
+            self._recheck_at = time.monotonic() + self._recheck_delay
+
+    async def recheck_history(self) -> bool:
+        """Re-ask the engine's replay from seq 0 after a failed replay lost history. When
+        the engine still holds every batch from 0 on, rebuild the view from them (a new
+        instance: the index takes the whole view again) and the loss is gone: True. A
+        reply that starts past 0 proves nothing more: the loss stands and is not re-asked;
+        a failed reply is re-asked after twice the delay."""
+        self.history_rechecks += 1
+        frames = await self._fetch(0)
+        if frames is None:
+            self._recheck_delay = min(self._recheck_delay * 2, 8 * self.history_recheck_s)
+            self._recheck_at = time.monotonic() + self._recheck_delay
+            return False
+        self._recheck_at = None
+        if not frames or frames[0][0] != 0:
+            return False
+        self.reset("history_recovered")
+        self._apply(frames, 0)
+        recovered = self.rt.history.lost is None
+        if recovered:
+            log.info(
+                "engine history recovered from its replay",
+                worker_id=self.rt.worker_id,
+                batches=len(frames),
+            )
+        return recovered
 
     def _why(self) -> str:
         """Why a gap could not be filled, for the operator reading ``index verify``."""
@@ -247,6 +293,7 @@ class ZmqBridge:
                     break
                 out.append(parsed)
             BRIDGE_REPLAYS.labels("ok").inc()
+            self._last_fetch_failed = False
             if not out:
                 self.replay_note = f"the engine's replay from seq {start} was empty"
             elif out[0][0] > start:
@@ -259,6 +306,7 @@ class ZmqBridge:
             return out
         except (TimeoutError, zmq.ZMQError) as exc:
             self.replay_failures += 1
+            self._last_fetch_failed = True
             self.replay_note = f"the engine's replay failed: {exc!s}"[:200]
             BRIDGE_REPLAYS.labels("failed").inc()
             self.rt.bad("replay_failed", str(exc))
@@ -287,6 +335,12 @@ class ZmqBridge:
             frames = await self._fetch(0)
             if frames is None:
                 return False
+        self._apply(frames, start)
+        return True
+
+    def _apply(self, frames: list[tuple[int, bytes]], start: int) -> None:
+        """Apply a replay's batches in order: those already applied are skipped, a first
+        batch past the next expected one is lost history or an unrecovered gap."""
         got = 0
         for seq, payload in frames:
             exp = self.expected if self.expected is not None else 0
@@ -301,7 +355,6 @@ class ZmqBridge:
             got += 1
         if got:
             log.info("replayed engine batches", worker_id=self.rt.worker_id, start=start, got=got)
-        return True
 
     async def resync_from_start(self, reason: str | None) -> None:
         """Replay the engine's whole buffer into an empty view (start, engine restart)."""
@@ -353,6 +406,9 @@ class ZmqBridge:
                     elif self.rt.engine_ok and time.monotonic() - last_msg >= self.tail_check_s:
                         # idle: anything the engine published that we did not receive?
                         await self.replay(self.expected or 0)
+                        due = self._recheck_at
+                        if due is not None and time.monotonic() >= due:
+                            await self.recheck_history()  # a failed replay lost history
                         last_msg = time.monotonic()
                     continue
                 last_msg = time.monotonic()
