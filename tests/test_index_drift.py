@@ -123,7 +123,9 @@ async def test_a_dump_taken_while_a_step_runs_names_that_steps_seq(
         async with aiohttp.ClientSession() as session:
             request = asyncio.create_task(complete(session, w, "p" * 1_000, 8))
             # the step is scheduled: its 62 prompt blocks are in the cache, its events not out
-            await wait_until(lambda: w.engine.num_cached_blocks >= 62, what="prefill step scheduled")
+            await wait_until(
+                lambda: w.engine.num_cached_blocks >= 62, what="prefill step scheduled"
+            )
             reply = await verify(bus, repair=False)
             request.cancel()
             with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
