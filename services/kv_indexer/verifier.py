@@ -29,7 +29,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from services.common.bus import Bus
-from services.common.kvdump import fetch_kvdump
+from services.common.kvdump import fetch_kvdump, qualify_check
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
     Alert,
@@ -197,8 +197,8 @@ class Verifier:
         deadline = time.monotonic() + self.settle_s
         while True:
             result = self.core.verify_check(worker, fetched.batch, max_sample)
-            if result is not None:
-                return result
+            if result is not None:  # a bridge that lost engine history: unknown, not equal
+                return qualify_check(result, fetched.history_lost)
             if time.monotonic() > deadline:
                 return WorkerDivergence(
                     worker_id=worker,
