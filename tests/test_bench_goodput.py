@@ -1,0 +1,202 @@
+"""``python -m bench.goodput``: the bisection, misses, the workload at a rate, the ceiling, and
+the command end to end on a tiny workload (real simulator runs, no stand-ins)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.goodput import evaluate_point, main
+from bench.goodput_search import (
+    attainment,
+    bisect_rate,
+    offered_rate,
+    slo_ceiling,
+    workload_at,
+)
+from bench.metrics import ERROR, OK, REJECTED, TIMEOUT, RequestResult
+from bench.simcore import make_engine_config, request_keys
+
+# conversations of a 4k-token system prompt: 2 engines keep up at x1, not at x16
+TINY = ["-p", "sessions=6", "-p", "turns=2", "-p", "system_len=4096", "-p", "user_len=32"]
+TINY += ["-p", "output_len=8", "-p", "rate=4", "-p", "think_s=0.2"]
+
+
+def _step(threshold: float, calls: list[float]):
+    def evaluate(m: float) -> float:
+        calls.append(m)
+        return 0.95 if m <= threshold else 0.5
+
+    return evaluate
+
+
+def test_bisection_narrows_monotonically_to_the_threshold() -> None:
+    calls: list[float] = []
+    s = bisect_rate(_step(1.7, calls), 0.9, 0.5, 4.0, steps=6)
+    assert calls[:2] == [4.0, 0.5]  # the ends first
+    assert len(calls) == 8  # two ends + the bounded steps
+    assert s.outcome == "bracketed"
+    lo, hi = 0.5, 4.0
+    for m in calls[2:]:  # each point lies inside the bracket, which only narrows
+        assert lo < m < hi
+        if m <= 1.7:
+            lo = m
+        else:
+            hi = m
+    assert (s.lo, s.hi) == (lo, hi)
+    assert s.goodput == lo <= 1.7 < hi
+    assert hi / lo == pytest.approx((4.0 / 0.5) ** (1 / 2**6))  # geometric resolution
+
+
+def test_bisection_ends_met_at_max_or_missed_at_min() -> None:
+    calls: list[float] = []
+    top = bisect_rate(_step(10.0, calls), 0.9, 0.5, 4.0, steps=6)
+    assert (top.outcome, top.goodput, calls) == ("at-max", 4.0, [4.0])
+    calls.clear()
+    none = bisect_rate(_step(0.1, calls), 0.9, 0.5, 4.0, steps=6)
+    assert (none.outcome, none.goodput, calls) == ("below-min", None, [4.0, 0.5])
+    with pytest.raises(ValueError):
+        bisect_rate(_step(1.0, []), 0.9, 2.0, 1.0, steps=3)
+
+
+def test_refused_shed_timed_out_and_failed_requests_are_misses() -> None:
+    def done(i: int, status: str = OK, ttft: float = 0.1) -> RequestResult:
+        return RequestResult(
+            f"r{i}", status=status, ttft_s=ttft, e2e_s=ttft + 0.9, completion_tokens=10
+        )
+
+    rs = [done(0), done(1), done(2, REJECTED), done(3, TIMEOUT), done(4, ERROR), done(5, ttft=9)]
+    # TPOT = 0.9 / 9 = 0.1 s
+    assert attainment(rs, 6.25, 0.2) == pytest.approx(2 / 6)
+    assert attainment(rs, 6.25, 0.05) == 0.0
+    assert attainment([], 6.25, 0.05) == 0.0
+
+
+def test_conversations_scale_sessions_and_rate_together() -> None:
+    params = {"sessions": 10, "turns": 2, "system_len": 32, "user_len": 16, "rate": 2.0}
+    one = workload_at("multi-turn", params, 1.0)
+    two = workload_at("multi-turn", params, 2.0)
+    assert len(two.requests) == 2 * len(one.requests)
+    assert two.params["rate"] == 4.0
+    gsp = {"groups": 4, "prompts_per_group": 4, "prefix_len": 32, "rate": 10.0}
+    a = workload_at("generated-shared-prefix", gsp, 1.0)
+    b = workload_at("generated-shared-prefix", gsp, 3.0)
+    assert [r.prompt for r in a.requests] == [r.prompt for r in b.requests]
+    assert offered_rate(b.requests) == pytest.approx(3 * offered_rate(a.requests))
+    with pytest.raises(ValueError, match="at once"):
+        workload_at("shared-system-prompt", {}, 1.0)
+
+
+def test_requests_the_engine_refuses_count_against_the_policy() -> None:
+    # turn 2 of every conversation outgrows max_model_len: refused, so a miss, although every
+    # completed request meets the SLO
+    conf = {
+        "workload": "multi-turn",
+        "params": {
+            "sessions": 4,
+            "turns": 2,
+            "system_len": 64,
+            "user_len": 32,
+            "output_len": 8,
+            "rate": 4,
+            "think_s": 0.2,
+            "seed": 0,
+        },
+        "engine": {"max_model_len": 120},
+        "workers": 2,
+        "queue_timeout_s": 30.0,
+        "request_timeout_s": 600.0,
+        "ttft_s": 60.0,
+        "tpot_s": 10.0,
+    }
+    p = evaluate_point(conf, {"name": "round_robin", "params": {}}, 0, 1.0)
+    assert p["rejected"] == 4
+    assert p["attainment"] == pytest.approx(0.5)
+
+
+def test_the_ceiling_from_the_latency_bound() -> None:
+    cfg = make_engine_config({})
+    params = {
+        "groups": 4,
+        "prompts_per_group": 8,
+        "prefix_len": 512,
+        "question_len": 64,
+        "output_len": 4,
+        "rate": 50.0,
+    }
+
+    def keys(rs):
+        return request_keys(rs, cfg.block_size, cfg.hash_seed)
+
+    loose = slo_ceiling("generated-shared-prefix", params, keys, cfg, 8, 0.9, 5.0, 1.0)
+    assert loose.possible_share == 1.0 and math.isinf(loose.multiplier)
+    # one engine, a TTFT SLO shorter than the work: capacity binds at a finite multiplier
+    tight = slo_ceiling("generated-shared-prefix", params, keys, cfg, 1, 0.5, 0.02, 1.0)
+    assert 0 < tight.multiplier < math.inf
+    at = workload_at("generated-shared-prefix", params, tight.multiplier).requests
+    span = at[-1].arrival_s - at[0].arrival_s
+    assert tight.possible_share == 7 / 8  # each group's first computes its prefix: too slow
+    assert span + 0.02 == pytest.approx(tight.prefill_work_s, rel=1e-6)
+    # an SLO no request's own prefill meets: no rate at all
+    none = slo_ceiling("generated-shared-prefix", params, keys, cfg, 8, 0.9, 1e-6, 1.0)
+    assert (none.possible_share, none.multiplier) == (0.0, 0.0)
+
+
+def test_the_command_prints_the_table_and_writes_its_files(tmp_path, capsys) -> None:
+    argv = [
+        "-w",
+        "multi-turn",
+        *TINY,
+        "--profile",
+        "default",
+        "-n",
+        "2",
+        "--seeds",
+        "0,1",
+        "--steps",
+        "2",
+        "--policies",
+        "round_robin,kv_aware",
+        "--peers",
+        "round_robin",
+        "--min-rate",
+        "0.25",
+        "--max-rate",
+        "16",
+        "--ttft",
+        "0.5",
+        "--tpot",
+        "0.05",
+        "-j",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+        "--name",
+        "gp",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| `round_robin` (peer) |" in out and "| `kv_aware` |" in out
+    assert "| ceiling (latency bound, any policy) |" in out
+    assert "at most 100.0 % of the requests can meet the SLO" in out
+    doc = json.loads((tmp_path / "gp" / "goodput.json").read_text())
+    assert len(doc["searches"]) == 4 and len(doc["ceiling"]) == 2
+    for s in doc["searches"]:
+        assert [p["multiplier"] for p in s["points"]][:2] == [16.0, 0.25]
+        assert s["outcome"] == "bracketed" and len(s["points"]) == 4  # the ends + 2 steps
+        lo, hi = s["bracket"]
+        assert lo == s["goodput_multiplier"] and hi / lo == pytest.approx(64**0.25)
+    csv = (tmp_path / "gp" / "attainment.csv").read_text().splitlines()
+    assert csv[0].startswith("policy,seed,multiplier")
+    assert len(csv) == 1 + sum(len(s["points"]) for s in doc["searches"])
+    assert (tmp_path / "gp" / "attainment.png").stat().st_size > 0
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
+    assert main(["-w", "shared-system-prompt", "--out-dir", str(tmp_path)]) == 2
+    assert "sends everything at once" in capsys.readouterr().err
+    assert main(["--min-rate", "2", "--max-rate", "1", "--out-dir", str(tmp_path)]) == 2
+    assert "--min-rate" in capsys.readouterr().err
