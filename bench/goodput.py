@@ -19,7 +19,8 @@ even compute the prefill of that share in time). Written under ``bench/results/<
 (attainment vs rate per policy).
 
 Defaults: the issue's conversation workload (``-w multi-turn`` with sessions=200 turns=8
-system_len=2048 user_len=1024 output_len=300 think_s=5 rate=1.5, ``-e max_model_len=32768``)
+system_len=2048 user_len=1024 output_len=300 think_s=5 rate=1.5, ``-e max_model_len=32768``;
+each ``-p`` / ``-e`` overrides one)
 on 8 prefill-bound engines (``--profile prefill-bound``), TTFT <= 6.25 s, TPOT <= 50 ms,
 multipliers 0.5-4.0, 5 steps, seeds 0 and 1::
 
@@ -64,8 +65,8 @@ PROFILES: dict[str, dict[str, Any]] = {
     # docs/benchmarks.md's PB: prefill 3.125x slower, a KV pool that never runs out
     "prefill-bound": {"prefill_token_s": 1.25e-4, "num_gpu_blocks": 192000},
 }
-# the issue's conversation workload (docs/benchmarks.md's `mt`), when -w multi-turn is not
-# given parameters of its own; each -p overrides one
+# the issue's conversation workload (docs/benchmarks.md's `mt`): -w multi-turn's parameters
+# unless a -p overrides one
 CONVERSATION = {
     "sessions": 200,
     "turns": 8,
@@ -202,8 +203,8 @@ def resolve(a: argparse.Namespace) -> dict[str, Any]:
     """The run's configuration from the arguments; ValueError on bad input."""
     params: dict[str, Any] = parse_params(a.param)
     engine = dict(PROFILES[a.profile])
-    if a.workload == "multi-turn" and not a.param:
-        params = {**CONVERSATION, **(QUICK if a.quick else {})}
+    if a.workload == "multi-turn":  # the issue's conversations under the -p given
+        params = {**CONVERSATION, **(QUICK if a.quick else {}), **params}
         engine.update(CONVERSATION_ENGINE)
     engine.update({k: _number(v) for k, v in parse_params(a.engine).items()})
     if a.trace:
