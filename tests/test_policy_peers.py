@@ -47,21 +47,16 @@ def test_sglang_cache_hit_above_threshold_goes_to_longest_match_despite_load() -
     assert choose("sglang_cache_aware", w, req(160), {"b": 4})[0] == "b"
 
 
-def test_sglang_match_below_threshold_goes_to_smallest_tree() -> None:
-    # 2 of 10 blocks = 20% <= 30%: no cache path; tree sizes after two cold routed prompts
-    w = ws(a={}, b={}, c={})
+def test_sglang_match_below_threshold_goes_to_least_loaded() -> None:
+    # 2 of 10 blocks = 20% <= 30%: no cache path -> SMG's min_load_idx (load, processed, id):
+    # b, the least loaded, though its tree is the largest (the older rule's smallest tree: a, c)
     pol = build_policy({"name": "sglang_cache_aware", "params": {}})
-    snap = ClusterSnapshot(w)
-    first = decide(pol, req(500, "r1"), snap, {}).worker_id  # all trees empty: any
-    second = decide(pol, req(300, "r2"), snap, {}).worker_id  # not ``first`` (500 tokens)
-    assert second != first
-    # ``first`` has 500 tokens, ``second`` 300, the third worker 0: it gets a 20% match request
-    third = ({"a", "b", "c"} - {first, second}).pop()
-    assert decide(pol, req(160, "r3"), snap, {first: 2}).worker_id == third
-    # it held nothing, so the whole prompt went into its tree; a matched prefix does not
-    assert pol.state.extra["sglang_tree"].size[third] == 160
-    assert decide(pol, req(160, "r4"), snap, {third: 10}).worker_id == third  # 100% > 30%
-    assert pol.state.extra["sglang_tree"].size[third] == 160
+    first = RequestInfo(
+        "r0", model="m", prompt_tokens=480, max_tokens=8, block_keys=tuple(range(30))
+    )
+    assert decide(pol, first, ClusterSnapshot(ws(b={})), {}).worker_id == "b"
+    w = ws(a={"inflight": 2}, b={"inflight": 0}, c={"inflight": 1})
+    assert decide(pol, req(160), ClusterSnapshot(w), {"a": 2}).worker_id == "b"
 
 
 def test_sglang_imbalance_needs_both_thresholds() -> None:
@@ -157,3 +152,122 @@ def test_llmd_approximate_prefix_follows_routed_prompts() -> None:
     pol = build_policy({"name": "llmd_default", "params": {"prefix_mode": "precise"}})
     decide(pol, r("r1"), snap, {})
     assert set(decide(pol, r("r2"), snap, {}).scores.values()) == {-2.0}
+
+
+# ---------------------------------------------------------------- faithful to the sources
+# sglang: lightseekorg/smg 73da68c model_gateway/src/policies/cache_aware.rs;
+# llm-d: llm-d-inference-scheduler 520af47; Dynamo: lib/kv-router/src/scheduling/selector/default.rs
+
+
+def keyed(rid: str, keys: tuple[int, ...], tokens: int | None = None) -> RequestInfo:
+    n = 16 * len(keys) if tokens is None else tokens
+    return RequestInfo(rid, model="m", prompt_tokens=n, max_tokens=8, block_keys=keys)
+
+
+def test_sglang_cold_prompt_goes_to_least_loaded_not_smallest_tree() -> None:
+    # a's tree holds 50 blocks, b's nothing; a has 0 in flight, b 3. SMG routes a prompt
+    # without a match to the least loaded worker (a); the older rule took the smallest tree (b)
+    pol = build_policy({"name": "sglang_cache_aware", "params": {}})
+    assert (
+        decide(pol, keyed("r1", tuple(range(50))), ClusterSnapshot(ws(a={})), {}).worker_id == "a"
+    )
+    snap = ClusterSnapshot(ws(a={"inflight": 0}, b={"inflight": 3}))
+    assert decide(pol, keyed("r2", tuple(range(100, 110))), snap, {}).worker_id == "a"
+
+
+def test_sglang_least_load_ties_go_to_fewest_processed_then_first_id() -> None:
+    # equal loads: SMG's key (load, processed, index) deals cold prompts out in turn,
+    # whatever their sizes (no random draw, no tree size)
+    pol = build_policy({"name": "sglang_cache_aware", "params": {}})
+    snap = ClusterSnapshot(ws(c={}, a={}, b={}))
+    sizes = (30, 6, 6, 6, 30)
+    got = [
+        decide(pol, keyed(f"r{i}", tuple(range(1000 * i, 1000 * i + n))), snap, {}).worker_id
+        for i, n in enumerate(sizes)
+    ]
+    assert got == ["a", "b", "c", "a", "b"]
+
+
+def test_sglang_cache_hit_goes_to_the_creator_of_the_deepest_position() -> None:
+    # b, then a, routed the same 10 blocks; the next such prompt goes to b (the node's
+    # last_tenant, its creator) for every seed, not to a random one of the equally deep holders
+    keys = tuple(range(10))
+    for seed in range(8):
+        pol = build_policy({"name": "sglang_cache_aware", "params": {"seed": seed}})
+        decide(pol, keyed("r1", keys), ClusterSnapshot(ws(b={})), {})
+        decide(pol, keyed("r2", keys), ClusterSnapshot(ws(a={})), {})
+        both = ClusterSnapshot(ws(a={}, b={}))
+        assert decide(pol, keyed("r3", keys), both, {}).worker_id == "b"
+
+
+def test_llmd_exact_ties_spread_over_every_worker_reproducibly() -> None:
+    # llm-d's max-score picker shuffles before a stable sort: exact ties go to a random one.
+    # Equal queues, no prefix: every worker ties; 64 picks reach all 8, the same per seed
+    snap = ClusterSnapshot(ws(**{f"w{i}": {} for i in range(8)}))
+
+    def picks(name: str, seed: int) -> list[str]:
+        pol = build_policy({"name": name, "params": {"seed": seed}})
+        return [decide(pol, req(160, f"r{i}"), snap, {}).worker_id for i in range(64)]
+
+    for name in ("llmd_default", "llmd_kv_util"):
+        first = picks(name, 0)
+        assert len(set(first)) == 8
+        assert picks(name, 0) == first
+        assert picks(name, 1) != first
+
+
+def test_llmd_prefix_scores_at_most_256_leading_blocks() -> None:
+    # maxPrefixBlocksToMatch = 256: a 1000-block prompt whose first 256 blocks were routed to a
+    # scores prefix 256/256 = 1 there (3 + queue 2 = 5), not 256/1000
+    pol = build_policy({"name": "llmd_default", "params": {}})
+    cap = Capacity(block_size=16, num_gpu_blocks=100_000, max_num_seqs=256, max_model_len=65536)
+    big = {w: WorkerState(w, model="m", capacity=cap) for w in ("a", "b")}
+    head = tuple(range(256))
+    decide(pol, keyed("r1", head), ClusterSnapshot({"a": big["a"]}), {})
+    d = decide(pol, keyed("r2", head + tuple(range(5000, 5744))), ClusterSnapshot(big), {})
+    assert d.worker_id == "a" and d.scores["a"] == pytest.approx(-5.0)
+
+
+def test_llmd_approximate_view_forgets_beyond_the_pods_kv_blocks() -> None:
+    # per-pod LRU sized by the pod's KV blocks (autoTune): a holds 20 blocks; after a 10-block
+    # and a 15-block prompt, the first prompt's leading blocks are gone, so it scores no prefix
+    small = Capacity(block_size=16, num_gpu_blocks=20, max_num_seqs=256, max_model_len=4096)
+    a = WorkerState("a", model="m", capacity=small)
+    b = WorkerState("b", model="m", capacity=small)
+    pol = build_policy({"name": "llmd_default", "params": {}})
+    first = tuple(range(10))
+    decide(pol, keyed("r1", first), ClusterSnapshot({"a": a}), {})
+    decide(pol, keyed("r2", tuple(range(100, 115))), ClusterSnapshot({"a": a}), {})
+    d = decide(pol, keyed("r3", first), ClusterSnapshot({"a": a, "b": b}), {})
+    assert d.scores == {"a": pytest.approx(-2.0), "b": pytest.approx(-2.0)}
+    # a set capacity applies instead
+    pol = build_policy({"name": "llmd_default", "params": {"lru_capacity_per_server": 100}})
+    decide(pol, keyed("r1", first), ClusterSnapshot({"a": a}), {})
+    decide(pol, keyed("r2", tuple(range(100, 115))), ClusterSnapshot({"a": a}), {})
+    assert decide(pol, keyed("r3", first), ClusterSnapshot({"a": a, "b": b}), {}).worker_id == "a"
+
+
+def test_dynamo_zero_temperature_ties_spread_over_every_worker() -> None:
+    snap = ClusterSnapshot(ws(**{f"w{i}": {} for i in range(8)}))
+    pol = build_policy({"name": "dynamo_kv", "params": {}})
+    assert len({decide(pol, req(160, f"r{i}"), snap, {}).worker_id for i in range(64)}) == 8
+
+
+def test_dynamo_router_temperature_samples_softmax_of_range_normalised_costs() -> None:
+    # costs a = 130, b = 100 (the trade test above): at temperature 1 Dynamo samples b with
+    # p = 1 / (1 + e^-1) = 0.731 (costs divided by their range); seeded, so reproducible
+    w = ws(
+        a={"kv_blocks_free": 900},
+        b={"kv_blocks_free": 950, "pending_prefill_tokens": 160},
+    )
+    snap = ClusterSnapshot(w)
+
+    def picks(seed: int) -> list[str]:
+        pol = build_policy(
+            {"name": "dynamo_kv", "params": {"router_temperature": 1.0, "seed": seed}}
+        )
+        return [decide(pol, req(320, f"r{i}"), snap, {"a": 10}).worker_id for i in range(4000)]
+
+    got = picks(0)
+    assert got.count("b") / len(got) == pytest.approx(0.731, abs=0.02)
+    assert picks(0) == got

@@ -6,8 +6,10 @@ Keyed by the request's block keys (a prefix tree at block granularity: a chain o
 determines its prefix, so a key -> workers map is the tree). Bounded: the newest ``max_blocks``
 keys are kept (re-inserting a key makes it newest).
 
-Invariant: ``keys[k]`` is the set of workers whose tree holds block key ``k``, in insertion
-order of ``k``; ``size[w]`` counts the prompt tokens worker ``w``'s tree gained.
+Invariant: ``keys[k]`` is the set of workers whose tree holds block key ``k``, in the order
+they first inserted it (the first is the one whose prompt created that position, sglang's
+``last_tenant`` of the node), with the keys in insertion order of ``k``; ``size[w]`` counts the
+prompt tokens worker ``w``'s tree gained.
 """
 
 from __future__ import annotations
@@ -38,6 +40,20 @@ class RoutedTree:
             for w in alive:
                 out[w] = depth
         return out
+
+    def deepest(self, block_keys: tuple[int, ...]) -> tuple[int, str | None]:
+        """How many leading blocks the tree holds for any worker, and the worker that created
+        the deepest of them (None when the first block is not in the tree)."""
+        depth = 0
+        owner: str | None = None
+        tree = self.keys
+        for k in block_keys:
+            holders = tree.get(k)
+            if not holders:
+                break
+            depth += 1
+            owner = next(iter(holders))
+        return depth, owner
 
     def insert(self, worker: str, block_keys: tuple[int, ...], new_tokens: int) -> None:
         tree = self.keys

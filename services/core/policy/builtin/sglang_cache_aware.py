@@ -1,29 +1,39 @@
-"""``sglang_cache_aware``: sglang-router's ``cache_aware`` selection rule, as a baseline.
+"""``sglang_cache_aware``: sglang-router / SMG's ``cache_aware`` selection rule, as a baseline.
 
-Follows the rule as sglang-router / SMG document it (docs "Cache-Aware Routing" and "Load
-Balancing", https://github.com/lightseekorg/smg docs/concepts/routing/cache-aware.md; the
-``--cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5`` defaults):
+Follows Shepherd Model Gateway's source (github.com/lightseekorg/smg, commit 73da68c, Aug 2026:
+``model_gateway/src/policies/cache_aware.rs``, its approximate ``kv_index`` string tree, and the
+CLI defaults of ``model_gateway/src/main.rs``: ``--cache-threshold 0.3
+--balance-abs-threshold 64 --balance-rel-threshold 1.5 --max-tree-size 2^26``):
 
 1. **balance check**: with ``load`` = the router's in-flight requests per worker, the cluster is
    imbalanced when ``max_load - min_load > balance_abs_threshold`` *and*
    ``max_load > balance_rel_threshold x min_load``; then the least-loaded worker gets it;
-2. **cache affinity**: otherwise, when the longest prefix match covers more than
-   ``cache_threshold`` of the prompt, the worker with that match gets it;
-3. **smallest tree**: otherwise the worker whose prefix tree is smallest (most room) gets it.
+2. **cache affinity**: otherwise the prompt is matched in one tree shared by all workers; when
+   the match covers more than ``cache_threshold`` of the prompt, the worker that created the
+   deepest matched position (the node's ``last_tenant``) gets it;
+3. **least loaded**: otherwise the least-loaded worker (``min_load_idx``; SMG no longer sends a
+   cold prompt to the worker with the smallest tree).
 
-Like sglang-router, the tree is *approximate*: built from the prompts this policy routed (each
-routed prompt is inserted into the chosen worker's tree at once, before the engine has computed
-it), not from KV events. Ours is keyed by the request's block keys (``RequestInfo.block_keys``,
-which the router and the simulator pass to this policy: a prefix tree at block granularity
-instead of characters); a request without keys (several block sizes in the cluster) is matched
-in our exact prefix index instead. "Tree size" is the tokens each worker's tree gained (a routed prompt adds
-its unmatched part). sglang evicts its tree at 2^26 characters; ours keeps the newest
-``max_tree_blocks`` block keys. Loads are the snapshot's global in-flight counts. Ties are
-broken by the policy's seeded RNG.
+"Least loaded" is SMG's key ``(load, processed, index)``: fewest in flight, then fewest
+requests routed there so far by this policy, then the first in order (here: the sorted worker
+id), deterministic. Every routed prompt is inserted into its worker's tree at once, before the
+engine has computed it (no KV events). Costs: on the cache path 0 for the chosen worker and 1
+for the others; otherwise ``load + rank / n``, ``rank`` the worker's place by
+``(processed, id)``, so the lowest cost is SMG's choice.
 
-Invariant: state is only ``extra["sglang_tree"]`` (a
-:class:`~services.core.policy.routed_tree.RoutedTree`), updated in :meth:`pick` from the
-decision's own inputs.
+Simplifications: SMG's HTTP router matches the request's characters; ours is a prefix tree of
+the request's block keys (``RequestInfo.block_keys``: whole blocks of the worker's block size,
+so a partial last block never matches); a request without keys (several block sizes in the
+cluster) is matched in our exact prefix index, its owner the holder with the longest match.
+SMG evicts each worker's tree to 2^26 characters every 60 s; ours keeps the newest
+``max_tree_blocks`` block keys. When the owner cannot take the request now (our capacity filter,
+which SMG lacks) the least-loaded worker gets it instead of SMG's first healthy worker. The
+token-usage imbalance triggers (``balance_token_usage_threshold``,
+``overload_token_usage_threshold``) are off by default in SMG and not modelled.
+
+Invariant: state is ``extra["sglang_tree"]`` (a
+:class:`~services.core.policy.routed_tree.RoutedTree`) and ``extra["sglang_processed"]``
+(requests routed per worker), both updated in :meth:`pick` from the decision's own inputs.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from services.core.policy.types import RequestInfo, WorkerState
 class SglangCacheAware(PolicyImpl):
     name = "sglang_cache_aware"
     description = (
-        "baseline: sglang-router cache_aware (balance 64 / 1.5x, cache threshold, smallest tree)"
+        "baseline: sglang-router / SMG cache_aware (balance 64 / 1.5x, cache threshold, least load)"
     )
     PARAMS = {
         "cache_threshold": {
@@ -46,7 +56,7 @@ class SglangCacheAware(PolicyImpl):
             "minimum": 0,
             "maximum": 1,
             "default": 0.3,
-            "description": "longest match must cover more than this fraction of the prompt",
+            "description": "the match must cover more than this fraction of the prompt",
         },
         "balance_abs_threshold": {
             "type": "integer",
@@ -77,6 +87,12 @@ class SglangCacheAware(PolicyImpl):
             t = state.extra["sglang_tree"] = RoutedTree(self.p["max_tree_blocks"])
         return t
 
+    def _least_loaded(self, cands: list[WorkerState], state: PolicyState) -> dict[str, float]:
+        processed = state.extra.setdefault("sglang_processed", {})
+        order = sorted(cands, key=lambda w: (processed.get(w.worker_id, 0), w.worker_id))
+        n = len(order)
+        return {w.worker_id: w.inflight + i / n for i, w in enumerate(order)}
+
     def costs(
         self,
         req: RequestInfo,
@@ -87,28 +103,39 @@ class SglangCacheAware(PolicyImpl):
         p = self.p
         loads = [w.inflight for w in cands]
         hi, lo = max(loads), min(loads)
-        tree = self._tree(state)
-        if req.block_keys:
-            matched = tree.match(req.block_keys, {w.worker_id for w in cands})
-        else:
-            matched = overlaps
-        state.extra["sglang_req"] = (req, {w.worker_id: w for w in cands}, matched)
+        state.extra["sglang_req"] = (req, {w.worker_id: w for w in cands}, overlaps)
         if hi - lo > p["balance_abs_threshold"] and hi > p["balance_rel_threshold"] * lo:
-            return {w.worker_id: float(w.inflight) for w in cands}
+            return self._least_loaded(cands, state)
+        bs = cands[0].capacity.block_size
+        if req.block_keys:
+            depth, owner = self._tree(state).deepest(req.block_keys)
+        else:
+            held = {w.worker_id: overlaps.get(w.worker_id, 0) for w in cands}
+            owner = max(sorted(held), key=held.__getitem__)
+            depth = held[owner]
         prompt = max(1, req.prompt_tokens)
-        got = {
-            w.worker_id: min(matched.get(w.worker_id, 0) * w.capacity.block_size, prompt)
-            for w in cands
-        }
-        if max(got.values()) / prompt > p["cache_threshold"]:
-            # the longest match wins outright (load is not looked at on this path)
-            return {wid: -float(n) for wid, n in got.items()}
-        return {w.worker_id: float(tree.size.get(w.worker_id, 0)) for w in cands}
+        matched = min(depth * bs, prompt)
+        ids = {w.worker_id for w in cands}
+        if matched / prompt > p["cache_threshold"] and owner in ids:
+            return {wid: 0.0 if wid == owner else 1.0 for wid in ids}
+        return self._least_loaded(cands, state)
 
     def pick(self, costs: dict[str, float], state: PolicyState) -> str:
-        wid = pick_min(costs, state.rng)
-        req, by_id, matched = state.extra.pop("sglang_req")
-        w = by_id[wid]
-        added = max(0, req.prompt_tokens - matched.get(wid, 0) * w.capacity.block_size)
-        self._tree(state).insert(wid, req.block_keys, added)
+        wid = pick_min(costs, state.rng)  # costs have no ties: SMG's choice is deterministic
+        req, by_id, overlaps = state.extra.pop("sglang_req")
+        processed = state.extra.setdefault("sglang_processed", {})
+        processed[wid] = processed.get(wid, 0) + 1
+        tree = self._tree(state)
+        if req.block_keys:
+            held = tree.match(req.block_keys, {wid}).get(wid, 0)
+        else:
+            held = overlaps.get(wid, 0)
+        added = max(0, req.prompt_tokens - held * by_id[wid].capacity.block_size)
+        tree.insert(wid, req.block_keys, added)  # the tokens this worker's tree gained
         return wid
+
+    def prune(self, state: PolicyState, live: dict[str, WorkerState]) -> None:
+        processed = state.extra.get("sglang_processed")
+        if processed:
+            for wid in [w for w in processed if w not in live]:
+                del processed[wid]
