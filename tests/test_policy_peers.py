@@ -271,3 +271,19 @@ def test_dynamo_router_temperature_samples_softmax_of_range_normalised_costs() -
     got = picks(0)
     assert got.count("b") / len(got) == pytest.approx(0.731, abs=0.02)
     assert picks(0) == got
+
+
+def test_pod_lru_prefix_index_refreshes_evicts_and_forgets_pods() -> None:
+    from services.core.policy.pod_lru_prefix import PodLruPrefixIndex
+
+    idx = PodLruPrefixIndex()
+    idx.add("a", (1, 2, 3), capacity=3)
+    idx.add("b", (1, 2), capacity=10)
+    idx.add("a", (1,), capacity=99)  # 1 becomes a's newest; the capacity stays 3
+    idx.add("a", (4,), capacity=3)  # evicts a's oldest: 2
+    # matchLongestPrefix counts, per hash, every pod that holds it (not a per-pod run):
+    # 1 -> a, b; 2 -> b; 3 -> a
+    assert idx.match((1, 2, 3)) == {"a": 2, "b": 2}
+    assert idx.pods[2] == {"b"} and list(idx.lru["a"]) == [3, 1, 4]
+    idx.remove_pod("b")
+    assert idx.match((1, 2)) == {"a": 1} and 2 not in idx.pods
