@@ -30,7 +30,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from services.common.bus import Bus
 from tests.test_router_e2e_sim import SimCluster
 from tests.test_router_openai import TOOLS, TOOLS_TEMPLATE
-from tests.test_router_support import Indexer, RouterProc, shutdown
+from tests.test_router_support import Indexer, RouterProc, shutdown, wait_until
 
 COMPLETION_OPTIONS = (
     "model prompt echo frequency_penalty logit_bias logprobs max_tokens n presence_penalty "
@@ -231,6 +231,10 @@ async def test_openai_client_through_the_router(nats_url, subjects, bus: Bus, tm
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
     try:
         await router.wait_workers(1, timeout=20)
+        # rejections are checked once the router knows the cluster: before, an unknown model
+        # is a 503 + Retry-After (a starting router), not the 404 asserted below
+        assert router.router is not None
+        await wait_until(router.router.readiness.cluster_known, 10, "cluster known")
 
         async def comp(**kw: Any) -> Any:
             kw.setdefault("max_tokens", 8)

@@ -31,6 +31,9 @@ async def cluster(nats_url, subjects, bus: Bus):
     indexer = await Indexer(nats_url, subjects).start()
     router = await RouterProc(nats_url, subjects).start()
     await router.wait_workers(4)
+    # an unknown model is a 404 once the router knows the cluster (503 + Retry-After before)
+    assert router.router is not None
+    await wait_until(router.router.readiness.cluster_known, 10, "cluster known")
     try:
         yield router, workers, other, beats
     finally:
