@@ -334,7 +334,8 @@ def run_searches(conf: dict[str, Any], jobs: int) -> list[dict]:
 
 
 def ceilings(conf: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per seed, the latency bound's ceiling (:func:`bench.goodput_search.slo_ceiling`)."""
+    """Per seed, the latency bound's ceiling (:func:`bench.goodput_search.slo_ceiling`) over
+    the searched multipliers."""
     cfg = make_engine_config(conf["engine"])
     out = []
     for seed in conf["seeds"]:
@@ -348,15 +349,18 @@ def ceilings(conf: dict[str, Any]) -> list[dict[str, Any]]:
             conf["target"],
             conf["ttft_s"],
             conf["tpot_s"],
+            conf["min_rate"],
+            conf["max_rate"],
         )
         req_s = None
-        if 0 < c.multiplier < math.inf:
+        if c.multiplier > 0:
             req_s = offered_rate(workload_at(conf["workload"], params, c.multiplier).requests)
         out.append(
             {
                 "seed": seed,
                 "possible_share": c.possible_share,
                 "multiplier": c.multiplier,
+                "binds": c.binds,
                 "req_s": req_s,
                 "prefill_work_s": c.prefill_work_s,
             }
@@ -411,11 +415,10 @@ def table(conf: dict[str, Any], searches: list[dict], ceils: list[dict]) -> str:
     cc = []
     for c in ceils:
         if c["multiplier"] == 0:
-            cc.append("none")
-        elif math.isinf(c["multiplier"]):
-            cc.append("unbounded")
+            cc.append(f"< x{conf['min_rate']:g}")
         else:
-            cc.append(f"{c['req_s']:.3f} (x{c['multiplier']:.3f})")
+            pre = "" if c["binds"] else ">= "
+            cc.append(f"{pre}{c['req_s']:.3f} (x{c['multiplier']:.3f})")
     lines.append("| ceiling (latency bound, any policy) | " + " | ".join(cc) + " | | |")
     share = min(c["possible_share"] for c in ceils)
     notes = [
@@ -424,11 +427,11 @@ def table(conf: dict[str, Any], searches: list[dict], ceils: list[dict]) -> str:
         f"{100 * conf['target']:g} % of all requests (refused / shed / timed out = missed); "
         f"multipliers {conf['min_rate']:g}-{conf['max_rate']:g}, {conf['steps']} steps; "
         f"best peer: {best_peer or '–'}.",
-        f"Latency bound: at most {100 * share:.1f} % of the requests can meet the SLO at any "
-        "rate (each one's prefill and decode alone); ceiling = the multiplier above which the "
-        "fleet cannot compute the prefill of the cheapest target share between the first "
-        "arrival and the last + the TTFT SLO ('unbounded': never within reach of the rates; "
-        "'none': the share alone is below the target).",
+        f"Latency bound: at x{conf['max_rate']:g} at most {100 * share:.1f} % of the requests "
+        "can meet the SLO (each one's prefill and decode alone on an idle engine); ceiling = "
+        "the highest multiplier at which the fleet can still compute the prefill of the "
+        "cheapest target share between the first arrival and the last + the TTFT SLO ('>=': "
+        "the bound does not bind up to --max-rate; prefill capacity only, so a loose bound).",
     ]
     return "\n".join(lines + notes)
 
@@ -515,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out_dir) / name
     t0 = time.perf_counter()
     searches = run_searches(conf, max(1, a.jobs))
+    out.mkdir(parents=True, exist_ok=True)  # the searches are kept even if what follows fails
+    (out / "searches.json").write_text(json.dumps(_finite(searches), indent=1) + "\n")
     ceils = ceilings(conf)
     wall = time.perf_counter() - t0
     text = table(conf, searches, ceils)

@@ -158,15 +158,42 @@ def offered_rate(requests: Sequence[BenchRequest]) -> float:
 class Ceiling:
     """What :mod:`bench.latency_bound` proves about goodput at an SLO on one workload.
 
-    ``possible_share``: requests whose own bounds (prefill alone on an idle engine, decode alone)
-    meet the SLO, over all; no policy at any rate attains more. ``multiplier``: above it the
-    fleet cannot even compute the prefill of the cheapest ``target`` share of the requests
-    between the first arrival and the last arrival + the TTFT SLO (0: ``possible_share`` is
-    below the target; inf: the capacity never binds)."""
+    ``possible_share``: at ``max_rate``, the requests whose own bounds (prefill alone on an
+    idle engine, decode alone) meet the SLO, over all; no policy attains more there.
+    ``multiplier``: the highest multiplier in [``min_rate``, ``max_rate``] at which the fleet
+    can still compute the prefill of the cheapest ``target`` share of those requests between
+    the first arrival and the last arrival + the TTFT SLO; above it no policy meets the target
+    (0: not even at ``min_rate``; ``max_rate``: the bound does not bind in the range)."""
 
     possible_share: float
     multiplier: float
-    prefill_work_s: float  # engine-seconds of the cheapest target share's prefill
+    prefill_work_s: float  # at ``multiplier``: engine-seconds of the cheapest target share
+    binds: bool  # False: ``multiplier`` is ``max_rate`` and the bound allows it
+
+
+def _fits(
+    reqs: Sequence[BenchRequest],
+    keys: Sequence[Sequence[int]],
+    cfg: EngineConfig,
+    workers: int,
+    target: float,
+    ttft_s: float,
+    tpot_max_s: float,
+) -> tuple[bool, float, float]:
+    """(the bound allows the target here, the possible share, the target share's work)."""
+    per = request_bounds(reqs, keys, cfg)
+    works = []
+    for r, (ttft, _e2e, work) in zip(reqs, per, strict=True):
+        tpot = decode_alone_s(cfg, r.prompt_tokens, r.max_tokens) / max(1, r.max_tokens - 1)
+        if ttft <= ttft_s and tpot <= tpot_max_s:
+            works.append(work)
+    n = len(reqs)
+    need = math.ceil(target * n - 1e-9)
+    if len(works) < need:
+        return False, len(works) / n, math.inf
+    work = sum(sorted(works)[:need])
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    return work / workers <= span + ttft_s, len(works) / n, work
 
 
 def slo_ceiling(
@@ -178,46 +205,34 @@ def slo_ceiling(
     target: float,
     ttft_s: float,
     tpot_max_s: float,
+    min_rate: float,
+    max_rate: float,
+    steps: int = 12,
 ) -> Ceiling:
-    """The ceiling (see :class:`Ceiling`). Assumes requests are sent at their scheduled
-    arrivals (open loop); a multi-turn turn sent later than scheduled (its previous turn still
-    running) stretches the run, so there the multiplier is the bound at the schedule."""
-    wl = workload_at(name, params, 1.0)
-    reqs = wl.requests
-    n = len(reqs)
-    if n == 0:
-        raise ValueError("the workload has no requests")
-    per = request_bounds(reqs, keys_of(reqs), cfg)
-    works = []
-    for r, (ttft, _e2e, work) in zip(reqs, per, strict=True):
-        tpot = decode_alone_s(cfg, r.prompt_tokens, r.max_tokens) / max(1, r.max_tokens - 1)
-        if ttft <= ttft_s and tpot <= tpot_max_s:
-            works.append(work)
-    need = math.ceil(target * n - 1e-9)
-    share = len(works) / n
-    if len(works) < need:
-        return Ceiling(share, 0.0, math.inf)
-    work = sum(sorted(works)[:need])
-    window = work / workers - ttft_s  # the arrival span the fleet needs
-    if window <= 0:
-        return Ceiling(share, math.inf, work)
+    """The ceiling (see :class:`Ceiling`), by geometric bisection over the multiplier like the
+    policies' search (the work grows and the arrival span shrinks with the rate). Assumes
+    requests are sent at their scheduled arrivals (open loop); a multi-turn turn sent later
+    than scheduled (its previous turn still running) stretches the run, so there it is the
+    bound at the schedule."""
 
-    def span(m: float) -> float:
-        rs = workload_at(name, params, m).requests
-        return rs[-1].arrival_s - rs[0].arrival_s
+    def at(m: float) -> tuple[bool, float, float]:
+        reqs = workload_at(name, params, m).requests
+        if not reqs:
+            raise ValueError("the workload has no requests")
+        return _fits(reqs, keys_of(reqs), cfg, workers, target, ttft_s, tpot_max_s)
 
-    if span(1.0) < window:  # falls with m: search below 1
-        lo, hi = 1e-6, 1.0
-    else:
-        lo, hi = 1.0, 2.0
-        while span(hi) >= window:
-            lo, hi = hi, hi * 2
-            if hi > 1e6:
-                return Ceiling(share, math.inf, work)
-    for _ in range(40):  # span(lo) >= window > span(hi)
+    ok, share, work = at(max_rate)
+    if ok:
+        return Ceiling(share, max_rate, work, False)
+    ok, _, work_lo = at(min_rate)
+    if not ok:
+        return Ceiling(share, 0.0, work_lo, True)
+    lo, hi = min_rate, max_rate
+    for _ in range(steps):
         mid = math.sqrt(lo * hi)
-        if span(mid) >= window:
-            lo = mid
+        ok, _, w = at(mid)
+        if ok:
+            lo, work_lo = mid, w
         else:
             hi = mid
-    return Ceiling(share, lo, work)
+    return Ceiling(share, lo, work_lo, True)
