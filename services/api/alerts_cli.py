@@ -24,6 +24,7 @@ from typing import Any
 from services.common import settings as S
 from services.common import stackfile
 from services.common.embedded import nats_url_reachable
+from services.common.redact import redact_url
 from services.common.subjects import check_token
 
 OPTIONS = (S.NATS_URL, *S.NATS_AUTH, S.SUBJECT_PREFIX, S.STATE_DIR)
@@ -106,7 +107,21 @@ def matches(a: Any, args: argparse.Namespace) -> bool:
     return not (args.severity and a.severity not in args.severity)
 
 
-async def tail(args: argparse.Namespace, nats_url: str, prefix: str, auth: Any = None) -> int:
+def following_line(nats_url: str, source: str, replay: str) -> str:
+    """What an operator sees on stderr once the subscription is live: where, and from what."""
+    return (
+        f"kvgate alerts tail: connected to {redact_url(nats_url)} (from {source}); "
+        f"following alerts{replay}; Ctrl-C to stop"
+    )
+
+
+async def tail(
+    args: argparse.Namespace,
+    nats_url: str,
+    prefix: str,
+    auth: Any = None,
+    source: str = "--nats-url / KVGATE_NATS_URL",
+) -> int:
     import nats.js.errors
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
@@ -157,11 +172,19 @@ async def tail(args: argparse.Namespace, nats_url: str, prefix: str, auth: Any =
         sub = await bus.js.subscribe(
             subject, cb=on, stream=subjects.alerts_stream, ordered_consumer=True, config=config
         )
+        if args.replay == "all":
+            replay = " (replaying every alert kept first)"
+        elif args.since is not None:
+            replay = f" (replaying those newer than {args.since} first)"
+        else:
+            replay = " from now on"
         loop = asyncio.get_running_loop()
         import signal
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, done.set)
+        # only now: a Ctrl-C after this line ends the tail cleanly
+        print(following_line(nats_url, source, replay), file=sys.stderr, flush=True)
         await done.wait()
         await sub.unsubscribe()
     finally:
@@ -175,7 +198,9 @@ def main(args: argparse.Namespace) -> int:
     st = S.resolve(args, OPTIONS)
     configure_logging("alerts", "warning", "console")  # logs to stderr; stdout is the alerts
     if args.action == "tail":
-        nats_url, prefix, source = st.nats_url, st.subject_prefix, "the default"
+        nats_url, prefix = st.nats_url, st.subject_prefix
+        # said out loud: without a stack file the default URL may be some other NATS
+        source = f"the default; no running 'kvgate up' stack in {st.state_dir}"
         stack_found = False
         if not stackfile.given(args, "nats_url", S.NATS_URL.env_var):
             stack = stackfile.running_stack(st.state_dir)
@@ -200,7 +225,7 @@ def main(args: argparse.Namespace) -> int:
             auth = NatsAuth.from_settings(st)
             if stack_found and auth.method == "none":
                 auth = stackfile.operator_auth(st.state_dir)
-            return asyncio.run(tail(args, nats_url, prefix, auth))
+            return asyncio.run(tail(args, nats_url, prefix, auth, source))
         except ConnectionError as exc:
             print(f"kvgate alerts tail: {exc}", file=sys.stderr)
             return 1

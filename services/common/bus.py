@@ -198,10 +198,12 @@ class Bus:
         self._last_error = ""
         self.connected = asyncio.Event()
         self.disconnected = asyncio.Event()  # set while the connection is down
+        self._closing = False  # close() drains: the disconnect that follows is not news
 
     # ------------------------------------------------------------------ lifecycle
     async def connect(self, max_wait_s: float | None = None, backoff_max_s: float = 5.0) -> None:
         """Connect, retrying with backoff until the server answers (or ``max_wait_s`` passes)."""
+        self._closing = False
         servers = [s.strip() for s in self.url.split(",") if s.strip()]
         auth = self.auth.connect_kwargs()
         delay = 0.1
@@ -268,6 +270,7 @@ class Bus:
 
     async def close(self) -> None:
         """Stop consumer loops, then drain (deliver what is buffered) and close."""
+        self._closing = True
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self.nc is not None and not self.nc.is_closed:
@@ -288,7 +291,10 @@ class Bus:
     async def _on_disconnected(self) -> None:
         self.connected.clear()
         self.disconnected.set()
-        log.warning("bus disconnected")
+        if self._closing:  # our own close(): a warning here would alarm on every clean exit
+            log.debug("bus closed")
+        else:
+            log.warning("bus disconnected")
 
     async def _on_reconnected(self) -> None:
         BUS_RECONNECTS.inc()

@@ -28,6 +28,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from services.common import settings as S
+from services.common.redact import redact_url
 
 if TYPE_CHECKING:
     from services.common.bus import NatsAuth
@@ -106,6 +107,24 @@ def exit_code(reply: IndexVerifyReply) -> int:
     return 0
 
 
+def no_answer_hint(error: str, nats_url: str, prefix: str, timeout_s: float) -> str:
+    """The next thing to check, by why the indexer did not answer."""
+    if error.startswith("no responder"):
+        return (
+            f"  hint: NATS at {redact_url(nats_url)} has no indexer subscribed under subject "
+            f"prefix {prefix!r}: is 'kvgate indexer' (or 'kvgate up') running against this "
+            "NATS, with the same --subject-prefix / KVGATE_SUBJECT_PREFIX? 'kvgate status' "
+            "shows a local stack."
+        )
+    if error.startswith("no reply"):
+        return (
+            f"  hint: an indexer is subscribed but did not answer within {timeout_s:g}s "
+            "(many workers, or slow dumps): retry with a larger --timeout, or --worker to "
+            "check fewer workers."
+        )
+    return "  hint: the indexer answered with an error; its log has the details."
+
+
 async def verify(
     args: argparse.Namespace, nats_url: str, prefix: str, auth: NatsAuth | None = None
 ) -> int:
@@ -127,6 +146,7 @@ async def verify(
             )
         except (TimeoutError, RemoteError) as exc:
             print(f"kvgate index verify: no answer from the indexer: {exc}", file=sys.stderr)
+            print(no_answer_hint(str(exc), nats_url, prefix, args.timeout), file=sys.stderr)
             return 3
     finally:
         await bus.close()

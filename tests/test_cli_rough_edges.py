@@ -1,0 +1,101 @@
+"""Operator CLIs as a new operator meets them (issue 41's rough edges), run as subprocesses
+against the real NATS and Postgres: `kvgate alerts tail` says where it is connected and exits
+quietly on Ctrl-C, `kvgate index verify` explains a missing indexer, `kvgate api token create`
+names the real database error."""
+
+from __future__ import annotations
+
+import selectors
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from services.common.bus import Bus
+from services.common.embedded import env_without_proxy
+
+
+def _popen(*args: str, env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def _first_stderr_line(proc: subprocess.Popen[str], timeout: float = 30) -> str:
+    """The first line the CLI writes to stderr, waiting for it at most ``timeout`` seconds."""
+    assert proc.stderr is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stderr, selectors.EVENT_READ)
+        assert sel.select(timeout), "nothing on stderr"
+    return proc.stderr.readline()
+
+
+def _run(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def test_alerts_tail_says_it_is_connected_and_exits_quietly_on_ctrl_c(
+    nats_url: str, subject_prefix: str, bus: Bus, tmp_path: Path
+) -> None:
+    env = env_without_proxy()
+    env.update(KVGATE_NATS_URL=nats_url, KVGATE_SUBJECT_PREFIX=subject_prefix)
+    proc = _popen("alerts", "tail", "--color", "never", env=env, cwd=tmp_path)
+    try:
+        first = _first_stderr_line(proc)  # written once the subscription is live
+        assert "connected to" in first and "following alerts from now on" in first, first
+        assert "(from --nats-url / KVGATE_NATS_URL)" in first, first
+        proc.send_signal(signal.SIGINT)  # the operator's Ctrl-C
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+    assert "bus disconnected" not in err, err
+    assert out == ""
+
+
+def test_alerts_tail_without_a_stack_says_it_uses_the_default_url(tmp_path: Path) -> None:
+    env = env_without_proxy()
+    for var in ("KVGATE_NATS_URL", "KVGATE_STATE_DIR"):
+        env.pop(var, None)
+    # cwd has no ./.kvgate: whatever answers (or not) on the default URL, it is said to be the
+    # default and that no stack was found
+    proc = _popen("alerts", "tail", "--color", "never", env=env, cwd=tmp_path)
+    try:
+        first = _first_stderr_line(proc)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert "nats://127.0.0.1:4222" in first, first
+    assert "from the default; no running 'kvgate up' stack in .kvgate" in first, first
+    assert "bus disconnected" not in err, err
+
+
+def test_index_verify_without_an_indexer_gives_a_hint(
+    nats_url: str, subject_prefix: str, tmp_path: Path
+) -> None:
+    env = env_without_proxy()
+    env.update(KVGATE_NATS_URL=nats_url, KVGATE_SUBJECT_PREFIX=subject_prefix)
+    r = _run("index", "verify", "--timeout", "5", env=env, cwd=tmp_path)
+    assert r.returncode == 3, r.stderr
+    assert "no responder" in r.stderr
+    assert f"no indexer subscribed under subject prefix '{subject_prefix}'" in r.stderr
+    assert "'kvgate indexer'" in r.stderr and "'kvgate status'" in r.stderr
+    assert "bus disconnected" not in r.stderr, r.stderr
