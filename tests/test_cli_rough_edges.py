@@ -99,3 +99,27 @@ def test_index_verify_without_an_indexer_gives_a_hint(
     assert f"no indexer subscribed under subject prefix '{subject_prefix}'" in r.stderr
     assert "'kvgate indexer'" in r.stderr and "'kvgate status'" in r.stderr
     assert "bus disconnected" not in r.stderr, r.stderr
+
+
+def test_api_token_create_names_the_real_database_error(
+    fresh_database_url: str, tmp_path: Path
+) -> None:
+    from services.common.embedded import free_port
+
+    base = fresh_database_url.rsplit("/", 1)[0]
+    cases = {
+        # no such database: not a migration problem
+        f"{base}/kvgate_no_such_db_{free_port()}": "does not exist on the PostgreSQL at",
+        # nothing listens: not a migration problem either
+        f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/kvgate": "no PostgreSQL answers",
+        # an empty database (never migrated): this one is
+        fresh_database_url: "has no kvgate tables: run 'kvgate migrate'",
+    }
+    for url, expected in cases.items():
+        env = env_without_proxy()
+        env["KVGATE_DATABASE_URL"] = url
+        r = _run("api", "token", "create", "--role", "viewer", env=env, cwd=tmp_path)
+        assert r.returncode == 1, (url, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("kvgate api token: ") and expected in last, (url, r.stderr)
+        assert "did you run 'kvgate migrate'" not in r.stderr

@@ -16,6 +16,7 @@ import asyncio
 import sys
 
 from services.common import settings as S
+from services.common.redact import redact_text
 
 ADMIN_TOKEN = S.option(
     "admin_token",
@@ -125,6 +126,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it wraps (SQLAlchemy's ``orig``, ``__cause__``, ``__context__``)."""
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [getattr(e, "orig", None), e.__cause__, e.__context__]
+    return seen
+
+
+def explain_database_error(exc: BaseException, database_url: str) -> str:
+    """One line naming what really went wrong and what to do: 'run migrate' only when the
+    tables are missing (a missing database, no server or a refused login are not that)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        url = make_url(database_url)
+        where = f"{url.host or 'localhost'}:{url.port or 5432}"
+        dbname = url.database or ""
+    except Exception:  # an unparsable URL: say so without echoing it (it may hold a password)
+        return "the database URL (--database-url / KVGATE_DATABASE_URL) cannot be parsed"
+    names = {type(e).__name__ for e in _causes(exc)}
+    text = " ".join(str(e) for e in _causes(exc))
+    if "InvalidCatalogNameError" in names or "does not exist" in text and "database" in text:
+        return (
+            f"database {dbname!r} does not exist on the PostgreSQL at {where}: create it "
+            f"(createdb {dbname}) and run 'kvgate migrate', or point --database-url / "
+            "KVGATE_DATABASE_URL at the right one ('kvgate up' makes its own, found by itself "
+            "while it runs)"
+        )
+    if "UndefinedTableError" in names:
+        return (
+            f"database {dbname!r} on {where} has no kvgate tables: run 'kvgate migrate' "
+            "against it first"
+        )
+    if names & {"InvalidPasswordError", "InvalidAuthorizationSpecificationError"}:
+        return (
+            f"PostgreSQL at {where} refused the login for user {url.username!r}: check the "
+            "password (--database-password-file / KVGATE_DATABASE_PASSWORD_FILE)"
+        )
+    if names & {"ConnectionRefusedError", "ConnectionError", "OSError", "gaierror"}:
+        return (
+            f"no PostgreSQL answers at {where}: start the stack ('kvgate up'; its database is "
+            "found by itself) or give --database-url / KVGATE_DATABASE_URL"
+        )
+    return f"database at {where} unavailable ({type(exc).__name__}: {redact_text(str(exc))[:200]})"
+
+
 async def _token(args: argparse.Namespace, database_url: str, max_ttl_s: float) -> int:
     from services.api.db import Database, is_unavailable
     from services.api.tokens import create_token, token_dict, token_state
@@ -177,11 +229,7 @@ async def _token(args: argparse.Namespace, database_url: str, max_ttl_s: float) 
             return 0
     except Exception as exc:
         if is_unavailable(exc):
-            print(
-                f"kvgate api token: database unavailable ({exc.__class__.__name__}: "
-                f"{str(exc)[:200]}); did you run 'kvgate migrate'?",
-                file=sys.stderr,
-            )
+            print(f"kvgate api token: {explain_database_error(exc, database_url)}", file=sys.stderr)
             return 1
         raise
     finally:
