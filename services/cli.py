@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "is the stack of 'kvgate up' running, and where (its state file)",
     ),
     "router": ("services.router.cli", "OpenAI-compatible router: picks a worker per request"),
+    "epp": (
+        "services.epp.cli",
+        "Gateway API Inference Extension endpoint picker (Envoy ext_proc gRPC), router's core",
+    ),
     "indexer": (
         "services.kv_indexer.cli",
         "kv_indexer: KV events -> global prefix index, deltas and snapshots",

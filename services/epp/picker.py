@@ -1,0 +1,173 @@
+"""One request's pick, through the router's own parts: the same parser (render + tokenize),
+SLO headers, canary arm, admission (``decide()`` over the same cluster state and index
+replica, the bounded wait queue, shedding), dispatch (ticket, replicas, follower holds) and
+outcome recorder as ``kvgate router``: one decision core, two front doors.
+
+Invariants: a :class:`Pick` holds exactly one ticket on its worker until :meth:`Picker.settle`
+releases it (called once per stream, in ``finally``); every request, picked or refused,
+records exactly one outcome (in ``settle`` for a pick, at once for a refusal); a subset hint
+excludes every worker whose endpoint is outside it, so the pick is inside it or there is none.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from services.common.logging import get_logger
+from services.core.cluster import Ticket
+from services.router import metrics as RM
+from services.router import slo
+from services.router.app import Router
+from services.router.http_server import Response
+from services.router.proxy import SESSION_HEADERS, Ctx, error_response
+from services.router.public_surface import check_prompt_size
+from services.router.request_path import RequestIds
+from services.router.tokenize import BadRequest
+
+from . import endpoints
+from . import metrics as M
+
+log = get_logger("epp")
+_json_decode = msgspec.json.decode
+
+# a request without a body (headers only) is load-balanced like the router's un-keyed
+# pass-through requests: the parser keys no prompt for a path that is not an OpenAI one
+NO_BODY_PATH = "/-/epp-no-body"
+# llm-d's names for the SLO headers, read when kvgate's own are absent
+LLMD_SLO_ALIASES = {"x-llm-d-slo-ttft-ms": slo.TTFT_HEADER, "x-llm-d-slo-tpot-ms": slo.TPOT_HEADER}
+
+
+@dataclass
+class Pick:
+    ctx: Ctx
+    ticket: Ticket
+    endpoint: str
+
+
+class Picker:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.ids = RequestIds()
+        self.max_prompt_chars = int(getattr(router.st, "max_prompt_chars", 0) or 0)
+
+    async def pick(
+        self, headers: Mapping[str, str], body: bytes | None, subset: list[str] | None
+    ) -> Pick | Response:
+        """The pick for one request, or the response the data plane answers with at once."""
+        t0 = time.perf_counter()
+        r = self.router
+        path = headers.get(":path", "").split("?", 1)[0]
+        try:
+            if body is None:
+                data: object = {}
+                parsed = await r.parser.parse(data, False, NO_BODY_PATH)
+            else:
+                data = _json_decode(body)
+                if len(body) > self.max_prompt_chars:
+                    check_prompt_size(data, self.max_prompt_chars)
+                parsed = await r.parser.parse(data, path == "/v1/chat/completions", path)
+        except msgspec.DecodeError as exc:
+            return self._refused(
+                400, f"request body is not valid JSON: {exc}", "invalid_request_error"
+            )
+        except BadRequest as exc:
+            return self._refused(400, str(exc), "invalid_request_error", exc.param)
+        try:
+            targets = slo.parse(_with_aliases(headers))
+        except slo.BadSloHeader as exc:
+            return self._refused(400, str(exc), "invalid_request_error", exc.header)
+        rid = headers.get("x-request-id") or self.ids.next()
+        session = next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None)
+        ctx = Ctx(rid, parsed, r.policies.arm(rid, session), session, t0, path or NO_BODY_PATH)
+        ctx.slo = targets
+        if not r.state.states:  # an empty pool: no ready endpoint (the spec's 503)
+            ctx.status, ctx.http_status = "error", 503
+            r.recorder.record(ctx)
+            return self._refused(503, "no worker is known to the picker", "service_unavailable")
+        if subset is not None:
+            ctx.excluded |= endpoints.outside(r.state, subset)
+            if not subset or len(ctx.excluded) >= len(r.state.states):
+                ctx.status, ctx.http_status = "error", 503
+                r.recorder.record(ctx)
+                return self._refused(
+                    503,
+                    f"no eligible endpoint in the subset hint ({len(subset)} endpoints)",
+                    "service_unavailable",
+                )
+        d = await r.admission.decide_or_wait(ctx)
+        if isinstance(d, Response):  # ctx carries the refusal's status and outcome
+            r.recorder.record(ctx)
+            M.PICKS.labels(str(d.status)).inc()
+            return d
+        ticket = r.dispatcher.dispatch(ctx, d)
+        endpoint = endpoints.worker_endpoint(r.state, ticket.worker_id)
+        if endpoint is None:  # its URL names no host:port a gateway could reach
+            r.dispatcher.release(ctx, ticket)
+            ctx.status, ctx.http_status = "error", 503
+            r.recorder.record(ctx)
+            return self._refused(
+                503, f"worker {ticket.worker_id} has no ip:port endpoint", "service_unavailable"
+            )
+        r.circuits.sent(ticket.worker_id)
+        await r.dispatcher.hold(d)
+        ctx.sent_at = time.monotonic()
+        RM.INFLIGHT.inc()
+        M.PICKS.labels("picked").inc()
+        M.PICK_SECONDS.observe(time.perf_counter() - t0)
+        return Pick(ctx, ticket, endpoint)
+
+    def _refused(self, status: int, message: str, etype: str, param: str | None = None) -> Response:
+        M.PICKS.labels(str(status)).inc()
+        headers = {"Retry-After": str(self.router.st.retry_after)} if status == 503 else None
+        return error_response(status, message, etype, headers, param=param)
+
+    def served_by(self, p: Pick, endpoint: str) -> None:
+        """The data plane says ``endpoint`` served the request: the outcome names that worker
+        (the ticket stays on the pick, which is what was reserved)."""
+        if endpoint == p.endpoint:
+            return
+        M.SERVED_ELSEWHERE.inc()
+        wid = endpoints.worker_at(self.router.state, endpoint)
+        p.ctx.worker_id = wid or p.ctx.worker_id
+        log.info(
+            "served by another endpoint",
+            request_id=p.ctx.request_id,
+            picked=p.endpoint,
+            served=endpoint,
+            worker=wid,
+        )
+
+    def first_token(self, p: Pick) -> None:
+        p.ctx.ttft = time.perf_counter() - p.ctx.t0
+        self.router.dispatcher.first_token(p.ctx, p.ticket)
+
+    def settle(self, p: Pick, finished: bool) -> None:
+        """The stream ended: release the ticket, record the outcome (``finished``: the
+        response's last chunk was seen; otherwise the client or the data plane left)."""
+        r = self.router
+        try:
+            try:
+                if finished and p.ctx.status == "ok":
+                    r.dispatcher.decoded(p.ctx, p.ticket, time.perf_counter())
+                elif not finished and p.ctx.status == "ok":
+                    p.ctx.status, p.ctx.http_status = "cancelled", 499
+                r.dispatcher.release(p.ctx, p.ticket)
+            finally:
+                RM.INFLIGHT.dec()
+                r.recorder.record(p.ctx)
+        except Exception:
+            log.exception("request bookkeeping failed", request_id=p.ctx.request_id)
+
+
+def _with_aliases(headers: Mapping[str, str]) -> Mapping[str, str]:
+    if not any(k in headers for k in LLMD_SLO_ALIASES):
+        return headers
+    out = dict(headers)
+    for alias, name in LLMD_SLO_ALIASES.items():
+        if alias in out and name not in out:
+            out[name] = out[alias]
+    return out

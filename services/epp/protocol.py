@@ -1,0 +1,147 @@
+"""The Endpoint Picker Protocol (GIE proposal 004) in ext_proc messages.
+
+Data plane -> EPP: request headers, then the body in FULL_DUPLEX_STREAMED chunks until
+``end_of_stream``; an optional subset hint in ``metadata_context.filter_metadata
+["envoy.lb.subset_hint"]["x-gateway-destination-endpoint-subset"]`` (a list of ``ip:port``);
+on the response, the endpoint that really served it in ``filter_metadata["envoy.lb"]
+["x-gateway-destination-endpoint-served"]``.
+
+EPP -> data plane: the pick as the ``x-gateway-destination-endpoint`` request header AND as
+``dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"]``, always the same value
+(the spec forbids two different ones), on the request-headers response (with
+``clear_route_cache``); the body sent back unchanged as one streamed chunk; or an
+ImmediateResponse (503: no endpoint, 429: shed, 400 / 404: the router's answers).
+
+Invariant: builders only; nothing here decides or keeps state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def headers_of(h: pb.HttpHeaders) -> dict[str, str]:
+    """Header name (lower case) -> value; Envoy sends ``raw_value`` (bytes) or ``value``."""
+    out: dict[str, str] = {}
+    for hv in h.headers.headers:
+        out[hv.key.lower()] = hv.raw_value.decode("utf-8", "replace") if hv.raw_value else hv.value
+    return out
+
+
+def _field(req: pb.ProcessingRequest, namespace: str, key: str) -> struct_pb2.Value | None:
+    md = req.metadata_context.filter_metadata
+    if namespace not in md:
+        return None
+    fields = md[namespace].fields
+    return fields[key] if key in fields else None
+
+
+def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
+    """The endpoints the pick must come from; None when the data plane set no hint (an empty
+    list is a hint: nothing is eligible). A comma-separated string is read as a list too."""
+    v = _field(req, SUBSET_NAMESPACE, SUBSET_KEY)
+    if v is None:
+        return None
+    kind = v.WhichOneof("kind")
+    if kind == "list_value":
+        return [x.string_value for x in v.list_value.values if x.string_value]
+    if kind == "string_value":
+        return [e.strip() for e in v.string_value.split(",") if e.strip()]
+    return []
+
+
+def served_endpoint(req: pb.ProcessingRequest) -> str | None:
+    v = _field(req, LB_NAMESPACE, SERVED_KEY)
+    if v is None or v.WhichOneof("kind") != "string_value":
+        return None
+    return v.string_value.split(",")[0].strip() or None
+
+
+def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+def pick_response(endpoint: str, body_len: int | None) -> pb.ProcessingResponse:
+    """The request-headers answer naming the pick (header + ``envoy.lb`` metadata). The
+    client's own ``x-gateway-destination-endpoint`` is overwritten, never kept."""
+    sets = [_set(DESTINATION_HEADER, endpoint)]
+    if body_len is not None:  # the body is sent back as a mutation: Envoy wants its length
+        sets.append(_set("content-length", str(body_len)))
+    md = struct_pb2.Struct()
+    md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = endpoint
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(set_headers=sets), clear_route_cache=True
+            )
+        ),
+        dynamic_metadata=md,
+    )
+
+
+def request_body_response(body: bytes) -> pb.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED: the buffered request body goes back as one last chunk."""
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(
+                    streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=True)
+                )
+            )
+        )
+    )
+
+
+def response_headers_pass() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+
+def response_body_pass(chunk: bytes, end: bool) -> pb.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED: each response chunk goes back as it came."""
+    return pb.ProcessingResponse(
+        response_body=pb.BodyResponse(
+            response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(
+                    streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end)
+                )
+            )
+        )
+    )
+
+
+def request_trailers_pass() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+
+
+def response_trailers_pass() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+def immediate(
+    status: int, body: bytes, headers: Mapping[str, str] | None = None, details: str = ""
+) -> pb.ProcessingResponse:
+    """The data plane answers the client at once with ``status`` (the request goes nowhere)."""
+    sets = [_set(k.lower(), v) for k, v in (headers or {}).items()]
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            headers=pb.HeaderMutation(set_headers=sets),
+            body=body,
+            details=details,
+        )
+    )
