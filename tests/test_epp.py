@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import sys
 from typing import Any
 
 import aiohttp
@@ -20,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
 from services.common.bus import Bus
+from services.common.embedded import free_port
+from services.common.schemas import RouterOutcome
 from services.epp import protocol as P
 from services.epp.cli import settings as epp_settings
 from services.epp.server import EppServer
@@ -389,3 +393,111 @@ async def test_same_pick_as_the_router(nats_url, subjects, bus: Bus) -> None:
         )
         for w in ws:
             await w.stop()
+
+
+async def test_outcomes_name_the_served_endpoint(nats_url, subjects, bus: Bus) -> None:
+    """Outcomes as the router's: one per request, naming the worker the data plane says
+    served it (x-gateway-destination-endpoint-served), cancelled when the stream drops."""
+    w0, w1 = await FakeWorker("w0").start(bus), await FakeWorker("w1").start(bus)
+    beats = Beats(bus, [w0, w1]).start()
+    outcomes: asyncio.Queue[RouterOutcome] = asyncio.Queue()
+
+    async def on_outcome(o: RouterOutcome, _raw: Any) -> None:
+        await outcomes.put(o)
+
+    sub = await bus.subscribe(bus.subjects.router_outcomes, RouterOutcome, on_outcome)
+    epp = await EppProc(nats_url, subjects).start()
+    try:
+        await epp.wait_workers(2)
+        other = {endpoint_of(w0): endpoint_of(w1), endpoint_of(w1): endpoint_of(w0)}
+        wid_at = {endpoint_of(w0): "w0", endpoint_of(w1): "w1"}
+        body = json.dumps({"model": "m", "prompt": "served " * 30, "stream": True}).encode()
+        for served_elsewhere in (False, True):
+            e = epp.envoy()
+            await e.send(request_headers(extra={"x-request-id": f"rid-{served_elsewhere}"}))
+            await e.send(body_chunk(body, True))
+            endpoint = picked(await e.recv(), len(body))
+            await e.recv()  # the body sent back
+            served = other[endpoint] if served_elsewhere else endpoint
+            await e.send(response_headers(200, served))
+            await e.recv()
+            chunk = b'data: {"choices":[{"text":"x"}]}\n\n'
+            await e.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk)))
+            await e.recv()
+            await e.send(pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True)))
+            await e.recv()
+            await e.close()
+            o = await asyncio.wait_for(outcomes.get(), STEP_S)
+            assert o.request_id == f"rid-{served_elsewhere}"
+            assert (o.worker_id, o.status, o.http_status) == (wid_at[served], "ok", 200)
+            assert o.ttft_s is not None and o.ttft_s > 0
+        # the data plane drops the stream after the pick: the request was cancelled
+        e = epp.envoy()
+        await e.send(request_headers(extra={"x-request-id": "rid-dropped"}))
+        await e.send(body_chunk(body, True))
+        picked(await e.recv(), len(body))
+        await e.recv()
+        e.call.cancel()
+        o = await asyncio.wait_for(outcomes.get(), STEP_S)
+        assert (o.request_id, o.status, o.http_status) == ("rid-dropped", "cancelled", 499)
+        r = epp.router
+        assert r is not None
+        await wait_until(
+            lambda: all(s.inflight == 0 for s in r.state.states.values()), 5, "tickets released"
+        )
+    finally:
+        await sub.unsubscribe()
+        await shutdown(("epp", epp.stop()), ("beats", beats.stop()))
+        await w0.stop()
+        await w1.stop()
+
+
+async def test_kvgate_epp_process(nats_url, subjects, bus: Bus) -> None:
+    """``kvgate epp`` as its own process: ready once it knows the cluster (health Watch),
+    picks over ext_proc, exits 0 on SIGTERM."""
+    w0 = await FakeWorker("w0").start(bus)
+    beats = Beats(bus, [w0]).start()
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "epp",
+        "--port",
+        str(port),
+        "--nats-url",
+        nats_url,
+        "--subject-prefix",
+        subjects.prefix.rstrip("."),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def ready() -> None:
+            watch = health.Watch(health_pb2.HealthCheckRequest(service="readiness"))
+            async for resp in watch:  # each change of the readiness status, as it happens
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    watch.cancel()
+                    return
+
+        await asyncio.wait_for(channel.channel_ready(), 30)
+        await asyncio.wait_for(ready(), 30)
+        e = Envoy(pb_grpc.ExternalProcessorStub(channel).Process())
+        body = json.dumps({"model": "m", "prompt": "from a process", "max_tokens": 2}).encode()
+        await e.send(request_headers())
+        await e.send(body_chunk(body, True))
+        assert picked(await e.recv(), len(body)) == endpoint_of(w0)
+        await e.recv()
+        await e.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        await channel.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await beats.stop()
+        await w0.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -139,6 +140,8 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
         role="router",
     )
     await bus.connect()
+    # outcomes and load reports name this process as an EPP, not as a router
+    st.router_id = st.router_id or f"epp-{uuid.uuid4().hex[:8]}"
     router = Router(st, bus)
     await router.start()
     epp = EppServer(router, int(st.max_body_bytes))
