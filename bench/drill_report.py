@@ -55,6 +55,7 @@ class Row:
     http_404: int
     recover_s: float | None  # None: not within the scenario; see the module docstring
     repairs: float  # verifier repairs over the scenario, summed over indexers
+    verify_checks: float = 0.0  # the verifier's checks over the scenario (what repairs are of)
     alerts: dict[str, int] = field(default_factory=dict)  # firing managed alerts by kind
     router_rss_mib: float | None = None  # the router's peak resident memory
     streams: int = 0  # of the requests, streamed
@@ -125,7 +126,8 @@ def markdown(rows: Sequence[Row]) -> str:
         hold = f" ({r.hold_s:.0f} s)" if r.hold_s and r.scenario != "baseline" else ""
         lines.append(
             f"| {r.scenario} | {r.fault}{hold} | {r.requests} ({r.streams} streamed) | {r.failed} "
-            f"| {r.refused} | {r.cut} | {r.http_404} | {recover} | {r.repairs:.0f} | {alerts} "
+            f"| {r.refused} | {r.cut} | {r.http_404} | {recover} "
+            f"| {r.repairs:.0f} of {r.verify_checks:.0f} checks | {alerts} "
             f"| {rss} | {'; '.join(r.left_behind) or '-'} |"
         )
     return "\n".join(lines)

@@ -46,7 +46,15 @@ from bench.drill_report import (
     timeline,
 )
 from bench.drill_scenarios import SCENARIOS, Scenario
-from bench.drill_stack import DrillStack, PeakSampler, StackShape, counter_delta, rss_mib
+from bench.drill_stack import (
+    CHECKS,
+    REPAIRS,
+    DrillStack,
+    PeakSampler,
+    StackShape,
+    counter_delta,
+    rss_mib,
+)
 from services.common.logging import configure_logging
 from tests.up_stack import pid_alive
 
@@ -124,7 +132,7 @@ async def run_scenario(
     await settle(stack)
     hold = timing.hold(sc)
     fault = sc.fault(hold)
-    repairs_before = await stack.repairs()
+    verifier_before = await stack.verifier_counters()
     wall_start = time.time()
     load = Load(stack.url("router"), stack.auth(), shape, seed)
     fault_start = fault_end = None
@@ -163,7 +171,9 @@ async def run_scenario(
     if fault_start is not None and sc.name != "baseline":
         row.in_flight_at_fault = in_flight_at(load.outcomes, fault_start)
     row.router_rss_mib = rss.peak
-    row.repairs = counter_delta(repairs_before, await stack.repairs())
+    verifier_after = await stack.verifier_counters()
+    row.repairs = counter_delta(verifier_before[REPAIRS], verifier_after[REPAIRS])
+    row.verify_checks = counter_delta(verifier_before[CHECKS], verifier_after[CHECKS])
     alerts = await stack.alerts_between(wall_start, time.time())
     row.alerts = alerts_by_kind(alerts)
     origin = fault_start or until
@@ -176,7 +186,8 @@ async def run_scenario(
     progress(
         f"{sc.name}: {row.requests} requests ({row.in_flight_at_fault} in flight at the fault), "
         f"{row.failed} failed, {row.refused} refused, "
-        f"{row.cut} cut, recover {row.recover_s}, repairs {row.repairs:.0f}, alerts {row.alerts}"
+        f"{row.cut} cut, recover {row.recover_s}, repairs {row.repairs:.0f} in "
+        f"{row.verify_checks:.0f} checks, alerts {row.alerts}"
     )
     return row, details
 
