@@ -30,6 +30,8 @@ HEALTH_PATHS = {
     "telemetry": "/health",
     "sim": "/health",
 }
+# what an operator finds on a port whose purpose its name does not say
+SERVES = {"router-operator": "  (/metrics, /debug/*)", "api": "  (admin API, operator page /ui/)"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,11 +76,11 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(f"kvgate is running (supervisor pid {state.pid}, state dir {state.state_dir})")
         for name, url in state.urls.items():
-            print(f"  {name:<10} {url:<28} {health[name]}")
-        print(f"  {'nats':<10} {state.nats_url}")
-        print(f"  {'database':<10} {state.database_url}")
+            print(f"  {name:<15} {url:<28} {health[name]}{SERVES.get(name, '')}")
+        print(f"  {'nats':<15} {state.nats_url}")
+        print(f"  {'database':<15} {state.database_url}")
         if state.admin_token_file:
-            print(f"  {'admin token':<10} in {state.admin_token_file}")
+            print(f"  {'admin token':<15} in {state.admin_token_file}")
     return 0 if all(h == "ok" for h in health.values()) else 1
 
 

@@ -538,7 +538,12 @@ class Stack:
 
     def write_state(self, nats_url: str, db_url: str, token_file: str) -> Path:
         st, host = self.st, "127.0.0.1"
-        ports = {"router": st.router_port, "api": st.api_port}
+        # the operator port too: /metrics and /debug/* are where an operator looks next
+        ports = {
+            "router": st.router_port,
+            "router-operator": st.router_operator_port,
+            "api": st.api_port,
+        }
         ports |= self.indexer_ports()
         ports["telemetry"] = st.telemetry_port
         if st.workers > 0:

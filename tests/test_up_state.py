@@ -104,6 +104,12 @@ def test_state_file_token_status_second_up_and_sighup(tmp_path: Path) -> None:
         status = _cli("status", state=state)
         assert status.returncode == 0, status.stdout + status.stderr
         assert f"http://127.0.0.1:{up.ports['router']}" in status.stdout
+        # the router's operator port (/metrics, /debug/*) is listed and checked too
+        operator = f"http://127.0.0.1:{up.ports['router-operator']}"
+        assert any(
+            ln.split()[:3] == ["router-operator", operator, "ok"]
+            for ln in status.stdout.splitlines()
+        ), status.stdout
 
         # `kvgate api token create` finds the embedded database by itself
         created = _cli("api", "token", "create", "--role", "viewer", "--name", "t", state=state)
