@@ -81,9 +81,9 @@ def test_equal_arms_hold_until_window_end_then_advance() -> None:
     assert "widening to 50%" in done.reason
     assert {c["name"] for c in done.numbers["checks"]} == {
         "ttft_p95_ratio",
-        "timeout_rate",
-        "error_rate",
-        "cache_hit_rate",
+        "timeout_rate_delta",
+        "error_rate_delta",
+        "cache_hit_rate_drop",
     }
 
 
@@ -104,9 +104,9 @@ def test_slow_candidate_rolls_back_mid_window_with_numbers() -> None:
 @pytest.mark.parametrize(
     "cand, failing",
     [
-        (dict(errors=5), "error_rate"),
-        (dict(timeouts=5), "timeout_rate"),
-        (dict(hit=0.2), "cache_hit_rate"),
+        (dict(errors=5), "error_rate_delta"),
+        (dict(timeouts=5), "timeout_rate_delta"),
+        (dict(hit=0.2), "cache_hit_rate_drop"),
     ],
 )
 def test_each_criterion_can_fail_alone(cand: dict, failing: str) -> None:
@@ -114,6 +114,8 @@ def test_each_criterion_can_fail_alone(cand: dict, failing: str) -> None:
     assert d.action == "rollback"
     failed = [c["name"] for c in d.numbers["checks"] if not c["passed"]]
     assert failed == [failing]
+    # the reason names the drop / delta, never the bare rate it would be misread as
+    assert d.reason.split(": ", 1)[1].startswith(f"{failing} ")
 
 
 def test_too_few_samples_never_rolls_back_and_holds_after_window() -> None:
@@ -136,4 +138,4 @@ def test_thresholds_are_inclusive_and_configurable() -> None:
 def test_missing_cache_reports_skip_that_check() -> None:
     d = EV.decide(0, 60.0, arm(100, 0.2, hit=None), arm(100, 0.2, hit=None))
     assert d.action == "advance"
-    assert "cache_hit_rate" not in {c["name"] for c in d.numbers["checks"]}
+    assert "cache_hit_rate_drop" not in {c["name"] for c in d.numbers["checks"]}

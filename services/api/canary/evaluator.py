@@ -12,8 +12,10 @@ Decision rules, for the current step (traffic fraction ``steps[i]`` to the candi
 
 - A check compares the candidate with the control over the same window:
   ``ttft_p95_ratio`` (candidate p95 / control p95 <= ``max_ttft_p95_ratio``),
-  ``timeout_rate`` and ``error_rate`` (candidate - control <= ``max_*_delta``),
-  ``cache_hit_rate`` (control - candidate <= ``max_cache_hit_rate_drop``).
+  ``timeout_rate_delta`` and ``error_rate_delta`` (candidate - control <= ``max_*_delta``),
+  ``cache_hit_rate_drop`` (control - candidate <= ``max_cache_hit_rate_drop``).
+  Each check is named after what its value is (a ratio, a delta, a drop), as its criterion is,
+  so a reason such as ``cache_hit_rate_drop 0.15 > 0.1`` is not read as the hit rate itself.
   A check with no data on either side (e.g. no cached-token reports) is skipped, not passed.
 - Checks run only when both arms have at least ``min_samples`` requests (and, for TTFT,
   ``min_samples`` TTFT samples).
@@ -106,13 +108,15 @@ def compare(criteria: Criteria, control: ArmStats, candidate: ArmStats) -> list[
         k, c = getattr(candidate, name), getattr(control, name)
         if k is not None and c is not None:
             delta = k - c
-            checks.append(Check(name, k, c, delta, threshold, delta <= threshold + 1e-12))
+            checks.append(
+                Check(f"{name}_delta", k, c, delta, threshold, delta <= threshold + 1e-12)
+            )
     k_hit, c_hit = candidate.cache_hit_rate, control.cache_hit_rate
     if k_hit is not None and c_hit is not None:
         drop = c_hit - k_hit
         checks.append(
             Check(
-                "cache_hit_rate",
+                "cache_hit_rate_drop",
                 k_hit,
                 c_hit,
                 drop,
