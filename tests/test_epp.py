@@ -427,13 +427,22 @@ async def test_outcomes_name_the_served_endpoint(nats_url, subjects, bus: Bus) -
             chunk = b'data: {"choices":[{"text":"x"}]}\n\n'
             await e.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk)))
             await e.recv()
-            await e.send(pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True)))
-            await e.recv()
+            # the usage chunk split across two body messages: read once whole
+            usage = (
+                b'data: {"choices":[],"usage":{"prompt_tokens":210,"completion_tokens":7,'
+                b'"prompt_tokens_details":{"cached_tokens":16}}}\n\ndata: [DONE]\n\n'
+            )
+            for part, end in ((usage[:30], False), (usage[30:], True)):
+                await e.send(
+                    pb.ProcessingRequest(response_body=pb.HttpBody(body=part, end_of_stream=end))
+                )
+                await e.recv()
             await e.close()
             o = await asyncio.wait_for(outcomes.get(), STEP_S)
             assert o.request_id == f"rid-{served_elsewhere}"
             assert (o.worker_id, o.status, o.http_status) == (wid_at[served], "ok", 200)
             assert o.ttft_s is not None and o.ttft_s > 0
+            assert (o.completion_tokens, o.cached_tokens, o.stream) == (7, 16, True)
         # the data plane drops the stream after the pick: the request was cancelled
         e = epp.envoy()
         await e.send(request_headers(extra={"x-request-id": "rid-dropped"}))

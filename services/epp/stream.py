@@ -3,7 +3,8 @@
     request headers --(end_of_stream: no body)--> pick
     request headers -> body chunks ... (end_of_stream) --> pick
     pick -> [headers response with the endpoint, body sent back] | ImmediateResponse (done)
-    response headers -> response body chunks (passed back as they come) -> end
+    response headers -> response body chunks (passed back as they come, read for the first
+    token, token chunks and usage: services/epp/response_watch.py) -> end
 
 Invariants: answers go out in the order ext_proc requires (request headers, request body,
 response headers, response body); the pick's ticket is released and its outcome recorded
@@ -20,6 +21,7 @@ from services.router.http_server import Response
 from . import metrics as M
 from . import protocol as P
 from .picker import Pick, Picker
+from .response_watch import ResponseWatch
 
 
 class ProtocolError(Exception):
@@ -41,6 +43,7 @@ class EppStream:
         self.done = False  # an ImmediateResponse went out: nothing more to answer
         self.response_started = False
         self.finished = False  # the response's last chunk was seen
+        self.watch: ResponseWatch | None = None
 
     async def on(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The answers to one message of the data plane (none while a body is buffered)."""
@@ -79,7 +82,8 @@ class EppStream:
             if self.pick is not None:
                 if chunk and self.pick.ctx.ttft is None:
                     self.picker.first_token(self.pick)
-                self.pick.ctx.chunks += chunk.count(b"data:") - chunk.count(b"data: [DONE]")
+                if self.watch is not None:
+                    self.watch.chunk(chunk, end)
                 if end:
                     self.finished = True
             return [P.response_body_pass(chunk, end)]
@@ -97,6 +101,8 @@ class EppStream:
             p.ctx.http_status = status
             if status >= 400:
                 p.ctx.status = "error"
+            streamed = "text/event-stream" in h.get("content-type", "")
+            self.watch = ResponseWatch(p.ctx, streamed)
             served = P.served_endpoint(req)
             if served:
                 self.picker.served_by(p, served)
