@@ -468,10 +468,8 @@ def test_every_command_answers_help_in_the_installed_package(base: list) -> None
                 assert container["args"] == WORKLOADS[key][0], key
                 seen[key] = container["args"]
     assert set(seen) == set(WORKLOADS)
-    # `kvgate epp` is built beside these manifests (issue 39); until it is in the CLI its
-    # Deployment is the one whose command cannot be run here
     runnable = {k: a for k, a in seen.items() if a[0] in COMMANDS}
-    assert set(seen) - set(runnable) <= {("Deployment", "epp")}
+    assert runnable == seen, f"not kvgate commands: {set(seen) - set(runnable)}"
     kvgate = Path(sys.executable).parent / "kvgate"
     procs = {
         key: subprocess.Popen(
@@ -492,7 +490,8 @@ def test_every_kvgate_variable_is_read_by_the_service_command(builds: dict) -> N
     for build, resources in builds.items():
         for name, container in kvgate_containers(resources):
             command = container["args"][0]
-            reads = command_env_vars(command) if command in COMMANDS else None
+            assert command in COMMANDS, f"{build}:{name}: no `kvgate {command}`"
+            reads = command_env_vars(command)
             for var, entry in container_env(container, resources).items():
                 if not var.startswith("KVGATE_"):
                     assert var in {
@@ -502,8 +501,7 @@ def test_every_kvgate_variable_is_read_by_the_service_command(builds: dict) -> N
                     }
                     continue
                 assert var in S.ALL_OPTIONS, f"{build}:{name}: {var} is no kvgate setting"
-                if reads is not None:
-                    assert var in reads, f"{build}:{name}: `kvgate {command}` ignores {var}"
+                assert var in reads, f"{build}:{name}: `kvgate {command}` ignores {var}"
                 if "value" in entry:  # a literal: a valid value for the option
                     opt = S.ALL_OPTIONS[var]
                     S.resolve(None, [opt], environ={var: entry["value"]})
@@ -529,27 +527,37 @@ def test_probes_ports_and_draining(base: list[dict[str, Any]]) -> None:
             want = "/ready" if (name, probe) == ("router", "readinessProbe") else path
             assert get["path"] == want, f"{name}: {probe} on {get['path']}"
         env = container_env(container, base)
-        host_var = {"router": "KVGATE_ROUTER_HOST", "api": "KVGATE_API_HOST"}.get(name)
-        host_var = host_var or {"kv-indexer": "KVGATE_INDEXER_HOST"}.get(name)
-        host_var = host_var or {"telemetry": "KVGATE_TELEMETRY_HOST"}.get(name)
+        host_var = {
+            "router": "KVGATE_ROUTER_HOST",
+            "epp": "KVGATE_EPP_HOST",
+            "api": "KVGATE_API_HOST",
+            "kv-indexer": "KVGATE_INDEXER_HOST",
+            "telemetry": "KVGATE_TELEMETRY_HOST",
+        }.get(name)
         if host_var:
             assert env[host_var]["value"] == "0.0.0.0", f"{name} must listen on the pod IP"
             port_var = host_var.replace("_HOST", "_PORT")
             assert S.ALL_OPTIONS[port_var].default == port, f"{port_var} default changed"
             assert port_var not in env or int(env[port_var]["value"]) == port
-    # the router drains within its grace period, after the preStop sleep
-    router = find(base, "Deployment", "router")
-    pod = router["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    env = container_env(container, base)
-    grace = pod["terminationGracePeriodSeconds"]
-    sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
-    drain = float(env["KVGATE_ROUTER_DRAIN_TIMEOUT_S"]["value"])
-    assert (grace, sleep, drain) == (30, 5, 25.0)
-    assert sleep + drain <= grace
-    assert env["KVGATE_ROUTER_OPERATOR_PORT"]["value"] == "8084"
-    assert {"name": "operator", "containerPort": 8084} in container["ports"]
-    assert router["spec"]["replicas"] >= 2
+    # the router and the EPP drain within their grace period, after the preStop sleep, and
+    # serve /metrics on the operator port, reachable from the pod network
+    for deployment, operator_port_var in (
+        ("router", "KVGATE_ROUTER_OPERATOR_PORT"),
+        ("epp", "KVGATE_EPP_OPERATOR_PORT"),
+    ):
+        workload = find(base, "Deployment", deployment)
+        pod = workload["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        env = container_env(container, base)
+        grace = pod["terminationGracePeriodSeconds"]
+        sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        drain = float(env["KVGATE_ROUTER_DRAIN_TIMEOUT_S"]["value"])
+        assert (grace, sleep, drain) == (30, 5, 25.0), deployment
+        assert sleep + drain <= grace
+        assert env[operator_port_var]["value"] == "8084", deployment
+        assert env["KVGATE_ROUTER_OPERATOR_HOST"]["value"] == "0.0.0.0", deployment
+        assert {"name": "operator", "containerPort": 8084} in container["ports"]
+        assert workload["spec"]["replicas"] >= 2
     # the OpenAI Service reaches the routers' port, the API Service the api's
     for svc, port in (("router", 8080), ("api", 8081), ("kvgate-epp", 9002)):
         assert [p["port"] for p in find(base, "Service", svc)["spec"]["ports"]] == [port]
