@@ -41,7 +41,9 @@ _SHARED: dict[str, Any] = {}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add_policy_arguments(parser)
-    parser.add_argument("--workers", "-n", type=int, default=8, help="engines (8..512)")
+    parser.add_argument(
+        "--workers", "-n", type=int, default=8, help="simulated engines, 1..4096 (default: 8)"
+    )
     parser.add_argument(
         "--wide",
         action="store_true",

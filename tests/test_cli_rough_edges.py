@@ -123,3 +123,35 @@ def test_api_token_create_names_the_real_database_error(
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("kvgate api token: ") and expected in last, (url, r.stderr)
         assert "did you run 'kvgate migrate'" not in r.stderr
+
+
+def test_simulate_help_states_the_real_worker_range_defaults_and_policy_sets(capsys) -> None:
+    import pytest
+
+    from bench.common import BUILTIN_POLICIES
+    from services.cli import main
+    from services.core.policy import DEFAULT_POLICY, policy_names
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "simulated engines, 1..4096 (default: 8)" in out
+    assert "(8..512)" not in out and "every built-in" not in out
+    # the router's default policy is in the default comparison, and every policy is named
+    assert DEFAULT_POLICY["name"] in BUILTIN_POLICIES
+    others = [n for n in policy_names() if n not in BUILTIN_POLICIES]
+    assert f"default: these {len(BUILTIN_POLICIES)} ({', '.join(BUILTIN_POLICIES)})" in out
+    assert f"the other {len(others)} run only when named ({', '.join(others)})" in out
+
+
+def test_bench_against_a_running_router_records_its_workers_not_the_default() -> None:
+    from bench.cli import target_workers
+    from bench.metrics import RequestResult
+
+    served = [RequestResult(f"r{i}", worker=f"w{i % 4}").to_dict() for i in range(20)]
+    # a 4-worker stack: the answers' worker header says 4, not --workers' default of 8
+    assert target_workers({}, served) == (4, "workers that served a request")
+    urls = {f"w{i}": f"http://127.0.0.1:{9000 + i}" for i in range(5)}
+    assert target_workers(urls, served) == (5, "--worker-urls")
+    anonymous = [RequestResult(f"r{i}").to_dict() for i in range(3)]
+    assert target_workers({}, anonymous)[0] is None
