@@ -150,6 +150,20 @@ def _model(base: str, given: str) -> str:
     return "sim-llama-8b"
 
 
+def target_workers(
+    worker_urls: dict[str, str], requests: list[dict[str, Any]]
+) -> tuple[int | None, str]:
+    """How many workers a ``--router-url`` target has, and how that is known: the
+    ``--worker-urls`` given, else the distinct workers that served a request (a lower bound:
+    an idle worker is not seen), else unknown (None)."""
+    if worker_urls:
+        return len(worker_urls), "--worker-urls"
+    served = {r["worker"] for r in requests if r.get("worker")}
+    if served:
+        return len(served), "workers that served a request"
+    return None, "unknown (no --worker-urls, no worker header in the answers)"
+
+
 def measure(
     base: str,
     workload: Workload,
@@ -230,6 +244,10 @@ def main(args: argparse.Namespace) -> int:
                 urls[str(h.get("worker_id") or u)] = u
             res = measure(args.router_url, workload, urls, args, bar)
             report["runs"].append({"label": "target", "router": args.router_url, **res})
+            # --workers sizes the stacks this command starts, not the router measured here
+            report["config"]["workers"], report["config"]["workers_from"] = target_workers(
+                urls, res["requests"]
+            )
         else:
             stack = BenchStack(
                 workdir=Path(out_dir),
