@@ -513,3 +513,22 @@ async def test_kvgate_epp_process(nats_url, subjects, bus: Bus) -> None:
             await proc.wait()
         await beats.stop()
         await w0.stop()
+
+
+async def test_fallback_endpoints_follow_the_pick(nats_url, subjects, bus: Bus) -> None:
+    ws = [await FakeWorker(f"w{i}").start(bus) for i in range(3)]
+    beats = Beats(bus, ws).start()
+    epp = await EppProc(nats_url, subjects, fallback_endpoints=2).start()
+    try:
+        await epp.wait_workers(3)
+        body = {"model": "m", "prompt": "fallbacks " * 20, "max_tokens": 4}
+        n = len(json.dumps(body))
+        listed = picked(await pick_once(epp, body), n).split(",")
+        assert sorted(listed) == sorted(endpoint_of(w) for w in ws)
+        two = [endpoint_of(ws[0]), endpoint_of(ws[2])]
+        listed = picked(await pick_once(epp, body, subset=two), n).split(",")
+        assert sorted(listed) == sorted(two)  # fallbacks stay inside the subset too
+    finally:
+        await shutdown(("epp", epp.stop()), ("beats", beats.stop()))
+        for w in ws:
+            await w.stop()

@@ -48,6 +48,13 @@ OPTIONS = tuple(o for o in ROUTER_OPTIONS if o.name not in _NOT_THE_EPPS) + (
         env="KVGATE_EPP_OPERATOR_PORT",
     ),
     S.option(
+        "fallback_endpoints",
+        0,
+        "endpoints named after the pick, in the decision's cost order, for a gateway that "
+        "retries (x-gateway-destination-endpoint: pick,next,...); 0: the pick only",
+        env="KVGATE_EPP_FALLBACK_ENDPOINTS",
+    ),
+    S.option(
         "max_body_bytes",
         4 * 1024 * 1024,
         "largest request body the EPP buffers to read the prompt (bytes); larger: "
@@ -89,6 +96,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"invalid --worker-url-allow: {exc}") from None
     if not 0 < st.port < 65536:
         raise SystemExit("invalid --port: must be 1..65535")
+    if st.fallback_endpoints < 0:
+        raise SystemExit("invalid --fallback-endpoints: must be >= 0")
     if st.max_body_bytes <= 0:
         raise SystemExit("invalid --max-body-bytes: must be > 0")
     return run_service("epp", serve, st)

@@ -45,7 +45,8 @@ LLMD_SLO_ALIASES = {"x-llm-d-slo-ttft-ms": slo.TTFT_HEADER, "x-llm-d-slo-tpot-ms
 class Pick:
     ctx: Ctx
     ticket: Ticket
-    endpoint: str
+    endpoint: str  # the pick: where the ticket is
+    value: str  # what the data plane is told: the pick, then any fallbacks, comma-separated
 
 
 class Picker:
@@ -53,6 +54,7 @@ class Picker:
         self.router = router
         self.ids = RequestIds()
         self.max_prompt_chars = int(getattr(router.st, "max_prompt_chars", 0) or 0)
+        self.fallbacks = int(getattr(router.st, "fallback_endpoints", 0) or 0)
 
     async def pick(
         self, headers: Mapping[str, str], body: bytes | None, subset: list[str] | None
@@ -118,7 +120,23 @@ class Picker:
         RM.INFLIGHT.inc()
         M.PICKS.labels("picked").inc()
         M.PICK_SECONDS.observe(time.perf_counter() - t0)
-        return Pick(ctx, ticket, endpoint)
+        return Pick(ctx, ticket, endpoint, self._with_fallbacks(endpoint, ctx, d.scores))
+
+    def _with_fallbacks(self, endpoint: str, ctx: Ctx, costs: dict[str, float]) -> str:
+        """The pick, then up to ``fallbacks`` other candidates in the decision's cost order
+        (the policy's next choices; no second decision is made, so nothing more is claimed)."""
+        if self.fallbacks <= 0 or not costs:
+            return endpoint
+        out = [endpoint]
+        for wid in sorted(costs, key=costs.__getitem__):
+            if len(out) > self.fallbacks:
+                break
+            if wid == ctx.worker_id or wid in ctx.excluded:
+                continue
+            e = endpoints.worker_endpoint(self.router.state, wid)
+            if e is not None and e not in out:
+                out.append(e)
+        return ",".join(out)
 
     def _refused(self, status: int, message: str, etype: str, param: str | None = None) -> Response:
         M.PICKS.labels(str(status)).inc()

@@ -117,7 +117,7 @@ class EppStream:
             self.done = True
             return [self._immediate(got)]
         self.pick = got
-        out = [P.pick_response(got.endpoint, None if body is None else len(body))]
+        out = [P.pick_response(got.value, None if body is None else len(body))]
         if body is not None:
             out.append(P.request_body_response(body))
         return out
