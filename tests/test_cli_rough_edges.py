@@ -155,3 +155,13 @@ def test_bench_against_a_running_router_records_its_workers_not_the_default() ->
     assert target_workers(urls, served) == (5, "--worker-urls")
     anonymous = [RequestResult(f"r{i}").to_dict() for i in range(3)]
     assert target_workers({}, anonymous)[0] is None
+
+
+def test_readme_says_make_test_may_install_chromium() -> None:
+    root = Path(__file__).resolve().parent.parent
+    makefile = (root / "Makefile").read_text()
+    installs = "apt-get install" in makefile and "chromium" in makefile
+    readme = (root / "README.md").read_text()
+    before_make_test = readme.split("```bash\nmake test", 1)[0].rsplit("\n\n", 1)[-1]
+    if installs:  # what `make test` does to the machine is said where it is shown
+        assert "apt-get install chromium" in before_make_test, before_make_test
