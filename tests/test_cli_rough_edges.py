@@ -162,6 +162,6 @@ def test_readme_says_make_test_may_install_chromium() -> None:
     makefile = (root / "Makefile").read_text()
     installs = "apt-get install" in makefile and "chromium" in makefile
     readme = (root / "README.md").read_text()
-    before_make_test = readme.split("```bash\nmake test", 1)[0].rsplit("\n\n", 1)[-1]
+    before_make_test = readme.split("```bash\nmake test", 1)[0].strip().rsplit("\n\n", 1)[-1]
     if installs:  # what `make test` does to the machine is said where it is shown
         assert "apt-get install chromium" in before_make_test, before_make_test
