@@ -8,7 +8,8 @@ security table of docs/deploy.md).
 The manifests are rendered the way kustomize builds them, for the features they use
 (resources, namespace, images, config map and secret generators, strategic-merge patches);
 a kustomization using anything else is refused, so the renderer cannot silently ignore what
-kustomize would do. Built-in kinds are validated with kubernetes-validate (its bundled
+kustomize would do. Its output was compared with ``kubectl kustomize`` (kustomize v5.5.0) for
+the base and both overlays: identical but for the generated names' hash suffixes. Built-in kinds are validated with kubernetes-validate (its bundled
 schemas, strict: unknown fields fail); the CRDs (InferencePool, Gateway, HTTPRoute,
 CloudNativePG's Cluster) are checked for the fields these manifests rely on.
 """
@@ -144,14 +145,20 @@ def _generated(kind: str, spec: dict[str, Any], where: Path) -> dict[str, Any]:
     meta = {"name": spec["name"]}
     if kind == "Secret":
         encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
-        return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "data": encoded}
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": meta,
+            "type": "Opaque",
+            "data": encoded,
+        }
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
 def strategic_merge(base: Any, patch: Any, key: str = "") -> Any:
-    """Kubernetes' strategic merge for the fields the patches use: maps merge, ``null``
-    deletes, lists of containers / env / volumes / mounts merge by their merge key, other
-    lists are replaced."""
+    """Kubernetes' strategic merge for the fields the patches use, as kustomize applies it:
+    maps merge, ``null`` deletes, lists of containers / env / volumes / mounts merge by their
+    merge key (new items first), other lists are replaced."""
     if isinstance(base, dict) and isinstance(patch, dict):
         out = dict(base)
         for k, value in patch.items():
@@ -163,13 +170,14 @@ def strategic_merge(base: Any, patch: Any, key: str = "") -> Any:
     if isinstance(base, list) and isinstance(patch, list) and key in _MERGE_KEYS:
         field = _MERGE_KEYS[key]
         out = list(base)
+        added = []
         for item in patch:
             idx = next((i for i, b in enumerate(out) if b.get(field) == item[field]), None)
             if idx is None:
-                out.append(item)
+                added.append(item)
             else:
                 out[idx] = strategic_merge(out[idx], item)
-        return out
+        return added + out  # kustomize puts a patch's new items first
     return patch
 
 
@@ -762,7 +770,7 @@ def test_strategic_merge_follows_kubernetes_rules() -> None:
     patch = {"containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "image": None}]}
     assert strategic_merge(base, patch) == {
         "containers": [
-            {"name": "a", "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}]}
+            {"name": "a", "env": [{"name": "Y", "value": "2"}, {"name": "X", "value": "1"}]}
         ]
     }
     assert strategic_merge({"args": ["a", "b"]}, {"args": ["c"]}) == {"args": ["c"]}
