@@ -228,6 +228,15 @@ async def test_pick_from_chunked_body_and_streamed_response(nats_url, subjects, 
             assert back.body == chunk and back.end_of_stream == (i == 1)
         await e.close()
         await wait_until(lambda: r.state.states[wid].inflight == 0, 5, "ticket released")
+        # a body whose end is its trailers (no end_of_stream on the last chunk)
+        e = epp.envoy()
+        await e.send(request_headers("/v1/chat/completions"))
+        await e.send(body_chunk(body, False))
+        await e.send(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+        picked(await e.recv(), len(body))
+        assert (await e.recv()).request_body.response.body_mutation.streamed_response.body == body
+        assert (await e.recv()).WhichOneof("response") == "request_trailers"
+        await e.close()
     finally:
         await shutdown(("epp", epp.stop()), ("beats", beats.stop()))
         await w0.stop()

@@ -74,6 +74,10 @@ class EppStream:
                 return await self._decide(bytes(self.body))
             return []
         if kind == "request_trailers":
+            # trailers end a body whose last chunk did not say so: decide on what came
+            if self.pick is None and self.headers is not None:
+                decided = await self._decide(bytes(self.body))
+                return decided if self.done else [*decided, P.request_trailers_pass()]
             return [P.request_trailers_pass()]
         if kind == "response_headers":
             return self._on_response_headers(req)
