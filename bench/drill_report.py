@@ -62,7 +62,7 @@ class Row:
     unfinished: int = 0  # still in flight when the scenario ended (not counted above)
     in_flight_at_fault: int = 0  # requests sent before the fault struck, answered after
     left_behind: list[str] = field(default_factory=list)  # not recovered when it ended
-    failures: list[str] = field(default_factory=list)  # a few distinct reasons
+    failures: list[str] = field(default_factory=list)  # distinct reasons (kind: detail)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,7 +78,7 @@ def summarize(
 ) -> Row:
     """A row from the clients' side (the stack's counters are filled in by the caller)."""
     kinds = Counter(o.kind for o in outcomes)
-    reasons = sorted({o.detail[:80] for o in outcomes if o.kind != OK})
+    reasons = sorted({f"{o.kind}: {o.detail[:80]}" for o in outcomes if o.kind != OK})
     return Row(
         scenario=scenario,
         fault=fault,
@@ -92,7 +92,7 @@ def summarize(
         recover_s=None if fault_end is None else recovery_s(outcomes, fault_end, until),
         repairs=0.0,
         streams=sum(o.stream for o in outcomes),
-        failures=reasons[:5],
+        failures=reasons[:10],
     )
 
 
