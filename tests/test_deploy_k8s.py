@@ -581,6 +581,19 @@ def test_the_indexers_are_a_highly_available_pair(base: list[dict[str, Any]]) ->
     assert "KVGATE_INDEXER_HA_ID" in S.ALL_OPTIONS
 
 
+def test_replicated_workloads_lose_one_member_at_a_time(base: list[dict[str, Any]]) -> None:
+    budgets = {
+        r["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: r["spec"]
+        for r in base
+        if r["kind"] == "PodDisruptionBudget"
+    }
+    for workload in workloads(base):
+        if workload["kind"] in {"Deployment", "StatefulSet"} and workload["spec"]["replicas"] > 1:
+            name = workload["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]
+            assert budgets.get(name, {}).get("maxUnavailable") == 1, name
+    assert set(budgets) == {"nats", "kv-indexer", "router", "epp"}
+
+
 def test_telemetry_runs_on_gpu_nodes_only(base: list[dict[str, Any]]) -> None:
     ds = find(base, "DaemonSet", "telemetry")
     pod = ds["spec"]["template"]["spec"]
