@@ -264,6 +264,20 @@ async def test_headers_only_request_and_bad_body(nats_url, subjects, bus: Bus) -
         status, err = immediate(first)
         assert status == 400 and err["error"]["param"] == "prompt"
         assert picks("400") == bad0 + 2
+        # a body before any headers: the stream fails with INVALID_ARGUMENT, the EPP goes on
+        e = epp.envoy()
+        await e.send(body_chunk(b"{}", True))
+        try:
+            await asyncio.wait_for(e.call.read(), STEP_S)
+            raise AssertionError("the stream was not failed")
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        sample = {"reason": "body_before_headers"}
+        assert REGISTRY.get_sample_value("kvgate_epp_protocol_errors_total", sample) >= 1
+        e = epp.envoy()
+        await e.send(request_headers("/v1/models", eos=True))
+        assert picked(await e.recv(), None) == endpoint_of(w0)
+        await e.close()
     finally:
         await shutdown(("epp", epp.stop()), ("beats", beats.stop()))
         await w0.stop()

@@ -56,6 +56,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             M.PROTOCOL_ERRORS.labels(exc.reason).inc()
             log.warning("ext_proc stream not followed", reason=exc.reason, error=str(exc))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            # a bug: this stream fails (the gateway applies its failureMode), not the EPP
+            M.PROTOCOL_ERRORS.labels("internal").inc()
+            log.exception("ext_proc stream failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"endpoint picker error: {exc}")
         finally:
             s.close()
 
