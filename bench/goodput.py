@@ -24,7 +24,7 @@ each ``-p`` / ``-e`` overrides one)
 on 8 prefill-bound engines (``--profile prefill-bound``), TTFT <= 6.25 s, TPOT <= 50 ms,
 multipliers 0.5-4.0, 5 steps, seeds 0 and 1::
 
-    python -m bench.goodput                                    # ~5-8 min on 2 cores
+    python -m bench.goodput                                    # ~6-10 min on 2 busy cores
     python -m bench.goodput --quick                            # 1 seed, 80 sessions, 3 steps
     python -m bench.goodput -w generated-shared-prefix --rate 40 --profile default \\
         --ttft 2 --max-rate 4 --policies slo_aware,kv_aware,sglang_cache_aware
