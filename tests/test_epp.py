@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY
 
 from services.common.bus import Bus
 from services.common.embedded import free_port
-from services.common.schemas import RouterOutcome
+from services.common.schemas import RouterOutcome, WorkerCapacity
 from services.epp import protocol as P
 from services.epp.cli import settings as epp_settings
 from services.epp.server import EppServer
@@ -555,3 +555,46 @@ async def test_fallback_endpoints_follow_the_pick(nats_url, subjects, bus: Bus) 
         await shutdown(("epp", epp.stop()), ("beats", beats.stop()))
         for w in ws:
             await w.stop()
+
+
+async def test_queued_request_dropped_by_the_data_plane(nats_url, subjects, bus: Bus) -> None:
+    """Every worker busy: the request waits in the router core's queue; the data plane drops
+    the stream meanwhile: it leaves the queue and its outcome says cancelled."""
+    w0 = await FakeWorker(
+        "w0",
+        capacity=WorkerCapacity(
+            block_size=16, num_gpu_blocks=1000, max_num_seqs=1, max_model_len=8192
+        ),
+    ).start(bus)
+    beats = Beats(bus, [w0]).start()
+    outcomes: asyncio.Queue[RouterOutcome] = asyncio.Queue()
+
+    async def on_outcome(o: RouterOutcome, _raw: Any) -> None:
+        await outcomes.put(o)
+
+    sub = await bus.subscribe(bus.subjects.router_outcomes, RouterOutcome, on_outcome)
+    epp = await EppProc(nats_url, subjects, queue_timeout=30.0).start()
+    r = epp.router
+    assert r is not None
+    try:
+        await epp.wait_workers(1)
+        body = json.dumps({"model": "m", "prompt": "busy", "max_tokens": 4}).encode()
+        first = epp.envoy()
+        await first.send(request_headers())
+        await first.send(body_chunk(body, True))
+        picked(await first.recv(), len(body))  # holds w0's only slot until it ends
+        await first.recv()
+        second = epp.envoy()
+        await second.send(request_headers(extra={"x-request-id": "rid-queued"}))
+        await second.send(body_chunk(body, True))
+        await wait_until(lambda: r.queue_len == 1, 5, "the second request queued")
+        second.call.cancel()
+        o = await asyncio.wait_for(outcomes.get(), STEP_S)
+        assert (o.request_id, o.status, o.http_status) == ("rid-queued", "cancelled", 499)
+        assert r.queue_len == 0
+        await first.close()
+        await wait_until(lambda: r.state.states["w0"].inflight == 0, 5, "ticket released")
+    finally:
+        await sub.unsubscribe()
+        await shutdown(("epp", epp.stop()), ("beats", beats.stop()))
+        await w0.stop()

@@ -5,12 +5,14 @@ outcome recorder as ``kvgate router``: one decision core, two front doors.
 
 Invariants: a :class:`Pick` holds exactly one ticket on its worker until :meth:`Picker.settle`
 releases it (called once per stream, in ``finally``); every request, picked or refused,
-records exactly one outcome (in ``settle`` for a pick, at once for a refusal); a subset hint
+records exactly one outcome (in ``settle`` for a pick, at once for a refusal or a stream
+dropped while the request waited in the queue or behind its leader); a subset hint
 excludes every worker whose endpoint is outside it, so the pick is inside it or there is none.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -100,7 +102,12 @@ class Picker:
                     f"no eligible endpoint in the subset hint ({len(subset)} endpoints)",
                     "service_unavailable",
                 )
-        d = await r.admission.decide_or_wait(ctx)
+        try:
+            d = await r.admission.decide_or_wait(ctx)
+        except asyncio.CancelledError:  # the data plane left while the request was queued
+            ctx.status, ctx.http_status = "cancelled", 499
+            r.recorder.record(ctx)
+            raise
         if isinstance(d, Response):  # ctx carries the refusal's status and outcome
             r.recorder.record(ctx)
             M.PICKS.labels(str(d.status)).inc()
@@ -115,7 +122,13 @@ class Picker:
                 503, f"worker {ticket.worker_id} has no ip:port endpoint", "service_unavailable"
             )
         r.circuits.sent(ticket.worker_id)
-        await r.dispatcher.hold(d)
+        try:
+            await r.dispatcher.hold(d)
+        except asyncio.CancelledError:  # left while holding behind its leader
+            r.dispatcher.release(ctx, ticket)
+            ctx.status, ctx.http_status = "cancelled", 499
+            r.recorder.record(ctx)
+            raise
         ctx.sent_at = time.monotonic()
         RM.INFLIGHT.inc()
         M.PICKS.labels("picked").inc()
