@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import urllib.request
 from pathlib import Path
@@ -79,6 +80,18 @@ async def _raise(nats_url: str, prefix: str, state: Path) -> None:
                 summary="page-test: 8 active, 1 scheduled",
             ),
         )
+        # one that fired and resolved before anyone looked: the page's recent history
+        gone = Alert(
+            fingerprint="kv_starved:page-history",
+            kind="kv_starved",
+            severity="warning",
+            source="telemetry",
+            worker_id="page-history-worker",
+            summary="page-history: was starved",
+        )
+        await raise_alert(bus, gone)
+        gone.state = "resolved"
+        await raise_alert(bus, gone)
     finally:
         await bus.close()
 
@@ -126,6 +139,11 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
                 page = browser.new_page(viewport={"width": 1400, "height": 1100})
                 errors: list[str] = []
                 page.on("pageerror", lambda e: errors.append(str(e)))
+                # every request the page makes (the favicon included) is answered
+                page.on(
+                    "response",
+                    lambda r: r.status >= 400 and errors.append(f"{r.status} {r.url}"),
+                )
                 page.goto(f"{api}/ui/#token={token}")
                 # the token left the address bar; the workers are listed
                 workers = page.locator("#workers tbody tr")
@@ -141,6 +159,26 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
                 expect(
                     page.locator(f'#workers tr[data-worker="{worker}"] td.routed')
                 ).not_to_have_text("0")
+                # a non-streamed request's TTFT is its total (marked), not "–"
+                expect(row.locator("td").nth(7)).to_have_text(re.compile(r"^\d+\*$"))
+                expect(row.locator("td").nth(8)).to_have_text(re.compile(r"^\d+$"))
+                # each row shows its own request id (the unique end, the full id on hover)
+                for i in range(3):
+                    _complete(up.ports["router"], up.auth(), f"ids {i}")
+                rids = page.locator("#decisions tbody td.rid")
+                expect(rids.nth(4)).to_be_attached(timeout=15_000)  # warm-up, hello, 3 more
+                n = rids.count()
+                shown, full = (
+                    rids.all_inner_texts(),
+                    [rids.nth(i).get_attribute("title") for i in range(n)],
+                )
+                assert len(set(shown)) == n, shown
+                for text, rid in zip(shown, full, strict=True):
+                    head, _, tail = text.partition("…")
+                    assert rid.startswith(head) and rid.endswith(tail), (text, rid)
+                # the header's rate is live: requests in the last seconds, not the last burst
+                rate = page.locator("#decisions-rate")
+                expect(rate).to_contain_text(re.compile(r"\(0\.[1-9]|\([1-9]"))
                 # the canary: both arms' curves and the header's policy line
                 for i in range(12):  # sessions spread over both arms
                     _complete(up.ports["router"], up.auth(), f"canary traffic {i}", session=f"s{i}")
@@ -153,21 +191,43 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
                     timeout=20_000
                 )  # candidate
                 expect(box.locator('svg circle[fill="#2563eb"]').first).to_be_visible()
+                # labelled axes: the x axis says what it is and has round ticks
+                chart = box.locator("svg").first
+                expect(chart.locator("text.xlabel")).to_have_text("time since the canary started")
+                assert chart.locator("text.xtick").count() >= 2
+                for tick in chart.locator("text.xtick").all_text_contents():
+                    assert re.fullmatch(r"\d+(\.\d)? (s|min|h)", tick), tick
+                yticks = [float(t) for t in chart.locator("text.ytick").all_text_contents()]
+                steps = {round(b - a, 9) for a, b in zip(yticks, yticks[1:], strict=False)}
+                assert len(steps) == 1 and str(steps.pop()).lstrip("0.")[0] in "125", yticks
                 expect(page.locator("#policy")).to_contain_text("policy ctl@1, canary cand@1")
                 # the open alert is listed and can be acknowledged from the page
                 alert = page.locator("#alerts tbody tr", has_text="page-test")
                 expect(alert).to_have_count(1, timeout=15_000)
                 alert.get_by_role("button", name="ack").click()
                 expect(alert.locator("td").nth(4)).to_have_text("acknowledged", timeout=10_000)
+                # recent history: the alert that fired and resolved before the page opened
+                past = page.locator("#alerts-history tbody tr", has_text="page-history")
+                expect(past).to_have_count(1)
+                expect(past.locator("td").nth(5)).to_have_text("source:telemetry")
+                expect(page.locator("#alerts tbody tr", has_text="page-history")).to_have_count(0)
                 shot = tmp_path / "operator-page.png"
                 page.screenshot(path=str(shot), full_page=True)
                 assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
                 keep = os.environ.get("KVGATE_TEST_SCREENSHOT")
                 if keep:
                     shutil.copy(shot, keep)
+                # once the load stops, the rate falls to zero (window of 10 s)
+                expect(rate).to_contain_text("(0.0 req/s", timeout=30_000)
                 assert errors == [], errors
             finally:
                 browser.close()
+        # the browser's own favicon request is answered with the page's icon
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"{api}/favicon.ico", timeout=10
+        ) as icon:
+            assert icon.status == 200 and icon.headers["Content-Type"] == "image/svg+xml"
+            assert icon.read().startswith(b"<svg")
         # the page is a shell: without a token the data endpoints refuse
         with pytest.raises(urllib.error.HTTPError) as denied:
             urllib.request.build_opener(urllib.request.ProxyHandler({})).open(

@@ -14,6 +14,7 @@ polls with ``after`` sees each decision at most once and notices when it fell be
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from importlib import resources
 from typing import Annotated, Any
@@ -33,6 +34,12 @@ STATIC = {
     "app.js": "text/javascript; charset=utf-8",
     "app.css": "text/css; charset=utf-8",
 }
+# the page's icon, kept here rather than as a static file so that packaging needs no new glob
+FAVICON_SVG = (
+    b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
+    b'<rect width="32" height="32" rx="6" fill="#111827"/>'
+    b'<path d="M7 7h4v7l7-7h5l-8 8 8 10h-5l-6-7.5-1 1V25H7z" fill="#0ea5e9"/></svg>'
+)
 
 
 class DecisionFeed:
@@ -96,7 +103,8 @@ def routes(feed: DecisionFeed) -> list[Route]:
     async def list_decisions(r: Req) -> dict[str, Any]:
         after = r.query.get("after", 0)
         limit = r.query.get("limit", 100)
-        return {"decisions": feed.after(after, limit), "last": feed.seq}
+        # now: the page's req/s counts decisions by their ts against this clock, not its own
+        return {"decisions": feed.after(after, limit), "last": feed.seq, "now": time.time()}
 
     return [
         Route(
@@ -138,6 +146,12 @@ def add_static(app: web.Application) -> None:
     async def to_slash(_r: web.Request) -> web.Response:
         raise web.HTTPFound("/ui/")
 
+    async def favicon(_r: web.Request) -> web.Response:
+        return web.Response(body=FAVICON_SVG, headers={**headers, "Content-Type": "image/svg+xml"})
+
+    # browsers ask for /favicon.ico by themselves: the page's icon, not a 404 in every log
+    app.router.add_get("/favicon.ico", favicon)
+    app.router.add_get("/ui/favicon.svg", favicon)
     app.router.add_get("/ui", to_slash)
     app.router.add_get("/ui/", handler("index.html"))
     for name in STATIC:

@@ -6,8 +6,10 @@ const API = "/api/v1";
 const SVGNS = "http://www.w3.org/2000/svg";
 const POLL_MS = 1000;
 const KEEP_DECISIONS = 300;
+const RATE_WINDOW_S = 10; // the header's req/s is over this many seconds of the API's clock
+const HISTORY = 10; // resolved alerts shown under the open ones
 
-const state = { token: "", lastSeq: 0, decisions: [], polling: false };
+const state = { token: "", lastSeq: 0, decisions: [], polling: false, now: null };
 
 // ------------------------------------------------------------------ small helpers
 function el(tag, attrs = {}, ...children) {
@@ -28,6 +30,7 @@ function svg(tag, attrs = {}) {
 }
 
 function pct(x) { return x == null ? "–" : `${(100 * x).toFixed(1)}%`; }
+function pct0(x) { return `${Number((100 * x).toPrecision(6))}%`; }
 function ms(x) { return x == null ? "–" : (1000 * x).toFixed(0); }
 function ago(iso) {
   if (!iso) return "–";
@@ -50,14 +53,43 @@ function ratioBar(x, width = 90) {
   return box;
 }
 
-// a line chart of several series [{name, color, points: [[x, y], ...]}]
-function lineChart(title, series, { width = 360, height = 150, fmt = (v) => v.toFixed(2), yMin = 0, minSpan = 1 } = {}) {
-  const pad = { l: 48, r: 10, t: 20, b: 22 };
+// tick values at a 1-2-5 step from at or below lo to at or above hi (about n steps): round
+// numbers, not 0/19/37
+function niceTicks(lo, hi, n = 4) {
+  const raw = (hi - lo) / Math.max(1, n);
+  const mag = 10 ** Math.floor(Math.log10(raw || 1));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= raw) || 10 * mag;
+  const out = [];
+  const first = Math.floor(lo / step + 1e-9), last = Math.ceil(hi / step - 1e-9);
+  for (let i = first; i <= last; i++) out.push(Number((i * step).toPrecision(12)));
+  return { ticks: out, step };
+}
+
+// seconds as a short axis label: 45 s, 2.5 min, 1.5 h
+function dur(s) {
+  if (s < 120) return `${s.toFixed(0)} s`;
+  if (s < 7200) return `${(s / 60).toFixed(s % 60 ? 1 : 0)} min`;
+  return `${(s / 3600).toFixed(1)} h`;
+}
+
+// a line chart of several series [{name, color, points: [[x, y], ...]}]; the y axis ends on a
+// round tick, the x axis has labelled ticks (xfmt) and a title (xLabel), the legend sits above
+function lineChart(title, series, { width = 360, height = 170, fmt = (v) => v.toFixed(2), yMin = 0, minSpan = 1,
+  xfmt = (v) => String(v), xLabel = "", xMin = null, minXSpan = 1 } = {}) {
+  const pad = { l: 48, r: 12, t: 22, b: 36 };
   const all = series.flatMap((s) => s.points);
   const box = svg("svg", { width, height, role: "img", "aria-label": title });
   const head = svg("text", { x: pad.l, y: 13, "font-size": 12, "font-weight": 600 });
   head.textContent = title;
   box.append(head);
+  // legend: right-aligned on the title line, never over the data
+  let lx = width - pad.r;
+  for (const s of [...series].reverse()) {
+    const t = svg("text", { x: lx, y: 13, "font-size": 11, fill: s.color, "text-anchor": "end", class: "legend" });
+    t.textContent = s.name;
+    box.append(t);
+    lx -= 8 + 6.5 * s.name.length;
+  }
   if (all.length === 0) {
     const t = svg("text", { x: pad.l, y: height / 2, "font-size": 11, fill: "#6b7280" });
     t.textContent = "no samples yet";
@@ -65,26 +97,38 @@ function lineChart(title, series, { width = 360, height = 150, fmt = (v) => v.to
     return box;
   }
   const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
-  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-  const y0 = Math.min(yMin, ...ys), y1 = Math.max(Math.max(...ys) * 1.1, y0 + minSpan);
+  const x0 = Math.min(...xs, xMin ?? Infinity), x1 = Math.max(...xs, x0 + minXSpan);
+  const yLo = Math.min(yMin, ...ys);
+  const yt = niceTicks(yLo, Math.max(Math.max(...ys), yLo + minSpan), 3);
+  const y0 = yt.ticks[0], y1 = Math.max(yt.ticks.at(-1), y0 + yt.step);
   const sx = (x) => pad.l + ((x - x0) / (x1 - x0)) * (width - pad.l - pad.r);
   const sy = (y) => height - pad.b - ((y - y0) / (y1 - y0)) * (height - pad.t - pad.b);
-  for (const f of [0, 0.5, 1]) {
-    const v = y0 + f * (y1 - y0);
+  for (const v of yt.ticks) {
     box.append(svg("line", { x1: pad.l, x2: width - pad.r, y1: sy(v), y2: sy(v), stroke: "#e5e7eb" }));
-    const t = svg("text", { x: pad.l - 4, y: sy(v) + 4, "font-size": 10, "text-anchor": "end", fill: "#6b7280" });
+    const t = svg("text", { x: pad.l - 4, y: sy(v) + 4, "font-size": 10, "text-anchor": "end", fill: "#6b7280", class: "ytick" });
     t.textContent = fmt(v);
     box.append(t);
   }
-  series.forEach((s, i) => {
-    if (s.points.length === 0) return;
+  const base = height - pad.b;
+  box.append(svg("line", { x1: pad.l, x2: width - pad.r, y1: base, y2: base, stroke: "#9ca3af" }));
+  for (const v of niceTicks(x0, x1, 4).ticks) {
+    if (v < x0 || v > x1) continue;
+    box.append(svg("line", { x1: sx(v), x2: sx(v), y1: base, y2: base + 4, stroke: "#9ca3af" }));
+    const t = svg("text", { x: sx(v), y: base + 14, "font-size": 10, "text-anchor": "middle", fill: "#6b7280", class: "xtick" });
+    t.textContent = xfmt(v);
+    box.append(t);
+  }
+  if (xLabel) {
+    const t = svg("text", { x: pad.l + (width - pad.l - pad.r) / 2, y: height - 3, "font-size": 10, "text-anchor": "middle", fill: "#6b7280", class: "xlabel" });
+    t.textContent = xLabel;
+    box.append(t);
+  }
+  for (const s of series) {
+    if (s.points.length === 0) continue;
     const d = s.points.map((p, j) => `${j ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
     box.append(svg("path", { d, fill: "none", stroke: s.color, "stroke-width": 2 }));
     for (const p of s.points) box.append(svg("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.5, fill: s.color }));
-    const t = svg("text", { x: width - pad.r - 90 * (series.length - i), y: height - 5, "font-size": 11, fill: s.color });
-    t.textContent = s.name;
-    box.append(t);
-  });
+  }
   return box;
 }
 
@@ -128,13 +172,14 @@ function renderDecisions() {
   const body = document.querySelector("#decisions tbody");
   body.replaceChildren(...recent.map((d) => el("tr", { "data-seq": d.seq },
     el("td", {}, new Date(d.ts * 1000).toLocaleTimeString()),
-    el("td", {}, d.request_id.slice(0, 12)),
+    el("td", { class: "rid", title: d.request_id }, shortId(d.request_id)),
     el("td", {}, d.policy_version ? `${d.policy} v${d.policy_version}` : `${d.policy} (default)`),
     el("td", {}, d.arm),
     el("td", {}, d.worker_id || "–"),
     el("td", { class: d.status === "ok" ? "ok" : "bad" }, d.status),
     el("td", {}, `${d.predicted_cached_tokens} / ${d.cached_tokens ?? "–"} / ${d.prompt_tokens}`),
-    el("td", {}, ms(d.ttft_s)))));
+    ttftCell(d),
+    el("td", {}, ms(d.e2e_s)))));
   // requests per worker among the kept decisions, as bars
   const counts = {};
   for (const d of state.decisions) counts[d.worker_id || "none"] = (counts[d.worker_id || "none"] || 0) + 1;
@@ -157,23 +202,52 @@ function renderDecisions() {
     box.append(v);
   });
   chart.replaceChildren(box);
-  const span = state.decisions.length > 1 ? state.decisions.at(-1).ts - state.decisions[0].ts : 0;
-  document.getElementById("decisions-rate").textContent =
-    span > 0 ? `(${(state.decisions.length / span).toFixed(1)} req/s over the last ${span.toFixed(0)} s)` : "";
+  document.getElementById("decisions-rate").textContent = rateText();
+}
+
+// a router's id is <16 hex: its random prefix><16 hex: a counter>: the counter is what differs
+// between rows, the prefix's start what differs between routers; keep both, drop the padding.
+// Other ids (a client's x-request-id): the tail, where counters usually are.
+function shortId(id) {
+  const m = /^(.*?)([0-9a-f]{16})([0-9a-f]{16})$/.exec(id);
+  if (m) return `${m[1]}${m[2].slice(0, 6)}…${m[3].replace(/^0+(?=.)/, "")}`;
+  return id.length > 16 ? `…${id.slice(-14)}` : id;
+}
+
+// a non-streamed answer's first token arrives with the whole answer: its TTFT is its total
+function ttftCell(d) {
+  if (d.ttft_s != null || d.e2e_s == null) return el("td", {}, ms(d.ttft_s));
+  return el("td", { class: "whole", title: "not streamed: the first token came with the whole answer" }, `${ms(d.e2e_s)}*`);
+}
+
+// requests per second over the last RATE_WINDOW_S seconds of the API's clock: falls to 0 when
+// the load stops (a rate over the kept decisions would stay at the last value)
+function rateText() {
+  if (state.now == null) return "";
+  const recent = state.decisions.filter((d) => d.ts > state.now - RATE_WINDOW_S).length;
+  const last = state.decisions.at(-1);
+  const idle = recent === 0 && last ? `; last ${ago(new Date(1000 * last.ts).toISOString())}` : "";
+  return `(${(recent / RATE_WINDOW_S).toFixed(1)} req/s over the last ${RATE_WINDOW_S} s${idle})`;
 }
 
 function canaryCurves(c) {
+  // x: seconds since the canary started (each evaluation at its own time, the open window now)
+  const t0 = Date.parse(c.created_at || "") || null;
+  const at = (iso, i) => (t0 && iso ? Math.max(0, (Date.parse(iso) - t0) / 1000) : i);
   const points = (c.decisions || []).filter((d) => d.numbers && d.numbers.control);
-  const steps = points.map((d, i) => ({ x: i, n: d.numbers }));
-  if (c.current) steps.push({ x: steps.length, n: c.current });
+  const steps = points.map((d, i) => ({ x: at(d.ts, i), n: d.numbers }));
+  if (c.current) steps.push({ x: t0 ? Math.max(0, (1000 * (state.now ?? Date.now() / 1000) - t0) / 1000) : steps.length, n: c.current });
+  const axis = t0
+    ? { xfmt: dur, xLabel: "time since the canary started", xMin: 0, minXSpan: 60 }
+    : { xLabel: "evaluation", xMin: 0, minXSpan: 4 };
   const series = (key, scale) => [
     { name: "control", color: "#2563eb", points: steps.filter((s) => s.n.control?.[key] != null).map((s) => [s.x, scale * s.n.control[key]]) },
     { name: "candidate", color: "#d62728", points: steps.filter((s) => s.n.candidate?.[key] != null).map((s) => [s.x, scale * s.n.candidate[key]]) },
   ];
   return el("div", { class: "charts" },
-    lineChart("TTFT p95 (ms)", series("ttft_p95_s", 1000), { fmt: (v) => v.toFixed(0) }),
-    lineChart("cache hit rate", series("cache_hit_rate", 1), { fmt: (v) => pct(v), minSpan: 0.1 }),
-    lineChart("error rate", series("error_rate", 1), { fmt: (v) => pct(v), minSpan: 0.05 }));
+    lineChart("TTFT p95 (ms)", series("ttft_p95_s", 1000), { fmt: (v) => String(Number(v.toPrecision(6))), ...axis }),
+    lineChart("cache hit rate", series("cache_hit_rate", 1), { fmt: (v) => pct0(v), minSpan: 0.1, ...axis }),
+    lineChart("error rate", series("error_rate", 1), { fmt: (v) => pct0(v), minSpan: 0.05, ...axis }));
 }
 
 async function renderCanaries() {
@@ -217,6 +291,14 @@ async function renderAlerts() {
       a.state === "firing" ? el("button", { onclick: act(a, "ack") }, "ack") : "",
       el("button", { onclick: act(a, "silence") }, "silence 1 h")))));
   document.getElementById("alerts-none").hidden = alerts.length > 0;
+  // recent history: the last resolved alerts, newest first (an alert that fired and resolved
+  // between two looks at the page is still seen)
+  const resolved = (await api(`/alerts?state=resolved&limit=${HISTORY}`)).alerts;
+  document.querySelector("#alerts-history tbody").replaceChildren(...resolved.map((a) => el("tr", { "data-alert": a.id },
+    el("td", { class: a.severity }, a.severity), el("td", {}, a.kind), el("td", {}, a.worker_id || "–"),
+    el("td", {}, ago(a.first_seen)), el("td", {}, ago(a.resolved_at || a.last_seen)),
+    el("td", {}, a.resolved_by || "–"), el("td", { class: "summary" }, a.summary))));
+  document.getElementById("alerts-history-none").hidden = resolved.length > 0;
 }
 
 async function renderPolicy() {
@@ -239,6 +321,7 @@ async function refresh() {
   state.decisions.push(...got.decisions);
   state.decisions = state.decisions.slice(-KEEP_DECISIONS);
   state.lastSeq = got.last;
+  state.now = got.now ?? Date.now() / 1000;
   const workers = (await api("/workers")).workers;
   renderWorkers(workers);
   renderDecisions();
