@@ -184,7 +184,8 @@ POLICY_COLORS = {
     "gpu_aware": "#8c564b",
     "sglang-router": "#e377c2",
     "vllm-router": "#393b79",
-    "slo_aware": "#7f0000",  # dark red: kvgate's latency-model policy
+    # black: kvgate's default (latency-model) policy, told apart from kv_aware's red at a glance
+    "slo_aware": "#000000",
     "sglang_cache_aware": "#f7b6d2",
     "dynamo_kv": "#6b6ecf",
     "llmd_default": "#74c476",
@@ -207,6 +208,43 @@ def run_colors(labels: list[str]) -> dict[str, str]:
     return out
 
 
+# line styles cycled over the runs, widest first: two runs with identical curves (common in
+# the simulator) stay both visible, the later one drawn thinner and dashed over the earlier
+_LINESTYLES = ("-", "--", "-.", ":")
+
+
+def run_styles(labels: list[str]) -> dict[str, dict[str, Any]]:
+    """Per run label: a line style and width, so that no curve can hide another one."""
+    n = max(1, len(labels))
+    return {
+        label: {"ls": _LINESTYLES[i % len(_LINESTYLES)], "lw": 2.8 - 1.6 * i / n}
+        for i, label in enumerate(labels)
+    }
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    """At least 3 round tick values in [lo, hi] on a log axis: 1-2-5 per decade, else 1..9
+    per decade, else 4 values evenly spaced in log, rounded to the fewest significant digits
+    that keep them apart (a narrow range, e.g. ITLs all within 10-13 ms, had one tick)."""
+    import math
+
+    if not (lo > 0 and hi > lo):
+        return []
+    decades = range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+    for subs in ((1, 2, 5), tuple(range(1, 10))):
+        ticks = [m * 10.0**k for k in decades for m in subs]
+        inside = sorted({float(f"{t:.6g}") for t in ticks if lo <= t <= hi})
+        if len(inside) >= 3:
+            return inside
+    step = (math.log10(hi) - math.log10(lo)) / 5
+    raw = [10 ** (math.log10(lo) + step * i) for i in range(1, 5)]
+    for digits in (2, 3, 4):  # the fewest digits that keep the ticks apart
+        ticks = sorted({float(f"{t:.{digits}g}") for t in raw})
+        if len(ticks) >= 3:
+            return ticks
+    return raw
+
+
 def _ms(x: float, _pos: Any = None) -> str:
     """Tick label in milliseconds without scientific notation (0.5, 2, 50, 1000, 20k)."""
     if x >= 10_000:
@@ -218,26 +256,37 @@ def _cdf_axis(
     ax: Any, what: str, series: list[tuple[str, list[float], list[float]]], colors
 ) -> None:
     """One CDF panel on a log millisecond axis: ``series`` = (label, xs in ms, fractions)."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
-    lo = None
+    styles = run_styles([label for label, _, _ in series])
+    lo = hi = None
     for label, xs, ys in series:
         if xs:
-            ax.step(xs, ys, where="post", label=label, color=colors[label])
+            ax.step(xs, ys, where="post", label=label, color=colors[label], **styles[label])
             positive = [x for x in xs if x > 0]
             if positive:
                 lo = min(positive) if lo is None else min(lo, min(positive))
+                hi = max(positive) if hi is None else max(hi, max(positive))
     ax.set_xlabel(f"{what} (ms, log scale)")
     ax.set_ylabel("fraction")
     ax.set_xscale("log")
-    if lo is not None:
-        ax.set_xlim(left=max(lo * 0.8, 1e-3))
-    # 1-2-5 ticks in plain milliseconds: readable at any range
-    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    if lo is not None and hi is not None:
+        left, right = max(lo * 0.8, 1e-3), max(hi * 1.25, lo * 1.5)
+        ax.set_xlim(left, right)
+        # round ticks in plain milliseconds, at least 3 of them whatever the range
+        ax.xaxis.set_major_locator(FixedLocator(_log_ticks(left, right)))
+        ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_major_formatter(FuncFormatter(_ms))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_ylim(0, 1.0)
     ax.grid(True, which="major", alpha=0.3)
+
+
+def _legend_outside(fig: Any, ax: Any) -> None:
+    """One legend for the figure, right of the plots: never over a curve or a label."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
 
 
 def _ttft_series(run: dict[str, Any]) -> tuple[str, list[float], list[float]]:
@@ -261,8 +310,8 @@ def ttft_cdf_figure(report: dict[str, Any]) -> Any:
     _cdf_axis(ax, "TTFT", [_ttft_series(r) for r in runs], colors)
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT CDF — {report.get('name')}")
-    ax.legend(fontsize=8)
     fig.tight_layout()
+    _legend_outside(fig, ax)
     return fig
 
 
@@ -281,9 +330,9 @@ def latency_cdf_figure(report: dict[str, Any]) -> Any:
     a2.set_ylabel("fraction of token gaps")
     a2.set_ylim(0.9, 1.0)
     a2.set_title("ITL CDF (tail: 0.9-1)")
-    a2.legend(fontsize=8, loc="lower right")
     fig.suptitle(str(report.get("name")), fontsize=10)
     fig.tight_layout()
+    _legend_outside(fig, a1)
     return fig
 
 
@@ -304,19 +353,44 @@ def worker_load_figure(report: dict[str, Any]) -> Any:
         ser = run["summary"].get("inflight_series", {})
         width = ser.get("bin_s", 0.0)
         workers = ser.get("workers", {})
+        wstyles = run_styles(sorted(workers))  # balanced workers draw identical lines
         for w, ys in sorted(workers.items()):
-            ax.plot([(j + 0.5) * width for j in range(len(ys))], ys, lw=0.9, label=w)
+            st = wstyles[w]
+            ax.plot(
+                [(j + 0.5) * width for j in range(len(ys))],
+                ys,
+                ls=st["ls"],
+                lw=0.6 * st["lw"],
+                label=w,
+            )
         ax.set_title(run["label"], fontsize=9)
         ax.set_xlabel("time (s)", fontsize=8)
         ax.set_ylabel("in-flight", fontsize=8)
         ax.tick_params(labelsize=7)
-        if len(workers) <= 16:
-            ax.legend(fontsize=5, ncol=2)
     for j in range(n, rows * cols):
         axes[j // cols][j % cols].axis("off")
     fig.suptitle(f"per-worker in-flight requests — {report.get('name')}", fontsize=10)
     fig.tight_layout()
+    # the workers are the same in every panel: one legend beside them, not one over each
+    handles, names = axes[0][0].get_legend_handles_labels()
+    if handles and len(handles) <= 16:
+        fig.legend(handles, names, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=6)
     return fig
+
+
+def hit_rate_ylim(values: list[float]) -> tuple[float, float]:
+    """The hit-rate axis (percent): from 0 unless every value sits high and close together,
+    then from a round value below them, so that a 95.4 vs 96.8 % gap is visible (the axis
+    label says where it starts); room above for the bars' labels."""
+    if not values:
+        return 0.0, 105.0
+    lo, hi = min(values), max(values)
+    spread = hi - lo
+    bottom = 0.0
+    if lo >= 20 and spread < 0.5 * lo:
+        bottom = max(0.0, 5 * ((lo - max(2.0, spread)) // 5))
+    top = hi + max(1.0, 0.12 * (hi - bottom))
+    return bottom, top
 
 
 def hit_rate_figure(report: dict[str, Any]) -> Any:
@@ -331,11 +405,24 @@ def hit_rate_figure(report: dict[str, Any]) -> Any:
     bars = ax.bar(labels, vals, color=[colors[lbl] for lbl in labels])
     ax.bar_label(bars, labels=[f"{v:.1f}%" for v in vals], fontsize=8, padding=2)
     bound = _get(report, "workload", "infinite_cache_hit_rate")
+    shown = vals + ([100 * bound] if bound is not None else [])
+    bottom, top = hit_rate_ylim(shown)
     if bound is not None:
-        ax.axhline(100 * bound, color="black", ls="--", lw=1, label="infinite-cache bound")
-        ax.legend(fontsize=8)
-    ax.set_ylabel("prefix-cache hit rate (%)")
-    ax.set_ylim(0, 105)
+        # named on the line itself (a legend box covered a bar's label)
+        ax.axhline(100 * bound, color="black", ls="--", lw=1)
+        ax.annotate(
+            f"infinite-cache bound {100 * bound:.1f}%",
+            (1.0, 100 * bound),
+            xycoords=("axes fraction", "data"),
+            xytext=(-2, 3),
+            textcoords="offset points",
+            ha="right",
+            va="bottom",
+            fontsize=8,
+        )
+    ylabel = "prefix-cache hit rate (%)"
+    ax.set_ylabel(ylabel if bottom == 0 else f"{ylabel}, axis from {bottom:g}%")
+    ax.set_ylim(bottom, top)
     ax.set_title(f"hit rate (workers' own counters) — {report.get('name')}")
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
     fig.tight_layout()
@@ -358,7 +445,8 @@ def _plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         ("hit_rate.png", hit_rate_figure),
     ):
         fig = make(report)
-        fig.savefig(out_dir / name, dpi=110)
+        # "tight": the legends beside the plots are part of the picture
+        fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
         plt.close(fig)
         files.append(name)
     return files

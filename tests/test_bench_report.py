@@ -258,3 +258,80 @@ def test_load_panels_share_a_y_scale_and_hit_bars_are_labelled():
     bars = hit_rate_figure(rep)
     texts = [t.get_text() for t in bars.axes[0].texts]
     assert "20.0%" in texts and "40.0%" in texts
+
+
+def _same_runs(labels: tuple[str, ...], itl_ms: tuple[float, ...] = (10.0, 11.0, 12.5)):
+    """Runs with identical numbers (as the simulator often gives), narrow ITLs, high hit rates."""
+    rep = _report()
+    base = dict(rep["runs"][1]["summary"])
+    base["itl_hist"] = itl_histogram([x / 1000 for x in itl_ms for _ in range(50)])
+    rep["runs"] = [{"label": lbl, "summary": base} for lbl in labels]
+    return rep
+
+
+def test_kv_aware_and_slo_aware_are_told_apart_at_a_glance():
+    from matplotlib.colors import to_rgb
+
+    from bench.report import run_colors
+
+    c = run_colors(["kv_aware", "slo_aware"])
+    a, b = to_rgb(c["kv_aware"]), to_rgb(c["slo_aware"])
+    assert sum((x - y) ** 2 for x, y in zip(a, b, strict=True)) ** 0.5 > 0.5, c  # was red/dark red
+
+
+def test_identical_curves_stay_visible_and_legends_sit_beside_the_plots():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from bench.report import latency_cdf_figure, ttft_cdf_figure
+
+    rep = _same_runs(("round_robin", "kv_aware", "slo_aware"))
+    for make in (ttft_cdf_figure, latency_cdf_figure):
+        fig = make(rep)
+        fig.canvas.draw()
+        for ax in fig.axes:
+            lines = [ln for ln in ax.get_lines() if ln.get_label() in {"kv_aware", "slo_aware"}]
+            styles = {(ln.get_linestyle(), round(ln.get_linewidth(), 2)) for ln in lines}
+            assert len(styles) == len(lines) == 2, styles  # the same data, two visible lines
+            assert ax.get_legend() is None  # no legend box inside a plot
+        (legend,) = fig.legends
+        box = legend.get_window_extent()
+        for ax in fig.axes:
+            assert not box.overlaps(ax.get_window_extent()), make.__name__
+
+
+def test_a_narrow_itl_range_still_gets_three_round_ticks():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from bench.report import _log_ticks, latency_cdf_figure
+
+    assert len(_log_ticks(10.0, 13.0)) >= 3
+    fig = latency_cdf_figure(_same_runs(("kv_aware",), itl_ms=(10.0, 10.5, 11.0)))
+    fig.canvas.draw()
+    itl = fig.axes[1]
+    lo, hi = itl.get_xlim()
+    shown = [
+        t.get_text()
+        for t, v in zip(itl.get_xticklabels(), itl.get_xticks(), strict=True)
+        if t.get_text() and lo <= v <= hi
+    ]
+    assert len(shown) >= 3, shown  # was one tick
+
+
+def test_hit_rate_axis_shows_a_small_gap_between_high_rates():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from bench.report import hit_rate_figure, hit_rate_ylim
+
+    rep = _same_runs(("kv_aware", "slo_aware"))
+    rep["runs"][0]["summary"] = {**rep["runs"][0]["summary"], "hit_rate": 0.954}
+    rep["runs"][1]["summary"] = {**rep["runs"][1]["summary"], "hit_rate": 0.968}
+    rep["workload"]["infinite_cache_hit_rate"] = 0.975
+    ax = hit_rate_figure(rep).axes[0]
+    bottom, top = ax.get_ylim()
+    assert (96.8 - 95.4) / (top - bottom) > 0.1  # was 1.4 points of a 0..105 axis
+    assert "axis from" in ax.get_ylabel() and ax.get_legend() is None
+    assert any("infinite-cache bound 97.5%" in t.get_text() for t in ax.texts)
+    assert hit_rate_ylim([20.0, 40.0, 80.0])[0] == 0  # spread out: from 0 as before
