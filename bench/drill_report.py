@@ -96,9 +96,11 @@ def summarize(
     )
 
 
-def in_flight_at(outcomes: Sequence[Outcome], moment: float) -> int:
-    """Requests sent before ``moment`` and answered (or cut) after it."""
-    return sum(o.sent <= moment <= o.done for o in outcomes)
+def in_flight_at(outcomes: Sequence[Outcome], moment: float) -> dict[str, int]:
+    """Requests sent before ``moment`` and answered (or cut) after it, by the worker the
+    router first chose ("?" when no answer named one)."""
+    counts = Counter(o.worker or "?" for o in outcomes if o.sent <= moment <= o.done)
+    return dict(sorted(counts.items()))
 
 
 def alerts_by_kind(alerts: Sequence[dict[str, Any]]) -> dict[str, int]:

@@ -168,8 +168,9 @@ async def run_scenario(
     )
     row.unfinished = load.unfinished
     row.left_behind = left_behind
-    if fault_start is not None and sc.name != "baseline":
-        row.in_flight_at_fault = in_flight_at(load.outcomes, fault_start)
+    hit = in_flight_at(load.outcomes, fault_start) if fault_start is not None else {}
+    if sc.name != "baseline":
+        row.in_flight_at_fault = sum(hit.values())
     row.router_rss_mib = rss.peak
     verifier_after = await stack.verifier_counters()
     row.repairs = counter_delta(verifier_before[REPAIRS], verifier_after[REPAIRS])
@@ -181,6 +182,7 @@ async def run_scenario(
         "fault_start_s": 0.0,
         "fault_end_s": None if fault_end is None else round(fault_end - origin, 3),
         "alerts": alerts,
+        "in_flight_at_fault_by_worker": hit,
         "timeline": timeline(load.outcomes, origin),
     }
     progress(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.drill_load import CUT, FAILED, OK, REFUSED, Outcome, judge
-from bench.drill_report import markdown, recovery_s, summarize
+from bench.drill_report import in_flight_at, markdown, recovery_s, summarize
 from bench.drill_stack import counter_delta, sum_counter
 from tests.up_stack import processes_mentioning, up_env
 
@@ -48,6 +48,8 @@ def test_time_to_recover_is_the_first_whole_second_of_successes_after_the_fault(
     row = summarize("s", "a fault", 5.0, outcomes, end, 110.0)
     assert row.requests == row.ok + row.failed + row.refused + row.cut == 7
     assert (row.failed, row.refused, row.cut) == (3, 1, 0)
+    streams = [Outcome(99.0, 101.0, True, 200, OK, worker="sim-1"), _o(99.0, OK), _o(100.5, OK)]
+    assert in_flight_at(streams, 100.0) == {"sim-1": 1}  # the one the fault struck mid-stream
     table = markdown([row]).splitlines()
     assert len(table) == 3 and table[0].count("|") == table[1].count("|") == table[2].count("|")
 
