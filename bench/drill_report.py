@@ -46,7 +46,7 @@ def timeline(outcomes: Sequence[Outcome], origin: float) -> list[dict[str, int]]
 class Row:
     scenario: str
     fault: str
-    hold_s: float
+    hold_s: float  # 0: none (a kill the stack heals by itself, or no fault)
     requests: int
     ok: int
     failed: int
@@ -63,6 +63,7 @@ class Row:
     in_flight_at_fault: int = 0  # requests sent before the fault struck, answered after
     left_behind: list[str] = field(default_factory=list)  # not recovered when it ended
     failures: list[str] = field(default_factory=list)  # distinct reasons (kind: detail)
+    faulty: bool = True  # False: the baseline, which has no fault to recover from
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,7 +77,8 @@ def summarize(
     fault_end: float | None,
     until: float,
 ) -> Row:
-    """A row from the clients' side (the stack's counters are filled in by the caller)."""
+    """A row from the clients' side (the stack's counters are filled in by the caller);
+    ``fault_end``: when the drill ended the fault, None for the baseline (no fault)."""
     kinds = Counter(o.kind for o in outcomes)
     reasons = sorted({f"{o.kind}: {o.detail[:80]}" for o in outcomes if o.kind != OK})
     return Row(
@@ -90,6 +92,7 @@ def summarize(
         cut=kinds[CUT],
         http_404=sum(o.status == 404 for o in outcomes),
         recover_s=None if fault_end is None else recovery_s(outcomes, fault_end, until),
+        faulty=fault_end is not None,
         repairs=0.0,
         streams=sum(o.stream for o in outcomes),
         failures=reasons[:10],
@@ -117,7 +120,7 @@ HEADER = (
 def markdown(rows: Sequence[Row]) -> str:
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     for r in rows:
-        if r.scenario == "baseline":
+        if not r.faulty:
             recover = "-"
         elif r.recover_s is None:
             recover = "not in the run"
@@ -125,7 +128,7 @@ def markdown(rows: Sequence[Row]) -> str:
             recover = f"{r.recover_s:.0f} s"
         alerts = ", ".join(f"{k} {n}" for k, n in r.alerts.items()) or "0"
         rss = "-" if r.router_rss_mib is None else f"{r.router_rss_mib:.0f} MiB"
-        hold = f" ({r.hold_s:.0f} s)" if r.hold_s and r.scenario != "baseline" else ""
+        hold = f" ({r.hold_s:.0f} s)" if r.hold_s and r.faulty else ""
         lines.append(
             f"| {r.scenario} | {r.fault}{hold} | {r.requests} ({r.streams} streamed) | {r.failed} "
             f"| {r.refused} | {r.cut} | {r.http_404} | {recover} "

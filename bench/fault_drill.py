@@ -163,13 +163,13 @@ async def run_scenario(
         sc.what,
         hold,
         load.outcomes,
-        None if sc.name == "baseline" else fault_end,
+        fault_end if sc.faulty else None,
         until,
     )
     row.unfinished = load.unfinished
     row.left_behind = left_behind
     hit = in_flight_at(load.outcomes, fault_start) if fault_start is not None else {}
-    if sc.name != "baseline":
+    if sc.faulty:
         row.in_flight_at_fault = sum(hit.values())
     row.router_rss_mib = rss.peak
     verifier_after = await stack.verifier_counters()
@@ -219,8 +219,9 @@ async def drill(args: argparse.Namespace, scenarios: list[Scenario]) -> dict[str
     details: dict[str, Any] = {}
     errors: dict[str, str] = {}
     root = Path(args.state_dir or tempfile.mkdtemp(prefix="kvgate-drill-"))
-    for n, (stack_args, group) in enumerate(groups.items()):
-        stack = DrillStack(root / f"stack-{n}", stack_args)
+    states = [root / f"stack-{n}" for n in range(len(groups))]
+    for state, (stack_args, group) in zip(states, groups.items(), strict=True):
+        stack = DrillStack(state, stack_args)
         progress(
             f"starting kvgate up: {stack_args.workers} workers, {stack_args.indexers} indexers, "
             f"{stack_args.nats_cluster} NATS node(s); state {stack.state}"
@@ -241,8 +242,11 @@ async def drill(args: argparse.Namespace, scenarios: list[Scenario]) -> dict[str
         finally:
             progress("stopping kvgate up")
             await asyncio.to_thread(stack.stop)
-    if not args.keep_state and not errors:
-        shutil.rmtree(root, ignore_errors=True)
+    if not args.keep_state and not errors:  # only what the drill made
+        for state in states:
+            shutil.rmtree(state, ignore_errors=True)
+        if not args.state_dir:
+            shutil.rmtree(root, ignore_errors=True)
     return {
         "rows": rows,
         "details": details,
@@ -282,7 +286,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold-s", type=float, help="every held fault lasts this long (override)")
     p.add_argument("--seed", type=int, default=0, help="clients' random seed")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"results folder ({RESULTS})")
-    p.add_argument("--state-dir", help="kvgate up state folders go here (default: a temp dir)")
+    p.add_argument(
+        "--state-dir",
+        help="the stacks' state folders (stack-0, ...) go here (default: a temp dir)",
+    )
     p.add_argument(
         "--keep-state", action="store_true", help="keep the state (logs) after a clean run"
     )
