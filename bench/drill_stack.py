@@ -23,13 +23,17 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import stackfile
+from services.common.bus import Bus
+from services.common.schemas import Alert, SchemaError, decode
 from services.common.subjects import Subjects
 from tests.up_stack import UpStack, pid_alive, processes_mentioning
 
@@ -276,13 +280,6 @@ class DrillStack:
     async def alerts_between(self, start_ts: float, end_ts: float) -> list[dict[str, Any]]:
         """Managed alerts (the ALERTS stream, as ``kvgate alerts tail`` reads it with the
         operator credential) whose time is in [start_ts, end_ts] (wall clock)."""
-        from datetime import UTC, datetime
-
-        from nats.js.api import ConsumerConfig, DeliverPolicy
-
-        from services.common.bus import Bus
-        from services.common.schemas import Alert, SchemaError, decode
-
         subjects = Subjects(self.stack.get("subject_prefix", ""))
         bus = Bus(
             self.stack["nats_url"],
