@@ -268,3 +268,32 @@ async def test_provisioning_waits_for_no_service(buses: dict[str, Bus]) -> None:
     waiting = asyncio.create_task(require_kv_events_stream(buses["worker"], timeout_s=30))
     await provision(buses["provisioner"])
     assert await asyncio.wait_for(waiting, 30) == buses["worker"].subjects.kv_events_stream
+
+
+async def test_the_provisioned_lease_bucket_outlives_a_nats_restart(
+    server: EmbeddedNats, passwords: dict[str, str], prefix: str
+) -> None:
+    """The HA indexers' lease bucket survives a restart of the (single) NATS server: in memory it
+    vanished with the server, and no service may create it again, so no indexer could ever
+    take the lease (found by `python -m bench.fault_drill --scenarios nats-kill`)."""
+
+    def bus(role: str) -> Bus:
+        auth = NatsAuth(user=role, password=passwords[role])
+        return Bus(server.url, role, Subjects(prefix), auth=auth, role=role)
+
+    prov = bus("provisioner")
+    await prov.connect(max_wait_s=5)
+    try:
+        await provision(prov)
+    finally:
+        await prov.close()
+    server.stop()
+    server.start()
+    indexer = bus("indexer")
+    await indexer.connect(max_wait_s=10)
+    try:
+        await require_lease_bucket(indexer, ttl_s=1.5, timeout_s=10)
+        kv = await indexer.js.key_value(Subjects(prefix).indexer_lease_bucket)
+        await kv.create("leader", b"indexer-1")
+    finally:
+        await indexer.close()

@@ -154,6 +154,9 @@ def alerts_spec(s: Subjects) -> StreamSpec:
 
 
 def lease_bucket_spec(s: Subjects, ttl_s: float | None = None) -> StreamSpec:
+    """The HA indexers' lease bucket: file storage, so it outlives a NATS restart (in memory it
+    vanished with the server, and no service credential may create it again: every indexer
+    then failed every lease attempt and none published)."""
     bucket = s.indexer_lease_bucket
     return StreamSpec(
         f"KV_{bucket}",
@@ -161,7 +164,7 @@ def lease_bucket_spec(s: Subjects, ttl_s: float | None = None) -> StreamSpec:
         lease_ttl_s() if ttl_s is None else ttl_s,
         -1,
         max_msgs_per_subject=1,
-        storage=StorageType.MEMORY,
+        storage=StorageType.FILE,
         lease_bucket=bucket,
     )
 
