@@ -214,9 +214,7 @@ async def test_background_verifier_finds_and_repairs_divergence(
         # the index loses pairs behind the indexer's back (nothing a seq number would show)
         lost = list(truth(w))[:25]
         svc.core.index.apply_removed("v0", lost)
-        await wait_until(
-            lambda: repairs_total() > repairs, timeout=15, what="divergence found"
-        )
+        await wait_until(lambda: repairs_total() > repairs, timeout=15, what="divergence found")
         assert svc.core.counts["resync:verify"] >= 1
         await wait_until(lambda: index_equals(svc, workers), what="repaired")
         await wait_until(
