@@ -94,17 +94,20 @@ def pick_response(endpoint: str, body_len: int | None) -> pb.ProcessingResponse:
     )
 
 
-def request_body_response(body: bytes) -> pb.ProcessingResponse:
-    """FULL_DUPLEX_STREAMED: the buffered request body goes back as one last chunk."""
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(
-            response=pb.CommonResponse(
-                body_mutation=pb.BodyMutation(
-                    streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=True)
-                )
+def _streamed(body: bytes, end: bool) -> pb.BodyResponse:
+    """A FULL_DUPLEX_STREAMED body answer: ``body`` sent on as one chunk."""
+    return pb.BodyResponse(
+        response=pb.CommonResponse(
+            body_mutation=pb.BodyMutation(
+                streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=end)
             )
         )
     )
+
+
+def request_body_response(body: bytes) -> pb.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED: the buffered request body goes back as one last chunk."""
+    return pb.ProcessingResponse(request_body=_streamed(body, True))
 
 
 def response_headers_pass() -> pb.ProcessingResponse:
@@ -113,15 +116,7 @@ def response_headers_pass() -> pb.ProcessingResponse:
 
 def response_body_pass(chunk: bytes, end: bool) -> pb.ProcessingResponse:
     """FULL_DUPLEX_STREAMED: each response chunk goes back as it came."""
-    return pb.ProcessingResponse(
-        response_body=pb.BodyResponse(
-            response=pb.CommonResponse(
-                body_mutation=pb.BodyMutation(
-                    streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end)
-                )
-            )
-        )
-    )
+    return pb.ProcessingResponse(response_body=_streamed(chunk, end))
 
 
 def request_trailers_pass() -> pb.ProcessingResponse:
