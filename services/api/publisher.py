@@ -152,9 +152,6 @@ class PolicyPublisher:
         )
         return True
 
-    async def stream_revision(self) -> int:
-        return (await self.stream_notice()).revision
-
     async def stream_notice(self) -> StoredNotice:
         """The POLICY stream's newest notice, as this api judges it."""
         s = self.bus.subjects
