@@ -297,3 +297,19 @@ async def test_the_provisioned_lease_bucket_outlives_a_nats_restart(
         await kv.create("leader", b"indexer-1")
     finally:
         await indexer.close()
+
+
+async def test_provisioning_reports_a_lease_bucket_it_brought_back_to_its_config(
+    buses: dict[str, Bus], prefix: str
+) -> None:
+    """The lease bucket's drift was computed on the config already mended in place, so a
+    re-provisioned bucket read "unchanged"."""
+    prov = buses["provisioner"]
+    await provision(prov)
+    name = f"KV_{Subjects(prefix).indexer_lease_bucket}"
+    cfg = (await prov.js.stream_info(name)).config
+    cfg.max_age = 60.0
+    await prov.js.update_stream(cfg)
+    assert dict(await provision(prov))[name] == "updated"
+    assert (await prov.js.stream_info(name)).config.max_age == pytest.approx(1.5)
+    assert dict(await provision(prov))[name] == "unchanged"

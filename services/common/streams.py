@@ -25,6 +25,7 @@ is no credential to protect.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -224,23 +225,23 @@ async def provision(bus: Bus, specs: list[StreamSpec] | None = None) -> list[tup
             before = (await bus.js.stream_info(spec.name)).config
         except nats.js.errors.NotFoundError:
             before = None
-        if spec.lease_bucket:
-            if before is None:
+        if before is None:
+            if spec.lease_bucket:
                 await bus.js.create_key_value(_bucket_config(spec, replicas))
-                done.append((spec.name, "created"))
-                continue
-            config = before
-            config.max_age = spec.max_age_s
-            config.num_replicas = replicas
-            config.republish = None
-            config.allow_rollup_hdrs = True  # nats-py's KV sets it; kept as the bucket had it
-            config.subjects = list(spec.subjects)
+            else:
+                await bus.js.add_stream(_stream_config(spec, replicas))
+            done.append((spec.name, "created"))
+            continue
+        if spec.lease_bucket:  # the bucket's own settings (nats-py's KV layout) stay as made
+            config = dataclasses.replace(
+                before,
+                max_age=spec.max_age_s,
+                num_replicas=replicas,
+                republish=None,
+                subjects=list(spec.subjects),
+            )
         else:
             config = _stream_config(spec, replicas)
-            if before is None:
-                await bus.js.add_stream(config)
-                done.append((spec.name, "created"))
-                continue
         drift = config_drift(spec, before)
         await bus.js.update_stream(config)
         done.append(
