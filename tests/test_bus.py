@@ -169,19 +169,11 @@ async def test_request_without_responder_times_out(bus: Bus) -> None:
         raise AssertionError("expected TimeoutError")
 
 
-async def test_ensure_stream_is_idempotent(bus: Bus) -> None:
-    name = bus.subjects.kv_events_stream
-    await bus.ensure_stream(name, [bus.subjects.kv_events_all], max_age_s=60)
-    await bus.ensure_stream(name, [bus.subjects.kv_events_all], max_age_s=120)  # updates, no error
-    info = await bus.js.stream_info(name)
-    assert info.config.max_age == 120
-
-
 async def test_durable_consumer_resumes_after_restart(
     nats_url: str, bus: Bus, subjects: Subjects
 ) -> None:
     stream = subjects.outcomes_stream
-    await bus.ensure_stream(stream, [subjects.router_load_all])
+    await bus.js.add_stream(name=stream, subjects=[subjects.router_load_all], max_bytes=1 << 20)
     durable = subjects.durable("test_consumer")
 
     async def run_consumer(expect: int) -> list[int]:

@@ -35,9 +35,6 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
 )
 from prometheus_client import Counter
 
@@ -463,39 +460,6 @@ class Bus:
             )
 
     # ------------------------------------------------------------------ JetStream
-    async def ensure_stream(
-        self,
-        name: str,
-        subjects: list[str],
-        *,
-        max_age_s: float = 24 * 3600,
-        max_bytes: int = 64 << 20,  # reserved by JetStream: keep explicit and modest
-        max_msgs_per_subject: int = -1,
-        storage: StorageType = StorageType.FILE,
-        retention: RetentionPolicy = RetentionPolicy.LIMITS,
-        num_replicas: int = 1,
-    ) -> None:
-        """Create the stream or bring an existing one to this config (idempotent)."""
-        config = StreamConfig(
-            name=name,
-            subjects=subjects,
-            storage=storage,
-            retention=retention,
-            max_age=max_age_s,
-            max_bytes=max_bytes,
-            max_msgs_per_subject=max_msgs_per_subject,
-            num_replicas=num_replicas,
-        )
-        try:
-            await self.js.stream_info(name)
-        except nats.js.errors.NotFoundError:
-            try:
-                await self.js.add_stream(config)
-                return
-            except nats.js.errors.BadRequestError:
-                pass  # created concurrently by another service: fall through to update
-        await self.js.update_stream(config)
-
     async def js_publish(
         self, subject: str, msg: Struct, timeout: float = 5.0, msg_id: str | None = None
     ) -> Any:
