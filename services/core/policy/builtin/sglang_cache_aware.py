@@ -103,7 +103,7 @@ class SglangCacheAware(PolicyImpl):
         p = self.p
         loads = [w.inflight for w in cands]
         hi, lo = max(loads), min(loads)
-        state.extra["sglang_req"] = (req, {w.worker_id: w for w in cands}, overlaps)
+        state.extra["sglang_req"] = req.block_keys
         if hi - lo > p["balance_abs_threshold"] and hi > p["balance_rel_threshold"] * lo:
             return self._least_loaded(cands, state)
         bs = cands[0].capacity.block_size
@@ -122,16 +122,11 @@ class SglangCacheAware(PolicyImpl):
 
     def pick(self, costs: dict[str, float], state: PolicyState) -> str:
         wid = pick_min(costs, state.rng)  # costs have no ties: SMG's choice is deterministic
-        req, by_id, overlaps = state.extra.pop("sglang_req")
+        block_keys = state.extra.pop("sglang_req")
         processed = state.extra.setdefault("sglang_processed", {})
         processed[wid] = processed.get(wid, 0) + 1
-        tree = self._tree(state)
-        if req.block_keys:
-            held = tree.match(req.block_keys, {wid}).get(wid, 0)
-        else:
-            held = overlaps.get(wid, 0)
-        added = max(0, req.prompt_tokens - held * by_id[wid].capacity.block_size)
-        tree.insert(wid, req.block_keys, added)  # the tokens this worker's tree gained
+        # no tree size is kept: SMG no longer routes by it (a cold prompt goes to least load)
+        self._tree(state).insert(wid, block_keys, 0)
         return wid
 
     def prune(self, state: PolicyState, live: dict[str, WorkerState]) -> None:
