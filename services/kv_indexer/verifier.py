@@ -108,7 +108,6 @@ class Verifier:
         self._log = RateLimiter(60.0)
         self._busy: set[str] = set()
         self.incidents = RepairIncidents(alert_quiet_s, indexer_name)
-        self._sending: set[asyncio.Task[None]] = set()  # alerts in flight (tasks held)
 
     # ------------------------------------------------------------------ one worker
     async def check(self, worker: str, *, repair: bool, max_sample: int = 10) -> WorkerDivergence:
@@ -177,9 +176,7 @@ class Verifier:
                 summary=alert.summary,
             )
 
-        task = asyncio.get_running_loop().create_task(send())
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        self.bus.spawn(send(), f"index-repaired-alert:{alert.worker_id}")
 
     async def _check(self, worker: str, max_sample: int) -> WorkerDivergence:
         if not self.core.verify_begin(worker):
