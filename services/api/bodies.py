@@ -142,6 +142,9 @@ class AlertSilence(Body, kw_only=True):
 
 
 # ----------------------------------------------------------------------------- tokens
+TOKEN_TTL_RANGE_S = (1.0, 10 * 365 * 86400.0)  # the lifetimes a new token may ask for
+
+
 class TokenCreate(Body, kw_only=True):
     role: Role
     name: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_.@\- ]*$")] = ""
@@ -150,8 +153,8 @@ class TokenCreate(Body, kw_only=True):
         Annotated[
             float,
             Meta(
-                ge=1.0,
-                le=10 * 365 * 86400.0,
+                ge=TOKEN_TTL_RANGE_S[0],
+                le=TOKEN_TTL_RANGE_S[1],
                 description="lifetime in seconds (default: no expiry, or the server's "
                 "--token-max-ttl-s when set; more than that is refused)",
             ),

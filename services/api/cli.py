@@ -178,14 +178,16 @@ def explain_database_error(exc: BaseException, database_url: str) -> str:
 
 
 async def _token(args: argparse.Namespace, database_url: str, max_ttl_s: float) -> int:
+    from services.api.bodies import TOKEN_TTL_RANGE_S
     from services.api.db import Database, is_unavailable
     from services.api.tokens import create_token, token_dict, token_state
 
     db = Database(database_url)
     try:
         if args.token_action == "create":
-            if args.ttl_s is not None and not 1 <= args.ttl_s <= 10 * 365 * 86400:
-                print("--ttl-s must be between 1 and 315360000 seconds", file=sys.stderr)
+            lo, hi = TOKEN_TTL_RANGE_S
+            if args.ttl_s is not None and not lo <= args.ttl_s <= hi:
+                print(f"--ttl-s must be between {lo:g} and {hi:.0f} seconds", file=sys.stderr)
                 return 2
             try:
                 token, record = await create_token(
