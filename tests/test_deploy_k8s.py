@@ -123,10 +123,6 @@ def _load_docs(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def _env_file(path: Path) -> dict[str, str]:
-    return read_env_file(path)
-
-
 def _generated(kind: str, spec: dict[str, Any], where: Path) -> dict[str, Any]:
     unknown = set(spec) - {"name", "files", "literals", "envs"}
     if unknown:
@@ -136,7 +132,7 @@ def _generated(kind: str, spec: dict[str, Any], where: Path) -> dict[str, Any]:
         key, _, value = literal.partition("=")
         data[key] = value
     for env in spec.get("envs", []):
-        data.update(_env_file(where / env))
+        data.update(read_env_file(where / env))
     for item in spec.get("files", []):
         key, sep, rel = item.partition("=")
         if not sep:
