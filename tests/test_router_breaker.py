@@ -129,19 +129,20 @@ def test_config_is_validated_naming_the_flag(kw: dict) -> None:
 # ----------------------------------------------------------------------------- live router
 
 
-class CircuitAlerts:
-    """The router's circuit_open alert signals, as they arrive (core NATS subscription)."""
+class RouterAlerts:
+    """The router's alert signals of one ``kind``, as they arrive (core NATS subscription)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
         self.seen: list[Alert] = []
         self.queue: asyncio.Queue[Alert] = asyncio.Queue()
 
-    async def start(self, bus: Bus) -> CircuitAlerts:
+    async def start(self, bus: Bus) -> RouterAlerts:
         await require_alert_streams(bus)
 
         async def on(msg) -> None:
             alert = decode(Alert, msg.data)
-            if alert.kind == "circuit_open":
+            if alert.kind == self.kind:
                 self.seen.append(alert)
                 self.queue.put_nowait(alert)
 
@@ -160,7 +161,7 @@ async def test_worker_failing_half_its_completions_opens_once_and_alerts_once(
     nats_url, subjects, bus: Bus
 ) -> None:
     """The issue's drill, scaled down: was 7 re-closings and 14 alerts a minute."""
-    alerts = await CircuitAlerts().start(bus)
+    alerts = await RouterAlerts("circuit_open").start(bus)
     sims = await SimCluster(nats_url, subjects, 2).start()
     router = await RouterProc(
         nats_url,
@@ -226,7 +227,7 @@ async def test_worker_failing_half_its_completions_opens_once_and_alerts_once(
 async def test_half_open_sends_a_bounded_number_of_real_requests_not_a_health_probe(
     nats_url, subjects, bus: Bus
 ) -> None:
-    alerts = await CircuitAlerts().start(bus)
+    alerts = await RouterAlerts("circuit_open").start(bus)
     router, workers, beats = await _cluster(
         nats_url,
         subjects,

@@ -12,10 +12,9 @@ import asyncio
 import aiohttp
 
 from services.common.bus import Bus
-from services.common.schemas import Alert, decode
-from services.common.streams import require_alert_streams
 from services.router import metrics as M
 from services.router.outlier import OutlierConfig, OutlierDetector
+from tests.test_router_breaker import RouterAlerts
 from tests.test_router_failures import _cluster, _teardown
 from tests.test_router_support import post
 
@@ -56,29 +55,10 @@ def test_incident_ends_after_a_whole_window_back_without_a_new_ejection() -> Non
     assert again.count == 1 and again.until == 160.0  # a new incident starts from eject_s
 
 
-class OutlierAlerts:
-    def __init__(self) -> None:
-        self.seen: list[Alert] = []
-        self.queue: asyncio.Queue[Alert] = asyncio.Queue()
-
-    async def start(self, bus: Bus) -> OutlierAlerts:
-        await require_alert_streams(bus)
-
-        async def on(msg) -> None:
-            alert = decode(Alert, msg.data)
-            if alert.kind == "latency_outlier":
-                self.seen.append(alert)
-                self.queue.put_nowait(alert)
-
-        await bus.client.subscribe(bus.subjects.alert_signal("router"), cb=on)
-        await bus.client.flush()
-        return self
-
-
 async def test_a_steadily_slow_worker_is_re_ejected_for_longer_under_one_alert(
     nats_url, subjects, bus: Bus
 ) -> None:
-    alerts = await OutlierAlerts().start(bus)
+    alerts = await RouterAlerts("latency_outlier").start(bus)
     router, workers, beats = await _cluster(
         nats_url,
         subjects,
