@@ -15,6 +15,7 @@ incident however many repairs it holds, and each firing is followed by exactly o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from services.common.schemas import Alert, WorkerDivergence
 
@@ -66,20 +67,15 @@ class RepairIncidents:
         inc.last_repair_at = now
         if not first:
             return None
-        return Alert(
-            fingerprint=f"{KIND}:{result.worker_id}",
-            kind=KIND,
-            severity="warning",
-            state="firing",
-            source="indexer",
-            worker_id=result.worker_id,
-            summary=(
+        return self._alert(
+            result.worker_id,
+            "firing",
+            (
                 f"the KV index drifted from worker {result.worker_id}'s cache at batch seq "
                 f"{result.kv_seq}: {result.missing} blocks missing, {result.extra} extra "
                 f"(of {result.worker_blocks} the worker holds); the worker was resynced"
             ),
-            remedy=REMEDY,
-            details={
+            {
                 "reason": repair_reason(result),
                 "kv_seq": result.kv_seq,
                 "missing": result.missing,
@@ -88,8 +84,8 @@ class RepairIncidents:
                 "index_blocks": result.index_blocks,
                 "missing_sample": [f"{k:#018x}" for k in result.missing_sample[:5]],
                 "extra_sample": [f"{k:#018x}" for k in result.extra_sample[:5]],
-                "indexer": self.indexer,
             },
+            remedy=REMEDY,
         )
 
     def checked_equal(self, worker_id: str, now: float) -> Alert | None:
@@ -105,23 +101,39 @@ class RepairIncidents:
 
     def _resolve(self, inc: Incident, now: float, why: str) -> Alert:
         del self.open[inc.worker_id]
-        return Alert(
-            fingerprint=f"{KIND}:{inc.worker_id}",
-            kind=KIND,
-            severity="warning",
-            state="resolved",
-            source="indexer",
-            worker_id=inc.worker_id,
-            summary=(
+        return self._alert(
+            inc.worker_id,
+            "resolved",
+            (
                 f"{KIND} resolved for worker {inc.worker_id}: {why}; {inc.repairs} repairs "
                 f"({inc.missing} blocks missing, {inc.extra} extra) over "
                 f"{now - inc.opened_at:.0f} s"
             ),
-            details={
+            {
                 "repairs": inc.repairs,
                 "missing": inc.missing,
                 "extra": inc.extra,
                 "seconds": round(now - inc.opened_at, 1),
-                "indexer": self.indexer,
             },
+        )
+
+    def _alert(
+        self,
+        worker_id: str,
+        state: Literal["firing", "resolved"],
+        summary: str,
+        details: dict[str, Any],
+        remedy: str = "",
+    ) -> Alert:
+        """The incident's alert signal: one fingerprint per worker, the indexer named."""
+        return Alert(
+            fingerprint=f"{KIND}:{worker_id}",
+            kind=KIND,
+            severity="warning",
+            state=state,
+            source="indexer",
+            worker_id=worker_id,
+            summary=summary,
+            remedy=remedy,
+            details={**details, "indexer": self.indexer},
         )
