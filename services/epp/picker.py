@@ -89,18 +89,12 @@ class Picker:
         ctx = Ctx(rid, parsed, r.policies.arm(rid, session), session, t0, path or NO_BODY_PATH)
         ctx.slo = targets
         if not r.state.states:  # an empty pool: no ready endpoint (the spec's 503)
-            ctx.status, ctx.http_status = "error", 503
-            r.recorder.record(ctx)
-            return self._refused(503, "no worker is known to the picker", "service_unavailable")
+            return self._unavailable(ctx, "no worker is known to the picker")
         if subset is not None:
             ctx.excluded |= endpoints.outside(r.state, subset)
             if not subset or len(ctx.excluded) >= len(r.state.states):
-                ctx.status, ctx.http_status = "error", 503
-                r.recorder.record(ctx)
-                return self._refused(
-                    503,
-                    f"no eligible endpoint in the subset hint ({len(subset)} endpoints)",
-                    "service_unavailable",
+                return self._unavailable(
+                    ctx, f"no eligible endpoint in the subset hint ({len(subset)} endpoints)"
                 )
         try:
             d = await r.admission.decide_or_wait(ctx)
@@ -116,11 +110,7 @@ class Picker:
         endpoint = endpoints.worker_endpoint(r.state, ticket.worker_id)
         if endpoint is None:  # its URL names no host:port a gateway could reach
             r.dispatcher.release(ctx, ticket)
-            ctx.status, ctx.http_status = "error", 503
-            r.recorder.record(ctx)
-            return self._refused(
-                503, f"worker {ticket.worker_id} has no ip:port endpoint", "service_unavailable"
-            )
+            return self._unavailable(ctx, f"worker {ticket.worker_id} has no ip:port endpoint")
         r.circuits.sent(ticket.worker_id)
         try:
             await r.dispatcher.hold(d)
@@ -150,6 +140,12 @@ class Picker:
             if e is not None and e not in out:
                 out.append(e)
         return ",".join(out)
+
+    def _unavailable(self, ctx: Ctx, message: str) -> Response:
+        """The spec's 503 for a request that got as far as its ``ctx``: its outcome recorded."""
+        ctx.status, ctx.http_status = "error", 503
+        self.router.recorder.record(ctx)
+        return self._refused(503, message, "service_unavailable")
 
     def _refused(self, status: int, message: str, etype: str, param: str | None = None) -> Response:
         M.PICKS.labels(str(status)).inc()
