@@ -124,6 +124,22 @@ class ActionBody(Body, kw_only=True):
     reason: Reason = ""
 
 
+class RepinBody(Body, kw_only=True):
+    """Re-pin a worker's URL on every router (services.core.url_pin): to ``url``, or, when it
+    is left out, to the URL of the next heartbeat each router sees for the worker (racy while
+    someone else heartbeats for it: give the URL)."""
+
+    url: Annotated[
+        str,
+        Meta(
+            max_length=2000,
+            pattern=r"^https?://[^\s/?#]+(?:[/?#]\S*)?$",
+            description="the worker's new base URL (http or https)",
+        ),
+    ] = ""
+    reason: Reason = ""
+
+
 # ----------------------------------------------------------------------------- alerts
 class SilenceCreate(Body, kw_only=True):
     """Silence alerts matching every given field (none given: all alerts) for a period."""

@@ -16,12 +16,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Any
 
-from msgspec import Meta
 from sqlalchemy import delete, select
 
-from services.api.bodies import Body, Reason
 from services.api.db import Database
 from services.api.models import WorkerControlState
 from services.common.aio import cancel_and_wait
@@ -33,22 +31,6 @@ from services.common.schemas import WorkerControl, WorkerHeartbeat, WorkerLoad, 
 log = get_logger("api.workers")
 
 CONTROL_STATE = {"cordon": "cordoned", "drain": "draining", "uncordon": "active"}
-
-
-class RepinBody(Body, kw_only=True):
-    """Re-pin a worker's URL on every router (services.core.url_pin): to ``url``, or, when it
-    is left out, to the URL of the next heartbeat each router sees for the worker (racy while
-    someone else heartbeats for it: give the URL)."""
-
-    url: Annotated[
-        str,
-        Meta(
-            max_length=2000,
-            pattern=r"^https?://[^\s/?#]+(?:[/?#]\S*)?$",
-            description="the worker's new base URL (http or https)",
-        ),
-    ] = ""
-    reason: Reason = ""
 
 
 @dataclass

@@ -24,7 +24,7 @@ from services.api.context import ApiContext
 from services.api.framework import ApiError, Req, Route, not_found
 from services.api.models import WorkerControlState
 from services.api.routes.common import V1
-from services.api.workers import RepinBody, publish_control
+from services.api.workers import publish_control
 from services.common.redact import redact_url
 from services.core.url_pin import url_host
 
@@ -91,7 +91,7 @@ def routes(ctx: ApiContext) -> list[Route]:
 
     async def repin_worker(r: Req) -> dict[str, Any]:
         wid = r.path["worker_id"]
-        body: RepinBody = r.body or RepinBody()
+        body: bodies.RepinBody = r.body or bodies.RepinBody()
         if body.url and url_host(body.url) is None:
             raise ApiError(400, "invalid_body", "url must be an http(s) URL with a host", "url")
         async with db.transaction() as s:
@@ -168,7 +168,7 @@ def routes(ctx: ApiContext) -> list[Route]:
             "next heartbeat names",
             "workers",
             role="admin",
-            body=RepinBody,
+            body=bodies.RepinBody,
             body_required=False,
             path_params=worker_p,
         ),
