@@ -37,6 +37,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.bench_convergence import _bus
 from services.common.bus import Bus
 from services.common.embedded import free_port
 from services.common.schemas import Alert, AllBlocksCleared, KvDumpRequest, KvEventBatch, decode
@@ -65,16 +66,6 @@ class SkewedDumpWorker(SimWorker):
             ts=time.time(),
             events=[AllBlocksCleared(), *self.engine.dump_cache()],
         )
-
-
-@contextlib.asynccontextmanager
-async def _bus(url: str, subjects: Subjects, name: str) -> AsyncIterator[Bus]:
-    b = Bus(url, name, subjects)
-    await b.connect(max_wait_s=10)
-    try:
-        yield b
-    finally:
-        await b.close()
 
 
 @contextlib.asynccontextmanager
