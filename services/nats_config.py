@@ -9,13 +9,13 @@ file: each user's password is an environment variable of the nats-server process
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import sys
 from pathlib import Path
 
 from services.common import settings as S
 from services.common.permissions import ROLES, Grant, password_env_var, render_authorization
+from services.common.stackfile import write_private
 from services.common.subjects import Subjects, check_token
 
 OPTIONS = (
@@ -166,9 +166,7 @@ def worker_step(step: list[str], env_file: Path, workers: list[str]) -> int:
             lines[have[WORKERS_VAR]] = entry
         else:
             lines.append(entry)
-    fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_private(env_file, "\n".join(lines) + "\n")
     print(
         f"{'added' if action == 'add' else 'rotated'} NATS user {grant.user} (may speak for"
         f" worker {worker_id} only); its password is {var} in {env_file}.\n"

@@ -37,10 +37,11 @@ from services.common.embedded import (
     port_open,
 )
 from services.common.logging import configure_logging, get_logger
-from services.common.permissions import ROLES, Grant, render_authorization
+from services.common.permissions import Grant, render_authorization
 from services.common.redact import redact_url
 from services.common.signing import Signer, new_seed
 from services.common.subjects import Subjects
+from services.nats_config import grants as nats_grants
 from services.nats_config import worker_grant
 
 OPTIONS = (
@@ -259,16 +260,12 @@ class Stack:
         except (OSError, ValueError):
             stored = {}
         # one user per role, and one per worker (worker-<id>, speaking for that id only)
-        grants = [Grant(role, role) for role in ROLES if role != "worker"]
-        grants += [worker_grant(w) for w in self._worker_ids()]
-        if self.st.bridge:
-            grants.append(worker_grant(self.bridge_worker_id()))
+        workers = self._worker_ids() + ([self.bridge_worker_id()] if self.st.bridge else [])
+        grants = nats_grants(0, workers)
         self.nats_passwords = {
             g.user: str(stored.get(g.user) or secrets.token_urlsafe(24)) for g in grants
         }
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.nats_passwords, f)
+        stackfile.write_private(path, json.dumps(self.nats_passwords))
 
         def password(g: Grant) -> str:
             return self.nats_passwords[g.user]
@@ -311,9 +308,7 @@ class Stack:
         key, created = stackfile.ensure_client_key(self.state_dir)
         self.client_key_file = str(self.state_dir / stackfile.CLIENT_KEY_FILE)
         digest_file = self.state_dir / "router-api-keys.sha256"
-        fd = os.open(digest_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("sha256:" + hashlib.sha256(key.encode()).hexdigest() + "\n")
+        stackfile.write_private(digest_file, f"sha256:{hashlib.sha256(key.encode()).hexdigest()}\n")
         self.router_secrets = {"KVGATE_ROUTER_API_KEYS_FILE": str(digest_file)}
         return key, created
 
@@ -675,7 +670,7 @@ class Stack:
 
 # Secrets of the environment `kvgate up` was started in: never handed to every child (the
 # ones a child's role needs are added back to its own environment in Stack.plan).
-_SECRET_VARS = ("KVGATE_API_ADMIN_TOKEN", "KVGATE_DATABASE_URL", "KVGATE_ROUTER_API_KEYS")
+_SECRET_VARS = ("KVGATE_DATABASE_URL",)  # may hold a password; the others match _SECRET_WORDS
 _SECRET_WORDS = ("PASSWORD", "TOKEN", "SECRET", "SIGNING_SEED", "NKEY_SEED", "API_KEYS", "CREDS")
 
 

@@ -250,10 +250,15 @@ def _ensure_secret(path: Path, prefix: str) -> tuple[str, bool]:
         if secret:
             return secret, False
     secret = prefix + secrets.token_urlsafe(32)
+    write_private(path, secret + "\n")
+    return secret, True
+
+
+def write_private(path: str | Path, text: str) -> None:
+    """Write ``text`` to a file only its owner may read (created so: never readable first)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
-    return secret, True
+        f.write(text)
 
 
 def read_admin_token(state_dir: str | Path) -> str | None:
