@@ -438,3 +438,45 @@ def test_the_api_signs_and_every_router_trusts_only_its_key(compose: dict) -> No
         env = {**example, **{k: v for k, v in TEST_SECRETS.items() if k != var}}
         with pytest.raises(InterpolationError, match=var):
             load_compose(env=env)
+
+
+def test_nats_config_worker_add_and_rotate_keep_the_password_in_the_env_file(
+    tmp_path: Path,
+) -> None:
+    """`kvgate nats-config worker add ID` writes the worker user's password (owner-only) and the
+    worker list the config renders from; `rotate` replaces the password; neither prints it."""
+    env_file = tmp_path / ".env"
+
+    def step(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "nats-config",
+                "worker",
+                *args,
+                "--env-file",
+                str(env_file),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    added = step("add", "gpu-a")
+    assert added.returncode == 0, added.stderr
+    first = read_env_file(env_file)
+    assert first["KVGATE_NATS_CONFIG_WORKERS"] == "gpu-a"
+    assert len(first["NATS_PASSWORD_WORKER_GPU_A"]) >= 32
+    assert first["NATS_PASSWORD_WORKER_GPU_A"] not in added.stdout + added.stderr
+    assert env_file.stat().st_mode & 0o077 == 0
+    assert step("add", "gpu-a").returncode == 1  # exists: rotate it instead
+    assert step("add", "gpu-b").returncode == 0
+    assert read_env_file(env_file)["KVGATE_NATS_CONFIG_WORKERS"] == "gpu-a,gpu-b"
+    rotated = step("rotate", "gpu-a")
+    assert rotated.returncode == 0, rotated.stderr
+    after = read_env_file(env_file)
+    assert after["NATS_PASSWORD_WORKER_GPU_A"] != first["NATS_PASSWORD_WORKER_GPU_A"]
+    assert after["NATS_PASSWORD_WORKER_GPU_A"] not in rotated.stdout + rotated.stderr
+    assert step("rotate", "gpu-c").returncode == 1  # no such worker yet
