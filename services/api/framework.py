@@ -253,10 +253,9 @@ def install(
     app: web.Application,
     routes: list[Route],
     lookup: TokenLookup,
-    throttle: AuthThrottle | None = None,
+    throttle: AuthThrottle,
 ) -> None:
     """Register every route with validation, auth and error handling around its handler."""
-    throttle = throttle or AuthThrottle()
     for route in routes:
         app.router.add_route(route.method, route.path, _wrap(route, lookup, throttle))
 
