@@ -107,13 +107,12 @@ class OutlierDetector:
         return out
 
     def evaluate(self, now: float) -> list[Ejection]:
-        changes = [
-            Ejection(wid, False, recovered=True)
-            for wid, back in list(self._back_at.items())
-            if now - back >= self.config.window_s
-            and self._back_at.pop(wid, None) is not None
-            and self._ejections.pop(wid, None) is not None
-        ]
+        changes: list[Ejection] = []
+        for wid, back in list(self._back_at.items()):
+            if now - back >= self.config.window_s:  # back a whole window: the incident ends
+                del self._back_at[wid]
+                if self._ejections.pop(wid, None) is not None:
+                    changes.append(Ejection(wid, False, recovered=True))
         for wid, until in list(self._ejected_until.items()):
             if now >= until:
                 del self._ejected_until[wid]
