@@ -1,6 +1,6 @@
-"""An approximate prefix tree built from routed prompts, as sglang-router's cache_aware and
-llm-d's (approximate) prefix-cache scorer keep one: a prompt is inserted into the chosen
-worker's tree when it is routed, before the engine has computed it; KV events are not used.
+"""An approximate prefix tree built from routed prompts, as sglang-router's cache_aware keeps
+one: a prompt is inserted into the chosen worker's tree when it is routed, before the engine
+has computed it; KV events are not used.
 
 Keyed by the request's block keys (a prefix tree at block granularity: a chain of block keys
 determines its prefix, so a key -> workers map is the tree). Bounded: the newest ``max_blocks``
@@ -8,8 +8,7 @@ keys are kept (re-inserting a key makes it newest).
 
 Invariant: ``keys[k]`` is the set of workers whose tree holds block key ``k``, in the order
 they first inserted it (the first is the one whose prompt created that position, sglang's
-``last_tenant`` of the node), with the keys in insertion order of ``k``; ``size[w]`` counts the
-prompt tokens worker ``w``'s tree gained.
+``last_tenant`` of the node), with the keys in insertion order of ``k``.
 """
 
 from __future__ import annotations
@@ -21,25 +20,6 @@ from dataclasses import dataclass, field
 class RoutedTree:
     max_blocks: int
     keys: dict[int, dict[str, None]] = field(default_factory=dict)
-    size: dict[str, int] = field(default_factory=dict)
-
-    def match(self, block_keys: tuple[int, ...], workers: set[str]) -> dict[str, int]:
-        """Matched leading blocks per worker (workers with none are absent)."""
-        out: dict[str, int] = {}
-        alive = workers
-        depth = 0
-        tree = self.keys
-        for k in block_keys:
-            holders = tree.get(k)
-            if not holders:
-                break
-            alive = {w for w in alive if w in holders}
-            if not alive:
-                break
-            depth += 1
-            for w in alive:
-                out[w] = depth
-        return out
 
     def deepest(self, block_keys: tuple[int, ...]) -> tuple[int, str | None]:
         """How many leading blocks the tree holds for any worker, and the worker that created
@@ -55,7 +35,7 @@ class RoutedTree:
             owner = next(iter(holders))
         return depth, owner
 
-    def insert(self, worker: str, block_keys: tuple[int, ...], new_tokens: int) -> None:
+    def insert(self, worker: str, block_keys: tuple[int, ...]) -> None:
         tree = self.keys
         for k in block_keys:
             holders = tree.pop(k, None)
@@ -65,4 +45,3 @@ class RoutedTree:
             tree[k] = holders
         while len(tree) > self.max_blocks:
             del tree[next(iter(tree))]
-        self.size[worker] = self.size.get(worker, 0) + new_tokens

@@ -126,7 +126,7 @@ class SglangCacheAware(PolicyImpl):
         processed = state.extra.setdefault("sglang_processed", {})
         processed[wid] = processed.get(wid, 0) + 1
         # no tree size is kept: SMG no longer routes by it (a cold prompt goes to least load)
-        self._tree(state).insert(wid, block_keys, 0)
+        self._tree(state).insert(wid, block_keys)
         return wid
 
     def prune(self, state: PolicyState, live: dict[str, WorkerState]) -> None:
