@@ -97,19 +97,21 @@ async def _workers(
             await w.close()
 
 
+def load_prompt(rng: random.Random, unique: bool) -> str:
+    """One prompt of the load: chat-like (one of five shared system prompts, a short
+    question), or ``unique`` (200-800 tokens that churn the cache)."""
+    if unique:
+        return f"{rng.random():.17f} " + "u" * rng.randint(200, 800)
+    return f"system prompt {rng.randint(0, 4)}. " * 24 + f"question {rng.randint(0, 99)}"
+
+
 async def _client(w: SimWorker, stop: asyncio.Event, rng: random.Random, unique: bool) -> int:
     done = 0
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
-            if unique:
-                prompt = f"{rng.random():.17f} " + "u" * rng.randint(200, 800)
-            else:
-                prompt = (
-                    f"system prompt {rng.randint(0, 4)}. " * 24 + f"question {rng.randint(0, 99)}"
-                )
             body = {
                 "model": "m",
-                "prompt": prompt,
+                "prompt": load_prompt(rng, unique),
                 "max_tokens": rng.randint(4, 64),
                 "stream": True,
             }

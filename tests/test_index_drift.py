@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.bench_index_drift import load_prompt
 from services.common.bus import Bus
 from services.common.schemas import (
     Alert,
@@ -85,12 +86,7 @@ async def client(w: SimWorker, stop: asyncio.Event, rng: random.Random, unique: 
     sent = 0
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
-            if unique:
-                prompt = f"{rng.random():.17f} " + "u" * rng.randint(200, 800)
-            else:
-                prompt = (
-                    f"system prompt {rng.randint(0, 4)}. " * 24 + f"question {rng.randint(0, 99)}"
-                )
+            prompt = load_prompt(rng, unique)
             await complete(session, w, prompt, rng.randint(4, 48))
             sent += len(prompt)  # the byte tokenizer: one token per byte
     return sent
