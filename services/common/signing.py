@@ -143,13 +143,11 @@ class Signer:
         self._last_seq = max(self._last_seq + 1, issued_at_ms * 1000)
         return Envelope(self.public_key, self.instance, self._last_seq, issued_at_ms, new_nonce())
 
-    def sign(self, subject: str, data: bytes, envelope: Envelope) -> dict[str, str]:
-        """The headers that carry ``envelope`` and its signature over subject and payload."""
+    def headers(self, subject: str, data: bytes) -> dict[str, str]:
+        """The headers that carry a new envelope and its signature over subject and payload."""
+        envelope = self.envelope()
         sig = self._kp.sign(envelope.signed_bytes(subject, data))
         return {**envelope.headers(), SIGNATURE_HEADER: base64.urlsafe_b64encode(sig).decode()}
-
-    def headers(self, subject: str, data: bytes) -> dict[str, str]:
-        return self.sign(subject, data, self.envelope())
 
 
 def _verify_key(public_key: str) -> nacl.signing.VerifyKey:
