@@ -55,15 +55,28 @@ async def zmq_bridge(
     nats_url: str,
     subjects: Subjects,
     worker: str,
-    w: SimWorker,
     pub: int,
     rep: int,
+    *,
+    engine_url: str = "",
+    model: str = MODEL,
+    block_size: int | None = None,
     tail_check_s: float = 0.3,
+    **zmq_kw: Any,
 ) -> AsyncIterator[ZmqBridge]:
-    """``kvgate bridge vllm`` in-process, next to sim worker ``w`` (block size and start
-    time read from its /metrics, like a real vLLM's)."""
+    """``kvgate bridge vllm`` in-process for the engine at ZMQ ports ``pub``/``rep`` (with
+    ``engine_url``, block size and start time are read from its /metrics, like a real
+    vLLM's). The bridge's bus is ``zb.rt.bus``."""
     async with connected(nats_url, subjects, f"bridge-{worker}") as b:
-        rt = BridgeRuntime(b, worker, engine="vllm", model=MODEL, engine_url=w.url, heartbeat_s=0.1)
+        rt = BridgeRuntime(
+            b,
+            worker,
+            engine="vllm",
+            model=model,
+            engine_url=engine_url,
+            heartbeat_s=0.1,
+            block_size=block_size,
+        )
         await rt.start()
         zb = ZmqBridge(
             rt,
@@ -71,6 +84,7 @@ async def zmq_bridge(
             f"tcp://127.0.0.1:{rep}",
             topic="kv@",
             tail_check_s=tail_check_s,
+            **zmq_kw,
         )
         stop = asyncio.Event()
         task = asyncio.create_task(zb.run(stop))
@@ -190,8 +204,12 @@ async def test_late_bridge_past_a_short_replay_buffer_is_unknown_not_equal(
         await ask(whole, 0, 10)
         assert late.kv_seq > 8  # more batches than the buffer holds (one per request)
         async with (
-            zmq_bridge(nats_url, subjects, "br-late", late, late_pub, late_rep) as zl,
-            zmq_bridge(nats_url, subjects, "br-whole", whole, whole_pub, whole_rep) as zw,
+            zmq_bridge(
+                nats_url, subjects, "br-late", late_pub, late_rep, engine_url=late.url
+            ) as zl,
+            zmq_bridge(
+                nats_url, subjects, "br-whole", whole_pub, whole_rep, engine_url=whole.url
+            ) as zw,
         ):
             await wait_until(lambda: zl.rt.ready and zw.rt.ready, timeout=15, what="ready")
             # new questions on the shared system prompt: their blocks chain onto blocks
@@ -245,7 +263,9 @@ async def test_gap_longer_than_the_replay_buffer_then_engine_restart(
     async with contextlib.AsyncExitStack() as first, indexer(nats_url, subjects) as svc:
         w = await first.enter_async_context(engine_sim("gap", pub, rep, 3, port=http))
         # no idle replay while the wire drops batches: the gap shows on the next batch
-        async with zmq_bridge(nats_url, subjects, "br-gap", w, pub, rep, 60.0) as zb:
+        async with zmq_bridge(
+            nats_url, subjects, "br-gap", pub, rep, engine_url=w.url, tail_check_s=60.0
+        ) as zb:
             await wait_until(lambda: zb.rt.ready, timeout=15, what="bridge ready")
             await ask(w, 0, 3)
             await caught_up(svc, zb, w)
@@ -290,39 +310,30 @@ async def test_engine_clearing_its_cache_makes_a_bridge_verifiable_again(
         del eng.buffer[:3]  # the replay buffer only holds seqs 3 and 4
         async with (
             indexer(nats_url, subjects) as svc,
-            connected(nats_url, subjects, "bridge") as b,
+            zmq_bridge(
+                nats_url,
+                subjects,
+                "pod-a",
+                eng.pub_port,
+                eng.replay_port,
+                model="m",
+                block_size=16,
+            ) as zb,
         ):
-            rt = BridgeRuntime(b, "pod-a", engine="vllm", model="m", heartbeat_s=0.1, block_size=16)
-            await rt.start()
-            zb = ZmqBridge(
-                rt,
-                f"tcp://127.0.0.1:{eng.pub_port}",
-                f"tcp://127.0.0.1:{eng.replay_port}",
-                topic="kv@",
-                tail_check_s=0.3,
-            )
-            stop = asyncio.Event()
-            task = asyncio.create_task(zb.run(stop))
-            try:
-                await wait_until(lambda: rt.ready and "pod-a" in svc.core.workers, what="ready")
-                dump = await fetch_kvdump(b, "pod-a")
-                lost = dump.history_lost
-                assert lost is not None and (lost.first_lost_seq, lost.last_lost_seq) == (0, 2)
-                assert (
-                    lost.view_from_seq == 3 and lost.unkeyed_blocks == 2
-                )  # seqs 3-4: lost parents
-                assert "the engine's replay buffer no longer held them" in lost.detail
-                assert (await verify(b, "pod-a"))["pod-a"].status == "unknown"
+            rt, b = zb.rt, zb.rt.bus
+            await wait_until(lambda: rt.ready and "pod-a" in svc.core.workers, what="ready")
+            dump = await fetch_kvdump(b, "pod-a")
+            lost = dump.history_lost
+            assert lost is not None and (lost.first_lost_seq, lost.last_lost_seq) == (0, 2)
+            assert lost.view_from_seq == 3 and lost.unkeyed_blocks == 2  # seqs 3-4: lost parents
+            assert "the engine's replay buffer no longer held them" in lost.detail
+            assert (await verify(b, "pod-a"))["pod-a"].status == "unknown"
 
-                await eng.publish([{"type": "AllBlocksCleared"}])
-                await eng.publish(chain_events(eng, 0, 1)[0])
-                await wait_until(lambda: held(svc) == {KEYS[0]}, what="cleared, re-stored")
-                assert (await fetch_kvdump(b, "pod-a")).history_lost is None
-                assert (await verify(b, "pod-a"))["pod-a"].status == "equal"
-            finally:
-                stop.set()
-                await task
-                await rt.stop()
+            await eng.publish([{"type": "AllBlocksCleared"}])
+            await eng.publish(chain_events(eng, 0, 1)[0])
+            await wait_until(lambda: held(svc) == {KEYS[0]}, what="cleared, re-stored")
+            assert (await fetch_kvdump(b, "pod-a")).history_lost is None
+            assert (await verify(b, "pod-a"))["pod-a"].status == "equal"
     finally:
         await eng.close()
 
@@ -344,46 +355,39 @@ async def test_history_lost_to_a_failed_replay_is_recovered_by_asking_again(
             await eng.task
         async with (
             indexer(nats_url, subjects) as svc,
-            connected(nats_url, subjects, "bridge") as b,
-        ):
-            rt = BridgeRuntime(b, "pod-a", engine="vllm", model="m", heartbeat_s=0.1, block_size=16)
-            await rt.start()
-            zb = ZmqBridge(
-                rt,
-                f"tcp://127.0.0.1:{eng.pub_port}",
-                f"tcp://127.0.0.1:{eng.replay_port}",
-                topic="kv@",
+            zmq_bridge(
+                nats_url,
+                subjects,
+                "pod-a",
+                eng.pub_port,
+                eng.replay_port,
+                model="m",
+                block_size=16,
                 replay_timeout_s=0.2,
                 tail_check_s=0.2,
                 history_recheck_s=0.2,
-            )
-            stop = asyncio.Event()
-            task = asyncio.create_task(zb.run(stop))
-            try:
-                await zb.subscribed.wait()
-                n = 5
-                while zb.batches == 0:  # until a live batch passes the slow-joining SUB
-                    await eng.publish(chain_events(eng, n, 1)[0])
-                    n += 1
-                    await asyncio.sleep(0.05)  # pacing the publisher, not synchronisation
-                await wait_until(lambda: "pod-a" in svc.core.workers, what="heartbeat")
-                lost = rt.history_report()
-                assert lost is not None and lost.reason == "lost_history"
-                assert lost.detail.startswith("the engine's replay failed")
-                assert (await verify(b, "pod-a"))["pod-a"].status == "unknown"
+            ) as zb,
+        ):
+            rt, b = zb.rt, zb.rt.bus
+            n = 5
+            while zb.batches == 0:  # until a live batch passes the slow-joining SUB
+                await eng.publish(chain_events(eng, n, 1)[0])
+                n += 1
+                await asyncio.sleep(0.05)  # pacing the publisher, not synchronisation
+            await wait_until(lambda: "pod-a" in svc.core.workers, what="heartbeat")
+            lost = rt.history_report()
+            assert lost is not None and lost.reason == "lost_history"
+            assert lost.detail.startswith("the engine's replay failed")
+            assert (await verify(b, "pod-a"))["pod-a"].status == "unknown"
 
-                eng.task = asyncio.create_task(eng._serve_replay())  # the replay answers again
-                await wait_until(
-                    lambda: rt.history_report() is None and held(svc) == set(KEYS[:n]),
-                    timeout=15,
-                    what="history recovered and indexed",
-                )
-                assert rt.resets.get("history_recovered") == 1 and zb.history_rechecks >= 1
-                assert (await verify(b, "pod-a"))["pod-a"].status == "equal"
-            finally:
-                stop.set()
-                await task
-                await rt.stop()
+            eng.task = asyncio.create_task(eng._serve_replay())  # the replay answers again
+            await wait_until(
+                lambda: rt.history_report() is None and held(svc) == set(KEYS[:n]),
+                timeout=15,
+                what="history recovered and indexed",
+            )
+            assert rt.resets.get("history_recovered") == 1 and zb.history_rechecks >= 1
+            assert (await verify(b, "pod-a"))["pod-a"].status == "equal"
     finally:
         await eng.close()
 
