@@ -107,7 +107,7 @@ def new_instance_id() -> str:
 
 
 def new_nonce() -> str:
-    return base64.urlsafe_b64encode(os.urandom(NONCE_BYTES)).rstrip(b"=").decode()
+    return secrets.token_urlsafe(NONCE_BYTES)  # base64url, no padding
 
 
 class Signer:
