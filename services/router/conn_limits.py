@@ -28,14 +28,13 @@ log lines); a refused connection never buffers more than its limit plus one sock
 from __future__ import annotations
 
 import resource
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import Counter
 
 from services.common import settings as S
-from services.common.logging import get_logger
+from services.common.logging import RateLimiter, get_logger
 
 log = get_logger("router.http")
 
@@ -156,17 +155,13 @@ class Rejections:
     (with how many were not logged since)."""
 
     def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._unlogged: dict[str, int] = {}
+        self._log = RateLimiter(LOG_EVERY_S)
 
     def __call__(self, reason: str, peer: Any, **detail: Any) -> None:
         REJECTED.labels(reason).inc()
-        now = time.monotonic()
-        if now - self._last.get(reason, -LOG_EVERY_S) < LOG_EVERY_S:
-            self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+        if not self._log.allow(reason):
             return
-        self._last[reason] = now
-        since = self._unlogged.pop(reason, 0)
+        since = self._log.take_suppressed(reason)
         client = peer[0] if isinstance(peer, tuple) and peer else None
         log.warning(
             "http request refused", reason=reason, client=client, not_logged_since=since, **detail
