@@ -4,7 +4,6 @@ each request to the request path or read the cluster state. No routing logic her
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -12,6 +11,7 @@ from services.common.bus import Bus
 from services.core.cluster import ClusterState
 from services.router.canary import PolicySet
 from services.router.http_server import Reply, Request, Response, json_response
+from services.router.readiness import index_synced
 from services.router.request_path import RequestPath
 from services.router.signals import CapacitySignal
 
@@ -56,7 +56,7 @@ class Handlers:
                 "router_id": self.router_id,
                 "workers": self.state.routable_count(),
                 "nats": self.bus.is_connected,
-                "index_ready": index_ready(self.index_source),
+                "index_ready": index_synced(self.index_source),
                 "policy": self.policies.control_label,  # name@version
                 "policy_algorithm": self.policies.control.name,
                 "policy_revision": self.policies.revision,
@@ -65,10 +65,3 @@ class Handlers:
                 "peer_routers": sorted(self.state.remote_routers),
             }
         )
-
-
-def index_ready(index_source: Any) -> bool:
-    """Whether the router's index has its first state: the replica's ``ready`` is an event, a
-    local index's a flag (``bool`` of an event is always true)."""
-    ready = getattr(index_source, "ready", False)
-    return ready.is_set() if isinstance(ready, asyncio.Event) else bool(ready)
