@@ -61,10 +61,15 @@ STREAM_REPLICAS = S.option(
     " applied by `kvgate bus provision`",
 )
 
-# the HA indexers' lease lives this long without renewal: the bucket's max age (kvgate indexer
-# --lease-ttl reads the same variable, and checks the provisioned bucket against it)
-LEASE_TTL_ENV = "KVGATE_INDEXER_LEASE_TTL"
-DEFAULT_LEASE_TTL_S = 1.5
+# the HA indexers' lease lives this long without renewal: the lease bucket's max age, set by
+# `kvgate bus provision` and checked by `kvgate indexer --lease-ttl` (one option for both)
+LEASE_TTL = S.option(
+    "lease_ttl",
+    1.5,
+    "high availability: seconds a lease lives without renewal (a standby takes over"
+    " within about this long after the active indexer dies)",
+    env="KVGATE_INDEXER_LEASE_TTL",
+)
 
 STREAM_REFUSED = Counter(
     "kvgate_bus_stream_refused_total",
@@ -92,11 +97,7 @@ def _budget(fraction: float) -> int:
 
 
 def lease_ttl_s() -> float:
-    raw = os.environ.get(LEASE_TTL_ENV, "")
-    try:
-        return float(raw) if raw else DEFAULT_LEASE_TTL_S
-    except ValueError:
-        raise SystemExit(f"invalid {LEASE_TTL_ENV}={raw!r}: seconds") from None
+    return S.resolve(None, [LEASE_TTL]).lease_ttl
 
 
 def cluster_size(bus: Bus) -> int:

@@ -7,6 +7,7 @@ import asyncio
 
 from services.common import settings as S
 from services.common.service import run_service, start_http
+from services.common.streams import LEASE_TTL
 
 OPTIONS = S.COMMON + (
     S.HASH_SEED,
@@ -55,13 +56,7 @@ OPTIONS = S.COMMON + (
         " with a warm index (empty: a single indexer, always active)",
         env="KVGATE_INDEXER_HA_ID",
     ),
-    S.option(
-        "lease_ttl",
-        1.5,
-        "high availability: seconds a lease lives without renewal (a standby takes over"
-        " within about this long after the active indexer dies)",
-        env="KVGATE_INDEXER_LEASE_TTL",
-    ),
+    LEASE_TTL,  # also the provisioned lease bucket's age (services.common.streams)
     S.option(
         "dump_timeout",
         5.0,
