@@ -4,7 +4,9 @@ audit, tokens, and the OpenAPI document."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -135,6 +137,9 @@ async def test_openapi_document_matches_the_routes(api: ApiHarness) -> None:
 
     assert {v["title"] for v in spec["oneOf"]} == set(POLICY_SCHEMAS)
     assert doc["components"]["schemas"]["PolicyCreate"]["additionalProperties"] is False
+    # every $ref names a schema the document has (the repin body's was missing)
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(doc)))
+    assert refs <= set(doc["components"]["schemas"]), refs - set(doc["components"]["schemas"])
 
 
 # ----------------------------------------------------------------------------- policies

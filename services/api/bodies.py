@@ -191,4 +191,5 @@ ALL_BODIES: tuple[type, ...] = (
     SilenceCreate,
     AlertSilence,
     TokenCreate,
+    RepinBody,
 )
