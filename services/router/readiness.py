@@ -169,6 +169,8 @@ def model_list_gate(
 
     def gate(request: Request) -> Response | None:
         path = request.path
+        if not path.startswith("/v1/models") or readiness.cluster_known():
+            return None  # once known, no request pays for models()
         if path == "/v1/models":
             negative = not models()
         elif path.startswith("/v1/models/"):
