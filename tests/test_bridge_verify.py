@@ -25,7 +25,7 @@ import openai
 
 from services.common.bus import Bus
 from services.common.embedded import free_port
-from services.common.kvdump import fetch_kvdump, qualify_check
+from services.common.kvdump import fetch_kvdump
 from services.common.schemas import (
     EngineHistoryLost,
     IndexVerifyReply,
@@ -41,6 +41,7 @@ from services.kv_indexer.bridges.runtime import BridgeRuntime
 from services.kv_indexer.bridges.trtllm import TrtllmBridge
 from services.kv_indexer.bridges.zmq_bridge import ZmqBridge
 from services.kv_indexer.divergence import apply_events
+from services.kv_indexer.verifier import qualify_check
 from services.worker_sim.worker import SimWorker, WorkerSettings
 from tests.test_bridge_identity import KEYS, chain_events, held
 from tests.test_bridge_zmq import TinyEngine, two_ports

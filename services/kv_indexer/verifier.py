@@ -26,13 +26,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from prometheus_client import Counter, Gauge
 
 from services.common.bus import Bus
-from services.common.kvdump import fetch_kvdump, qualify_check
+from services.common.kvdump import fetch_kvdump
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import (
     Alert,
+    EngineHistoryLost,
     IndexVerifyReply,
     IndexVerifyRequest,
     WorkerDivergence,
@@ -77,6 +79,45 @@ def repairs_total() -> float:
         for m in REPAIRS.collect()
         for s in m.samples
         if s.name == "kvgate_index_verify_repairs_total"
+    )
+
+
+def describe_history_lost(h: EngineHistoryLost) -> str:
+    """One line for an operator: which engine history is gone and what that hides."""
+    lost = (
+        f"engine batch {h.first_lost_seq}"
+        if h.first_lost_seq == h.last_lost_seq
+        else f"engine batches {h.first_lost_seq}..{h.last_lost_seq}"
+    )
+    what = {
+        "lost_history": "the bridge started (or the engine restarted) after them",
+        "unrecovered_gap": "a gap the bridge could not replay",
+    }[h.reason]
+    text = (
+        f"engine history lost: {lost} never reached the bridge ({what}"
+        + (f"; {h.detail}" if h.detail else "")
+        + f"); its view starts at engine seq {h.view_from_seq}, so blocks the engine stored "
+        f"before are unverifiable; since then {h.unkeyed_blocks} blocks stored on a lost "
+        f"parent could not be keyed and {h.unknown_hashes} removals named blocks never seen"
+    )
+    if h.losses > 1:
+        text += f" ({h.losses} losses)"
+    return text
+
+
+def qualify_check(result: WorkerDivergence, lost: EngineHistoryLost | None) -> WorkerDivergence:
+    """A check against a dump that lost engine history: "equal" only proves the index equals
+    the bridge's view, so it becomes "unknown" (no repair can help: the bridge has nothing
+    more to give); "divergent" stays (the index differs even from what the bridge knows) with
+    the loss noted. Other results are returned unchanged."""
+    if lost is None or result.status not in ("equal", "divergent"):
+        return result
+    note = describe_history_lost(lost)
+    return msgspec.structs.replace(
+        result,
+        status="unknown" if result.status == "equal" else result.status,
+        history_lost=lost,
+        detail=f"{result.detail}; {note}" if result.detail else note,
     )
 
 

@@ -7,7 +7,7 @@ replay buffer no longer holds the first batches, or a gap was longer than the bu
 engine has no replay at all -- the blocks they stored may stay in the engine's cache while
 being in neither the bridge's view nor the index. The ledger records that loss; the bridge's
 dump carries it (``EngineHistoryLost``), so ``kvgate index verify`` answers "unknown" with the
-reason instead of "equal" (services.common.kvdump.qualify_check).
+reason instead of "equal" (services.kv_indexer.verifier.qualify_check).
 
 Invariants:
 - :attr:`lost` is None exactly while the view is complete: it is set by :meth:`note_loss`,
