@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -29,8 +28,9 @@ from typing import Any
 
 import aiohttp
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.scrape import parse_counters
+from bench.stack import _die_with_parent
 from services.common import stackfile
 from services.common.bus import Bus
 from services.common.schemas import Alert, SchemaError, decode
@@ -55,11 +55,6 @@ class StackShape:
     def args(self) -> list[str]:
         out = ["--nats-cluster", str(self.nats_cluster)] if self.nats_cluster > 1 else []
         return out + list(self.extra_args)
-
-
-def _die_with_parent() -> None:  # in a restarted nats-server, between fork and exec
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -342,11 +337,7 @@ class DrillStack:
 def sum_counter(text: str, name: str) -> float:
     """Sum of a counter's samples (every label set) in a Prometheus metrics page."""
     base = name.removesuffix("_total")
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        if fam.name == base:
-            total += sum(s.value for s in fam.samples if s.name == base + "_total")
-    return total
+    return parse_counters(text, (base,))[base]
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> float:
