@@ -12,6 +12,7 @@ import argparse
 
 from services.common import settings as S
 from services.router.cli import OPTIONS as ROUTER_OPTIONS
+from services.router.cli import check_option, resolve_with_overrides
 
 # the router's HTTP front door: the EPP has none (the gateway faces the clients)
 _NOT_THE_EPPS = {
@@ -70,12 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings(args: argparse.Namespace | None = None, **overrides: object) -> S.Settings:
     """Resolved EPP settings (flags, env, defaults), with overrides (for tests, benches)."""
-    st = S.resolve(args, OPTIONS, environ={} if args is None else None)
-    for k, v in overrides.items():
-        if not hasattr(st, k):
-            raise AttributeError(f"unknown epp setting {k!r}")
-        setattr(st, k, v)
-    return st
+    return resolve_with_overrides("epp", OPTIONS, args, overrides)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -86,14 +82,8 @@ def main(args: argparse.Namespace) -> int:
     from services.router.app import parse_policy_option
 
     st = S.resolve(args, OPTIONS)
-    try:
-        parse_policy_option(st.policy)
-    except (PolicyError, ValueError) as exc:
-        raise SystemExit(f"invalid --policy: {exc}") from None
-    try:
-        parse_allowlist(st.worker_url_allow)
-    except ValueError as exc:
-        raise SystemExit(f"invalid --worker-url-allow: {exc}") from None
+    check_option("--policy", parse_policy_option, st.policy, (PolicyError, ValueError))
+    check_option("--worker-url-allow", parse_allowlist, st.worker_url_allow)
     if not 0 < st.port < 65536:
         raise SystemExit("invalid --port: must be 1..65535")
     if st.fallback_endpoints < 0:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import Any
 
 from services.common import settings as S
 from services.common.service import run_service
@@ -157,12 +159,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings(args: argparse.Namespace | None = None, **overrides) -> S.Settings:
     """Resolved router settings (flags, env, defaults), with overrides (for tests, benches)."""
-    st = S.resolve(args, OPTIONS, environ={} if args is None else None)
+    return resolve_with_overrides("router", OPTIONS, args, overrides)
+
+
+def resolve_with_overrides(
+    service: str,
+    options: tuple[S.Option, ...],
+    args: argparse.Namespace | None,
+    overrides: dict[str, object],
+) -> S.Settings:
+    """``options`` resolved from flags, env and defaults (with no ``args``: defaults only,
+    the environment ignored), then ``overrides`` set; an unknown override is an error."""
+    st = S.resolve(args, options, environ={} if args is None else None)
     for k, v in overrides.items():
         if not hasattr(st, k):
-            raise AttributeError(f"unknown router setting {k!r}")
+            raise AttributeError(f"unknown {service} setting {k!r}")
         setattr(st, k, v)
     return st
+
+
+def check_option(
+    what: str,
+    parse: Callable[[Any], object],
+    value: Any,
+    errors: tuple[type[Exception], ...] = (ValueError,),
+) -> None:
+    """``parse(value)``; one of ``errors`` stops the process: "invalid <what>: <error>"."""
+    try:
+        parse(value)
+    except errors as exc:
+        raise SystemExit(f"invalid {what}: {exc}") from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -175,27 +201,12 @@ def main(args: argparse.Namespace) -> int:
     from services.router.stall import StallBound
 
     st = S.resolve(args, OPTIONS)
-    try:
-        parse_policy_option(st.policy)
-    except (PolicyError, ValueError) as exc:
-        raise SystemExit(f"invalid --policy: {exc}") from None
-    try:
-        passthrough_paths(st.passthrough_paths)
-    except ValueError as exc:
-        raise SystemExit(f"invalid --passthrough-paths: {exc}") from None
+    check_option("--policy", parse_policy_option, st.policy, (PolicyError, ValueError))
+    check_option("--passthrough-paths", passthrough_paths, st.passthrough_paths)
     ConnLimits.from_settings(st)  # a bad connection limit stops the router before it starts
-    try:
-        breaker_config(st)
-    except ValueError as exc:
-        raise SystemExit(f"invalid circuit breaker option: {exc}") from None
-    try:
-        StallBound.from_settings(st)
-    except ValueError as exc:
-        raise SystemExit(f"invalid stall detection option: {exc}") from None
-    try:
-        parse_allowlist(st.worker_url_allow)
-    except ValueError as exc:
-        raise SystemExit(f"invalid --worker-url-allow: {exc}") from None
+    check_option("circuit breaker option", breaker_config, st)
+    check_option("stall detection option", StallBound.from_settings, st)
+    check_option("--worker-url-allow", parse_allowlist, st.worker_url_allow)
     if not st.drain_timeout_s >= 0:
         raise SystemExit("invalid --drain-timeout-s: must be >= 0")
     if st.worker_pin_keep_s < 0:
