@@ -56,6 +56,7 @@ from bench.goodput_search import (
     slo_ceiling,
     workload_at,
 )
+from bench.latency_bound import _number
 from bench.metrics import ERROR, REJECTED, TIMEOUT
 from bench.simcore import SimOptions, make_engine_config, request_keys, simulate
 from bench.workloads import WORKLOADS, parse_params
@@ -188,15 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-plots", action="store_true", help="skip attainment.png (CSV still)")
     o.add_argument("--no-progress", action="store_true", help="no per-point progress lines")
     return ap
-
-
-def _number(v: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return v
 
 
 def resolve(a: argparse.Namespace) -> dict[str, Any]:
