@@ -32,17 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.bench_body_limit import _rss_kib
 from services.common.embedded import EmbeddedNats, env_without_proxy, free_port
 
 MIB = 1 << 20
 HOST = "127.0.0.1"  # loopback only: nothing here leaves the machine
-
-
-def _status_kib(pid: int, name: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{name} not in /proc/{pid}/status")
 
 
 def _reset_peak(pid: int) -> None:
@@ -198,7 +192,7 @@ class RouterUnderTest:
         raise TimeoutError("the router did not answer /health")
 
     def rss_kib(self) -> int:
-        return _status_kib(self.proc.pid, "VmRSS")
+        return _rss_kib(self.proc.pid, "VmRSS")
 
     def rejected(self) -> dict[str, float]:
         url = f"http://{HOST}:{self.operator_port}/metrics"
@@ -231,7 +225,7 @@ async def _phase(router: RouterUnderTest, name: str, run: Any, settle_s: float, 
     t0 = time.monotonic()
     phase.outcomes = await run(phase)
     phase.seconds = time.monotonic() - t0
-    phase.rss_peak_mib = _mib(_status_kib(router.proc.pid, "VmHWM"))
+    phase.rss_peak_mib = _mib(_rss_kib(router.proc.pid, "VmHWM"))
     await asyncio.sleep(settle_s)  # what the router keeps once the clients are gone
     phase.rss_after_mib = _mib(router.rss_kib())
     s = phase.summary()
