@@ -87,7 +87,6 @@ class Readiness:
         self.worker_timeout_s = worker_timeout_s
         self.index_source = index_source
         self.clock = clock
-        self.listening_since: float | None = None  # heartbeats subscribed
         self.index_started = False  # the replica's first sync attempt is over
         self.draining = False
         self._first_heard: dict[str, float] = {}
@@ -97,9 +96,7 @@ class Readiness:
 
     # ------------------------------------------------------------------ inputs
     def heartbeats_subscribed(self) -> None:
-        now = self.clock()
-        self.listening_since = now
-        self._known_at = now + self.worker_timeout_s
+        self._known_at = self.clock() + self.worker_timeout_s
 
     def heard(self, worker_id: str) -> None:
         """A (trusted) heartbeat of ``worker_id`` arrived."""
