@@ -270,9 +270,6 @@ class Router:
             ),
         ]
         self.readiness.heartbeats_subscribed()
-        with contextlib.suppress(Exception):
-            # not provisioned yet: start anyway; outcomes are counted as failed until it is
-            await require_outcomes_stream(self.bus, timeout_s=10.0)
         await self.reload.load_latest(functools.partial(self.trust.stored_policy_ok, self.bus))
         await self.index_source.start()
         self.readiness.index_started = True
@@ -280,7 +277,15 @@ class Router:
         self._tasks = [
             asyncio.create_task(self.sweeper.run(), name="router-sweep"),
             asyncio.create_task(self.load.run(), name="router-load"),
+            # the OUTCOMES stream is checked beside serving, not before it: a stream not yet
+            # provisioned (or changed) is waited for, counted and alerted by require_stream,
+            # and only the outcomes published meanwhile fail (counted by the publisher)
+            asyncio.create_task(self._check_outcomes_stream(), name="router-outcomes-stream"),
         ]
+
+    async def _check_outcomes_stream(self) -> None:
+        with contextlib.suppress(Exception):
+            await require_outcomes_stream(self.bus)
 
     async def _on_heartbeat(self, hb: WorkerHeartbeat, raw: Any) -> None:
         self.readiness.heard(hb.worker_id)
