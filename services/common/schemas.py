@@ -173,6 +173,8 @@ class WorkerHeartbeat(Message):
     # LoRA adapters the engine serves: a request whose ``model`` names one runs on it, and
     # its blocks are keyed with the adapter's seed (services.core.keys.block_seed)
     loras: Annotated[tuple[str, ...], Meta(max_length=1024)] = ()
+    # disaggregated serving: what this engine does (vLLM kv_role / SGLang disaggregation-mode)
+    role: Literal["both", "prefill", "decode"] = "both"
 
 
 class WorkerControl(Message):

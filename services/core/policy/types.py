@@ -43,6 +43,9 @@ class WorkerState:
     model: str = ""
     url: str = ""
     loras: tuple[str, ...] = ()  # LoRA adapters it serves (request ``model`` names)
+    # disaggregated serving: "both" (colocated: prefills and decodes), "prefill" or "decode".
+    # Colocated policies route only to "both" workers; P/D policies pair one of each kind.
+    role: str = "both"
     capacity: Capacity = field(default_factory=Capacity)
     healthy: bool = True
     cordoned: bool = False
@@ -133,6 +136,11 @@ class Decision(msgspec.Struct):
     # shed: the policy refuses the request (no worker can meet its SLO and the policy sheds);
     # the caller answers 429 without queueing it. ``worker_id`` is None.
     shed: bool = False
+    # disaggregated serving: the worker that computes the prompt's KV before ``worker_id``
+    # (the decoder) streams the answer; None = ``worker_id`` does both (colocated, or a P/D
+    # policy's conditional fall-back). ``transfer_s``: predicted KV transfer time.
+    prefill_worker: str | None = None
+    transfer_s: float = 0.0
 
 
 def drop_departed(per_worker: dict[str, Any], live: Container[str]) -> None:
