@@ -507,3 +507,68 @@ async def test_identical_answers_are_parsed_once_and_a_change_is_seen(
             assert load.waiting == 4 and load.kv_usage == pytest.approx(0.5)
         finally:
             await agent.stop()
+
+
+def _refused(reason: str) -> float:
+    return (
+        REGISTRY.get_sample_value("kvgate_telemetry_heartbeats_refused_total", {"reason": reason})
+        or 0.0
+    )
+
+
+async def test_heartbeat_cannot_move_a_workers_scrape_url(bus: Bus) -> None:
+    """A stolen worker credential must not point the agent's HTTP requests at another host:
+    the URL of the first accepted heartbeat is pinned, a heartbeat naming another one is
+    refused (counted) and the engine keeps being scraped where it was; once the worker is
+    forgotten, its next heartbeat may name a new URL."""
+    async with endpoint(vllm_text(3, 0, 0.1)) as real, endpoint(vllm_text(9, 0, 0.1)) as other:
+        q = await collect(bus, bus.subjects.telemetry("pin-a"), WorkerLoad)
+        agent = await start_agent(bus, use_nvml=False)
+        try:
+            await agent._on_heartbeat(heartbeat("pin-a", real.url), None)
+            assert (await next_matching(q, lambda m: not m.stale)).running == 3
+            before = _refused("url_changed")
+            await agent._on_heartbeat(heartbeat("pin-a", other.url), None)
+            assert _refused("url_changed") == before + 1
+            for _ in range(3):  # later scrapes still go to the pinned engine only
+                assert (await next_matching(q, lambda m: not m.stale)).running == 3
+            assert other.hits == 0
+            assert agent.workers["pin-a"].target.url.startswith(real.url)
+            # forgotten (no accepted heartbeat for forget_after_s): the pin goes with it
+            await agent.detect_once(time.time() + agent.cfg.forget_after_s + 1)
+            assert "pin-a" not in agent.workers
+            await agent._on_heartbeat(heartbeat("pin-a", other.url), None)
+            assert (await next_matching(q, lambda m: not m.stale and m.running == 9)).running == 9
+        finally:
+            await agent.stop()
+
+
+async def test_url_allowlist_admits_moves_and_bounds_discovery(bus: Bus) -> None:
+    from services.core.url_pin import parse_allowlist
+
+    async with endpoint(vllm_text(3, 0, 0.1)) as first, endpoint(vllm_text(5, 0, 0.1)) as moved:
+        q = await collect(bus, bus.subjects.telemetry("pin-b"), WorkerLoad)
+        agent = await start_agent(bus, use_nvml=False, url_allow=parse_allowlist("127.0.0.1"))
+        try:
+            before = _refused("url_not_allowed")
+            await agent._on_heartbeat(heartbeat("pin-c", "http://198.51.100.9:8000"), None)
+            assert "pin-c" not in agent.workers
+            assert _refused("url_not_allowed") == before + 1
+            await agent._on_heartbeat(heartbeat("pin-b", first.url), None)
+            assert (await next_matching(q, lambda m: not m.stale)).running == 3
+            await agent._on_heartbeat(heartbeat("pin-b", moved.url), None)  # inside the list
+            assert (await next_matching(q, lambda m: not m.stale and m.running == 5)).running == 5
+        finally:
+            await agent.stop()
+
+
+def test_worker_url_allow_option_is_checked() -> None:
+    from services.common import settings as S
+    from services.telemetry.cli import OPTIONS, agent_config
+
+    cfg = agent_config(
+        S.resolve(None, OPTIONS, {"KVGATE_TELEMETRY_WORKER_URL_ALLOW": "10.0.0.0/8"})
+    )
+    assert cfg.url_allow.allows("http://10.1.2.3:8000")
+    with pytest.raises(SystemExit, match="invalid --worker-url-allow"):
+        agent_config(S.resolve(None, OPTIONS, {"KVGATE_TELEMETRY_WORKER_URL_ALLOW": "a b"}))

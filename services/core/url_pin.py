@@ -192,6 +192,12 @@ class UrlPins:
             oldest, _ = self._departed.popitem(last=False)
             self._pins.pop(oldest, None)
 
+    def drop(self, worker_id: str) -> None:
+        """Forget ``worker_id``'s pin at once (a holder whose pins live only as long as it
+        knows the worker: the telemetry agent)."""
+        self._pins.pop(worker_id, None)
+        self._departed.pop(worker_id, None)
+
     def expire(self, now: float) -> int:
         """Drop the pins of workers departed more than ``keep_departed_s`` ago; how many."""
         n = 0

@@ -13,13 +13,19 @@ Every ``interval_s`` (100 ms by default) the event loop wakes once and
 Every ``detect_interval_s`` it evaluates the detectors (:mod:`services.telemetry.detectors`)
 over each worker's recent samples and hands the alert transitions to the
 :class:`~services.telemetry.publish.AlertSender` (retried while NATS is away). Workers are
-discovered from heartbeats and forgotten after ``forget_after_s`` without one.
+discovered from heartbeats and forgotten after ``forget_after_s`` without an accepted one.
 
 Invariants:
 - A failed or timed-out scrape is published as ``stale=True`` with the error text and None
   engine values (never zeros); GPU readings, which do not depend on the engine, are kept.
 - A target never has two scrapes in flight; a slow target does not delay the others.
 - No NVML or no GPUs: one log line at start, engine metrics only.
+- The agent scrapes a discovered worker only at the URL its first accepted heartbeat named (a
+  :class:`~services.core.url_pin.UrlPins` pin, as the routers keep): a later heartbeat naming
+  another URL is refused (counted, logged) unless ``url_allow`` admits it, so a stolen worker
+  credential cannot point the agent's HTTP requests at another host. Refused heartbeats do
+  not keep a worker alive: an engine that really moved is scraped at its new URL once the
+  old one is forgotten (``forget_after_s``), or at once when inside ``url_allow``.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ from nats.aio.msg import Msg
 
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
+from services.common.redact import redact_url
 from services.common.schemas import Alert, GpuSample, RouterOutcome, WorkerHeartbeat, WorkerLoad
 from services.common.streams import require_alert_streams
+from services.core.url_pin import UrlAllowlist, UrlPins
 
 from . import exporter, procmap, sample
 from .detectors import DetectorSet, Observation, build_rules
@@ -78,6 +86,8 @@ class AgentConfig:
     # which heartbeat-discovered workers this agent scrapes (static targets always are):
     workers: tuple[str, ...] = ()  # fnmatch globs on the worker id; empty: every worker
     local_only: bool = False  # only workers whose engine URL's host is an address of this node
+    # hosts a heartbeat may move a worker's URL to (and, when set, name at all): as the routers'
+    url_allow: UrlAllowlist = field(default_factory=UrlAllowlist)
 
 
 @dataclass
@@ -111,6 +121,8 @@ class Agent:
         self._err_log = RateLimiter(60.0)
         self._stopping = False
         self._skipped: set[str] = set()  # discovered workers left to other agents
+        # pins live as long as the agent knows the worker (see the module's invariants)
+        self.pins = UrlPins(config.url_allow)
         self._typical = TypicalSettings(
             config.typical_prompt_tokens, config.max_new_tokens, config.min_observed_requests
         )
@@ -206,6 +218,23 @@ class Agent:
     # ------------------------------------------------------------------ bus inputs
     async def _on_heartbeat(self, hb: WorkerHeartbeat, _raw: Msg) -> None:
         w = self.workers.get(hb.worker_id)
+        if w is None or not w.target.static:
+            refusal = self.pins.check(hb.worker_id, hb.url)
+            if refusal is not None:
+                exporter.HEARTBEATS_REFUSED.labels(refusal).inc()
+                pinned = self.pins.pinned(hb.worker_id)
+                self._log_once(
+                    ("hb-refused", hb.worker_id),
+                    "heartbeat refused: it moves the worker's engine URL",
+                    worker=hb.worker_id,
+                    reason=refusal,
+                    url=redact_url(hb.url),
+                    pinned=redact_url(pinned) if pinned else None,
+                    hint="if the engine really moved, it is scraped at the new URL once the "
+                    "old one is forgotten (--forget-after), or add its network to "
+                    "--worker-url-allow",
+                )
+                return
         if w is None:
             if hb.worker_id in self._skipped:
                 return
@@ -228,11 +257,13 @@ class Agent:
             w = self.workers[hb.worker_id] = _Worker(
                 target=Target(worker_id=hb.worker_id, url=url, engine=_engine_name(hb.engine))
             )
+            self.pins.accept(hb.worker_id, hb.url)
             log.info("worker discovered", worker=hb.worker_id, url=url, engine=hb.engine)
         t = w.target
         if not t.static:
             with contextlib.suppress(ValueError):
                 t.url = metrics_url(hb.url)
+                self.pins.accept(hb.worker_id, hb.url)
             t.engine = _engine_name(hb.engine) or t.engine
         t.capacity = hb.capacity
         t.kv_events_declared = hb.kv_events
@@ -351,6 +382,7 @@ class Agent:
             ):
                 log.info("worker forgotten (no heartbeat)", worker=wid)
                 del self.workers[wid]
+                self.pins.drop(wid)
                 out.extend(self.detectors.book.forget(wid, now))
                 continue
             if w.window:

@@ -16,6 +16,7 @@ from typing import Any
 
 from services.common import settings as S
 from services.common.service import metrics_handler, run_service, start_http
+from services.core.url_pin import UrlAllowlist, parse_allowlist
 
 
 def _env(name: str) -> str:
@@ -68,6 +69,14 @@ OPTIONS = S.COMMON + (
         "scrape only heartbeat-discovered workers whose engine URL's host is this node "
         "(one agent per GPU node)",
         env=_env("local_only"),
+    ),
+    S.option(
+        "worker_url_allow",
+        "",
+        "hosts a heartbeat may move a worker's engine URL to (and, when set, the only ones "
+        "scraped): CIDRs, host names, '*.suffix', comma-separated; empty: a worker is "
+        "scraped only at the URL it first announced",
+        env=_env("worker_url_allow"),
     ),
     S.option("nvml", True, "collect GPU metrics through NVML", env=_env("nvml")),
     S.option(
@@ -166,9 +175,17 @@ def agent_config(st: Any) -> Any:
             use_nvml=st.nvml,
             workers=tuple(g for g in st.workers.replace(" ", ",").split(",") if g),
             local_only=st.local_only,
+            url_allow=_allowlist(st.worker_url_allow),
         )
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"telemetry: {exc}") from exc
+
+
+def _allowlist(text: str) -> UrlAllowlist:
+    try:
+        return parse_allowlist(text)
+    except ValueError as exc:
+        raise ValueError(f"invalid --worker-url-allow: {exc}") from exc
 
 
 async def serve(st: Any, stop: asyncio.Event) -> None:

@@ -42,6 +42,12 @@ from prometheus_client.registry import Collector
 from services.common.schemas import GpuSample, WorkerLoad
 
 SCRAPES = Counter("kvgate_telemetry_scrapes_total", "Engine metric scrapes", ["result"])
+HEARTBEATS_REFUSED = Counter(
+    "kvgate_telemetry_heartbeats_refused_total",
+    "Heartbeats refused because they moved a worker's pinned engine URL (or named one outside "
+    "--worker-url-allow); the engine keeps being scraped at its pinned URL",
+    ["reason"],
+)
 SCRAPE_ERRORS = Counter(
     "kvgate_telemetry_scrape_errors_total", "Failed engine metric scrapes", ["worker", "reason"]
 )

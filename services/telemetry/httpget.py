@@ -198,8 +198,9 @@ class Conn:
     """One kept-alive connection. :meth:`send` writes a request; the answer is then read by
     :meth:`poll` (non-blocking, no wake-up) or awaited with :meth:`wait` (reader callback)."""
 
-    def __init__(self, sock: socket.socket, max_body: int) -> None:
+    def __init__(self, sock: socket.socket, max_body: int, addr: tuple[str, int] = ("", 0)) -> None:
         self.sock = sock
+        self.addr = addr  # (host, port) as asked for: a request for another is not sent here
         self.fd = sock.fileno()
         self.max_body = max_body
         self.resp: Response | None = None  # the answer being read (None: idle)
@@ -229,7 +230,7 @@ class Conn:
                         sock.close()
                         raise
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    return cls(sock, max_body)
+                    return cls(sock, max_body, (host, port))
         except TimeoutError:
             raise HttpError("connect", f"cannot connect: timed out after {timeout:g} s") from None
         except OSError as exc:

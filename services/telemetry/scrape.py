@@ -53,7 +53,8 @@ class ScrapeState:
     req_fast: bool = False  # ... and for the fast-changing ones only
     scrapes: int = 0  # scrapes started (the slow series are asked for every Nth)
     slow_reading: EngineReading | None = None  # the last reading with the slow series
-    requests: dict[str, bytes] = field(default_factory=dict)  # URL -> request bytes
+    # URL -> ((host, port), request bytes)
+    requests: dict[str, tuple[tuple[str, int], bytes]] = field(default_factory=dict)
     filter_ok: bool = True  # the endpoint answers the name[] filter usefully
     detected: str | None = None  # engine seen in the last reading (when not configured)
     urls: dict[tuple[str, str], str] = field(default_factory=dict)  # (url, query) -> URL
@@ -179,9 +180,17 @@ class Scraper(Generic[W]):
         conn = st.conn
         if conn is not None and not conn.closed and self._slots.try_take():
             url, filtered, fast = self._scrape_url(w, st.scrapes % self._slow_every != 0)
-            req = st.requests.get(url)
-            if req is None and url.startswith("http://"):
-                req = st.requests[url] = request_bytes(url)[1]
+            req = None
+            addressed = st.requests.get(url)
+            if addressed is None and url.startswith("http://"):
+                addressed = st.requests[url] = request_bytes(url)
+            if addressed is not None and addressed[0] != conn.addr:
+                # the target moved (an allowed heartbeat re-pointed it): the kept connection
+                # is to the old engine; the task below connects to the new one
+                conn.close()
+                st.conn = None
+            elif addressed is not None:
+                req = addressed[1]
             if req is not None:
                 try:
                     conn.send(req)
@@ -258,7 +267,7 @@ class Scraper(Generic[W]):
         timeout = self.cfg.scrape_timeout_s
         deadline = time.monotonic() + timeout
         conn = st.conn
-        if conn is None or conn.closed or conn.resp is not None:
+        if conn is None or conn.closed or conn.resp is not None or conn.addr != (host, port):
             if conn is not None:
                 conn.close()
             st.conn = None
