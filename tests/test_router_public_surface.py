@@ -44,6 +44,7 @@ async def stack(nats_url, subjects, bus: Bus, tmp_path: Path) -> AsyncIterator[R
         api_keys=KEY,
         api_keys_file=str(keys_file),
         operator_port=free_port(),
+        passthrough_paths="/pooling",
     ).start()
     await router.wait_workers(1)
     yield router
@@ -71,6 +72,28 @@ async def test_api_keys(stack: RouterProc) -> None:
                 assert r.status == 200, await r.text()
         async with s.get(stack.url + "/health") as r:  # load balancers need no key
             assert r.status == 200
+
+
+async def test_paths_outside_v1_that_tokenize_or_reach_a_worker_need_the_key(
+    stack: RouterProc,
+) -> None:
+    """/tokenize and /detokenize spend the router's CPU and a passthrough path is served by a
+    worker: without a key they were open to anyone who could reach the port."""
+    calls = {
+        "/tokenize": {"model": "m", "prompt": "hello"},
+        "/detokenize": {"model": "m", "tokens": [104, 105]},
+        "/pooling": {"model": "m", "input": "hello"},
+    }
+    async with aiohttp.ClientSession() as s:
+        for path, body in calls.items():
+            async with s.post(stack.url + path, json=body) as r:
+                assert r.status == 401, path
+                _assert_openai_error(await r.json(), 401)
+            async with s.post(stack.url + path, json=body, headers=_auth()) as r:
+                assert r.status != 401, (path, await r.text())
+        for path in ("/ping", "/version"):  # probes and the version stay open
+            async with s.get(stack.url + path) as r:
+                assert r.status == 200, path
 
 
 async def test_body_limit_from_content_length_and_while_reading(stack: RouterProc) -> None:

@@ -51,6 +51,7 @@ from services.router.http_server import (
     Server,
     json_response,
 )
+from services.router.openai_extras import passthrough_paths
 from services.router.tokenize import BadRequest
 
 MIB = 1 << 20
@@ -165,23 +166,37 @@ def openai_error(
 
 
 # ---------------------------------------------------------------------------- the surface
+# paths outside /v1/ that cost the router work or reach a worker: keyed like /v1/*. Left open:
+# the probes (/health answers status only without a key, /ready, /ping) and /version.
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
 class PublicSurface:
     """What the OpenAI port lets through (services.router.http_server.Surface): the API key
-    on ``/v1/*`` and the body limit from Content-Length, both before the body is read; a
+    on ``/v1/*`` and on every other path that tokenizes or reaches a worker (``keyed``:
+    ``/tokenize``, ``/detokenize``, the passthrough paths), and the body limit from
+    Content-Length, both before the body is read; a
     body without a length that grows past the limit while read: 413 (the server stops
     buffering it); every error of the server's own (404, 405, 400, 500) in OpenAI's shape."""
 
     def __init__(
-        self, max_body: int, keys: ApiKeys | None = None, limits: ConnLimits | None = None
+        self,
+        max_body: int,
+        keys: ApiKeys | None = None,
+        limits: ConnLimits | None = None,
+        keyed: Iterable[str] = KEYED_PATHS,
     ) -> None:
         self.max_body = max_body
         self.keys = keys if keys is not None and keys.enabled else None
+        self.keyed = frozenset(keyed)  # exact paths besides /v1/* that need a key
         self.limits = limits if limits is not None else ConnLimits()
         # a refusal of the router's state (starting), after the key check
         self.gate: Callable[[Request], Response | None] | None = None
 
     def check(self, request: Request) -> Response | None:
-        if self.keys is not None and request.path.startswith("/v1/"):
+        if self.keys is not None and (
+            request.path.startswith("/v1/") or request.path in self.keyed
+        ):
             refused = self.keys.refusal(request)
             if refused is not None:
                 return refused
@@ -297,7 +312,8 @@ def public_surface(st: Any) -> PublicSurface:
     settings."""
     max_body = int(getattr(st, "max_body_bytes", 4 * MIB))
     keys = ApiKeys(load_key_digests(getattr(st, "api_keys", ""), getattr(st, "api_keys_file", "")))
-    return PublicSurface(max_body, keys, ConnLimits.from_settings(st))
+    keyed = (*KEYED_PATHS, *passthrough_paths(getattr(st, "passthrough_paths", "") or ""))
+    return PublicSurface(max_body, keys, ConnLimits.from_settings(st), keyed)
 
 
 def status_only_health(health: Handler, surface: PublicSurface) -> Handler:
