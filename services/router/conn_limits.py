@@ -134,7 +134,8 @@ class ConnLimits:
     @property
     def sweep_s(self) -> float:
         """How often the server looks for connections past a timeout: a quarter of the
-        shortest one (at most 1 s), so a timeout fires at most 25% late."""
+        shortest timeout (capped at 1 s first: at most every 0.25 s), so a timeout fires at
+        most 25% late."""
         return min(1.0, self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s) / 4
 
     @classmethod
