@@ -579,7 +579,6 @@ class KvAware(PolicyImpl):
         state: PolicyState,
     ) -> dict[str, float]:
         ovs, spread_to, extra, tick = self._prelude(req, cands, overlaps, state)
-        p = self.p
         prompt = req.prompt_tokens
         now = state.now
         clock = self._clock(state)
@@ -589,11 +588,7 @@ class KvAware(PolicyImpl):
         # prefill is oldest: it started first, so it finishes first
         busy: dict[str, int] = state.extra.setdefault("kv_aware_busy", {})
         out: dict[str, float] = {}
-        # this class's own cost is computed inline (the same expression as _worker_cost: one
-        # call per worker less on the decision path); a subclass's through its method
-        own_cost = type(self)._worker_cost is KvAware._worker_cost
         worker_cost = self._worker_cost
-        uw, dw, kw = p["uncached_weight"], p["decode_weight"], p["kv_pressure_weight"]
         aw = self.AGE_WEIGHT
         for w, ov in zip(cands, ovs, strict=True):
             wid = w.worker_id
@@ -616,19 +611,11 @@ class KvAware(PolicyImpl):
                 ov = spread_to
             if extra:
                 queued += extra.get(wid, 0)
-            cap = w.capacity
-            cached = ov * cap.block_size
-            uncached = prompt - cached if cached < prompt else 0
-            free = w.kv_blocks_free
-            if free is not None:
-                usage = 1.0 - free / cap.num_gpu_blocks if free < cap.num_gpu_blocks else 0.0
-            else:
-                usage = w.kv_usage or 0.0
-            if own_cost:
-                cost = queued + uw * uncached + dw * w.inflight + kw * usage
-            else:
-                cost = worker_cost(req, w, queued, uncached, usage, state)
-            out[wid] = cost - aw * age
+            cached = ov * w.capacity.block_size
+            out[wid] = (
+                worker_cost(req, w, queued, prompt - cached if cached < prompt else 0, state)
+                - aw * age
+            )
         return out
 
     def fast_costs(
@@ -639,9 +626,9 @@ class KvAware(PolicyImpl):
         state: PolicyState,
         filtered: dict[str, str],
     ) -> dict[str, float] | None:
-        """Large fleets: :func:`services.core.policy.builtin.kv_fast.fast_costs` (this class's
-        own cost only: a subclass with its own :meth:`costs` or :meth:`_worker_cost` brings its
-        own large-fleet path, or none)."""
+        """Large fleets: :func:`services.core.policy.builtin.kv_fast.fast_costs` (its bounds
+        are this class's :meth:`_worker_cost`'s: a subclass with its own :meth:`costs` or
+        :meth:`_worker_cost` brings its own large-fleet path, or none)."""
         if (
             type(self).costs is not KvAware.costs
             or type(self)._worker_cost is not KvAware._worker_cost
@@ -655,17 +642,27 @@ class KvAware(PolicyImpl):
         w: WorkerState,
         queued: float,
         uncached: int,
-        usage: float,
         state: PolicyState,
     ) -> float:
-        """The cost of sending ``req`` to ``w`` (before the tie-break by queue age), given
+        """THE cost of sending ``req`` to ``w`` (before the tie-break by queue age), given
         its queued prefill and this prompt's uncached tokens there as the rules above count
-        them. ``slo_aware`` replaces this with its latency model. :meth:`costs` computes this
-        class's own expression inline (no call per worker): change both together."""
+        them: the module docstring's formula, the one place it is written (the full loop
+        and the large-fleet path both call it). ``slo_aware`` replaces it with its latency
+        model."""
         p = self.p
         return (
             queued
             + p["uncached_weight"] * uncached
             + p["decode_weight"] * w.inflight
-            + p["kv_pressure_weight"] * usage
+            + p["kv_pressure_weight"] * kv_usage(w)
         )
+
+
+def kv_usage(w: WorkerState) -> float:
+    """The worker's KV usage in [0, 1]: from its free blocks when known, else its reported
+    usage (0 when unknown)."""
+    free = w.kv_blocks_free
+    if free is None:
+        return w.kv_usage or 0.0
+    blocks = w.capacity.num_gpu_blocks
+    return 1.0 - free / blocks if free < blocks else 0.0

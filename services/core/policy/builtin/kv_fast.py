@@ -217,7 +217,10 @@ def fast_costs(
     fifo = clock.fifo
     own = clock.own
     busy: dict[str, int] = state.extra["kv_aware_busy"]
-    uw, dw, kw = p["uncached_weight"], p["decode_weight"], p["kv_pressure_weight"]
+    # the cost is the policy's _worker_cost; it grows by uncached_weight per uncached token
+    # (tests/test_policy_kv_aware.py pins that), which the bounds below rely on
+    worker_cost = self._worker_cost
+    uw = p["uncached_weight"]
     aw, age_cap = self.AGE_WEIGHT, self.AGE_CAP
     spt_now = clock.spt
     # bounds: the queued prefill is at least what other routers queued (the clock only adds);
@@ -237,10 +240,12 @@ def fast_costs(
             if fifo.get(wid):
                 q = q - own[wid]
                 q = float(q) if q > 0 else 0.0
-        fv.set_bound(wid, q + dw * w.inflight + kw * _kv_usage(w))
+        # the cost with nothing uncached (the policy's one formula, THE cost)
+        fv.set_bound(wid, worker_cost(req, w, q, 0, state))
 
     def cost_of(w: WorkerState, ov: int, pos: int) -> float:
-        # the cost loop's body in :meth:`KvAware.costs` (its bookkeeping done above)
+        # the cost loop's queue accounting in :meth:`KvAware.costs` (its bookkeeping done
+        # above), then the policy's cost
         wid = w.worker_id
         queued = w.pending_prefill_tokens
         if queued > 0:
@@ -259,8 +264,7 @@ def fast_costs(
             queued += extra.get(wid, 0)
         cached = ov * w.capacity.block_size
         uncached = prompt - cached if cached < prompt else 0
-        cost = queued + uw * uncached + dw * w.inflight + kw * _kv_usage(w)
-        return cost - aw * age
+        return worker_cost(req, w, queued, uncached, state) - aw * age
 
     out: dict[str, float] = {}
     # the holders (by the index or routed memory) and replicas first, in order of their own
@@ -308,15 +312,6 @@ def fast_costs(
         fv.restore()
     fast_dispatch(state, fp, out, prompt)
     return out
-
-
-def _kv_usage(w: WorkerState) -> float:
-    """The KV usage the cost counts (:meth:`KvAware.costs` computes it inline, per worker)."""
-    free = w.kv_blocks_free
-    if free is None:
-        return w.kv_usage or 0.0
-    blocks = w.capacity.num_gpu_blocks
-    return 1.0 - free / blocks if free < blocks else 0.0
 
 
 def _spt_at(spt_at: list[tuple[int, float | None]], pos: int, start: float | None):

@@ -59,7 +59,7 @@ from collections.abc import Callable
 from services.core.latency import LatencyModel, StepCoefficients, WorkerLoad, predict_fast
 from services.core.policy.base import PolicyState, register
 from services.core.policy.builtin import slo_fast
-from services.core.policy.builtin.kv_aware import AGE_CAP, KvAware
+from services.core.policy.builtin.kv_aware import KvAware
 from services.core.policy.types import ClusterSnapshot, RequestInfo, WorkerState, drop_departed
 
 CTX_DECAY = 0.02  # weight of each request in the running mean context
@@ -273,7 +273,10 @@ class SloAware(KvAware):
             1.0 / tpot_slo,
             headroom,
         )
-        out, missed = self._slo_costs(req, cands, overlaps, state)
+        # kv_aware's loop (queue accounting, tie-break by queue age) with this policy's
+        # _worker_cost: the latency model's prediction, the one place the cost is written
+        out = KvAware.costs(self, req, cands, overlaps, state)
+        missed = [wid for wid, h in headroom.items() if h < 0.0]
         if len(missed) == len(out):  # nobody meets the SLO: the best overall, or shed
             if p["shed"]:
                 self.shed_for(ttft_slo, tpot_slo, state)
@@ -284,89 +287,17 @@ class SloAware(KvAware):
             out[wid] += INFEASIBLE
         return out
 
-    def _slo_costs(
-        self,
-        req: RequestInfo,
-        cands: list[WorkerState],
-        overlaps: dict[str, int],
-        state: PolicyState,
-    ) -> tuple[dict[str, float], list[str]]:
-        """``kv_aware``'s :meth:`costs` with :meth:`_worker_cost` in its loop, inline (the
-        same arithmetic in the same order, so the same floats, without two calls and a tuple
-        unpack per worker): the costs, and the workers predicted to miss the SLO."""
-        ovs, spread_to, extra, tick = self._prelude(req, cands, overlaps, state)
-        fifos, models, ctx, out_tokens, iw, cw, inv_ttft, inv_tpot, headroom = state.extra["slo_x"]
-        prompt = req.prompt_tokens
-        now = state.now
-        clock = self._clock(state)
-        own_of = clock.own
-        busy: dict[str, int] = state.extra.setdefault("kv_aware_busy", {})
-        budget = self.p["step_budget"]
-        half_out = out_tokens / 2.0
-        context = prompt + half_out  # a decoding sequence's mean context (predict_fast's own)
-        keep = self.p["feasible_pick"] == "headroom"  # the headroom is read only then
-        aw = self.AGE_WEIGHT
-        out: dict[str, float] = {}
-        missed: list[str] = []
-        for w, ov in zip(cands, ovs, strict=True):
-            wid = w.worker_id
-            fifo = fifos.get(wid)
-            queued = w.pending_prefill_tokens
-            if queued > 0:
-                since = busy.setdefault(wid, tick)
-                age = tick - since if tick - since < AGE_CAP else AGE_CAP
-                if fifo:
-                    if own_of.get(wid, 0) > queued:  # observe's own test: some are done
-                        clock.observe(w, now)
-                    queued = clock.queued(w, now)
-            else:
-                busy.pop(wid, None)
-                age = 0
-                if fifo and own_of.get(wid, 0) > queued:
-                    clock.observe(w, now)
-            if ov < spread_to:
-                ov = spread_to
-            if extra:
-                queued += extra.get(wid, 0)
-            cached = ov * w.capacity.block_size
-            uncached = prompt - cached if cached < prompt else 0
-            # _worker_cost, inline (kv usage is not part of this cost); observe may have
-            # emptied the FIFO (the same deque)
-            d = w.inflight - len(fifo) if fifo else w.inflight
-            if d < 0:
-                d = 0
-            m = models.get(wid)
-            if m is None:
-                m = self.model(state, wid)
-            # predict_fast(m.theta, queued, d, d * ctx, budget, uncached, prompt, out), inline
-            ov_s, pt, pa, ds, dk = m.theta
-            per_step = budget - d if budget - d > 1 else 1
-            tokens = queued + uncached
-            steps = -(-tokens // per_step) if tokens > per_step else 1
-            decode_step = ds * d + dk * (d * ctx)
-            prefill_s = pt * uncached + pa * uncached * (prompt - uncached / 2.0)
-            ttft = steps * (ov_s + decode_step) + pt * queued + prefill_s
-            own = ds + dk * context
-            tpot = ov_s + decode_step + own
-            h = 1.0 - ttft * inv_ttft
-            h2 = 1.0 - tpot * inv_tpot
-            h = h if h < h2 else h2
-            if keep:
-                headroom[wid] = h
-            if h < 0.0:
-                missed.append(wid)
-            out[wid] = ttft + (iw * d + cw) * prefill_s - aw * age
-        return out, missed
-
     def _worker_cost(
         self,
         req: RequestInfo,
         w: WorkerState,
         queued: float,
         uncached: int,
-        usage: float,
         state: PolicyState,
     ) -> float:
+        """THE cost (module docstring): the latency model's predicted TTFT
+        (:func:`services.core.latency.predict_fast`) + the prefill stall imposed on ``w``'s
+        decoding requests + this prompt's compute; records the SLO headroom."""
         wid = w.worker_id
         # per decision: prefill FIFOs, models, mean context, output, weights, 1 / SLOs,
         # headroom (filled here)

@@ -152,8 +152,8 @@ def fast_costs(
     state.extra["slo_x"] = (fifo, models, ctx, out_tokens, iw, cw, inv_ttft, inv_tpot, headroom)
 
     def score(w: WorkerState, ov: int) -> None:
-        # SloAware._slo_costs's loop body (its bookkeeping done by fast_prelude), with
-        # SloAware._worker_cost (the same floats: tests/test_policy_fleet.py)
+        # kv_aware's loop's queue accounting (its bookkeeping done by fast_prelude), then the
+        # policy's one cost, SloAware._worker_cost
         nonlocal lowest, lowest_ok
         wid = w.worker_id
         queued = w.pending_prefill_tokens
@@ -170,7 +170,7 @@ def fast_costs(
             queued += extra.get(wid, 0)
         cached = ov * w.capacity.block_size
         uncached = prompt - cached if cached < prompt else 0
-        c = self._worker_cost(req, w, queued, uncached, 0.0, state) - aw * age
+        c = self._worker_cost(req, w, queued, uncached, state) - aw * age
         out[wid] = c
         if headroom[wid] < 0.0:
             missed.append(wid)

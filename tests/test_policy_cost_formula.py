@@ -1,0 +1,123 @@
+"""``kv_aware`` and ``slo_aware`` decide by the formulas their docs state: each policy's cost
+has one implementation (``_worker_cost``, called by the full loop and the large-fleet path
+alike); here a plain reference written from the documented formula (module docstrings,
+docs/router.md) pins its scores on random clusters (first decision of a fresh policy: no
+prefill clock, routed memory or queue age yet; ``hot_min_blocks`` out of reach, so no
+spreading)."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.core.policy import (
+    Capacity,
+    ClusterSnapshot,
+    RequestInfo,
+    WorkerState,
+    build_policy,
+    decide,
+)
+
+BS = 16
+BLOCKS = 4096
+CAP = Capacity(block_size=BS, num_gpu_blocks=BLOCKS, max_num_seqs=512, max_model_len=65536)
+PRIOR = {
+    "overhead_s": 0.0065,
+    "prefill_token_s": 4.0e-5,
+    "prefill_attn_s": 2.5e-9,
+    "decode_seq_s": 3.0e-5,
+    "decode_kv_token_s": 5.5e-8,
+}
+NO_HOT = {"hot_min_blocks": 10**6}
+
+worker = st.tuples(
+    st.integers(0, 20_000),  # pending prefill tokens
+    st.integers(0, 100),  # requests in flight
+    st.integers(512, BLOCKS),  # free blocks (the prompt and its output always fit)
+    st.integers(0, 200),  # blocks of the prompt held
+)
+cluster = st.lists(worker, min_size=1, max_size=10)
+request = st.tuples(st.integers(1, 6000), st.integers(1, 1000))  # prompt, max_tokens
+
+
+def _snapshot(ws) -> tuple[ClusterSnapshot, dict[str, int]]:
+    states, ov = {}, {}
+    for i, (q, inflight, free, held) in enumerate(ws):
+        wid = f"w{i}"
+        states[wid] = WorkerState(
+            wid,
+            model="m",
+            capacity=CAP,
+            pending_prefill_tokens=q,
+            inflight=inflight,
+            kv_blocks_free=free,
+        )
+        ov[wid] = held
+    return ClusterSnapshot(states), ov
+
+
+@settings(max_examples=150, deadline=None)
+@given(cluster, request, st.floats(0, 4), st.floats(0, 100), st.floats(0, 500))
+def test_kv_aware_scores_are_its_documented_formula(ws, rq, uw, dw, kw) -> None:
+    # cost(w) = queued + uncached_weight x uncached + decode_weight x inflight
+    #           + kv_pressure_weight x kv_usage
+    prompt, out = rq
+    params = {"uncached_weight": uw, "decode_weight": dw, "kv_pressure_weight": kw, **NO_HOT}
+    pol = build_policy({"name": "kv_aware", "params": params})
+    snap, ov = _snapshot(ws)
+    d = decide(pol, RequestInfo("r", "m", prompt, out), snap, ov)
+    for wid, w in snap.workers.items():
+        uncached = max(0, prompt - ov[wid] * BS)
+        usage = 1.0 - w.kv_blocks_free / BLOCKS
+        ref = w.pending_prefill_tokens + uw * uncached + dw * w.inflight + kw * usage
+        assert math.isclose(d.scores[wid], ref, rel_tol=1e-9, abs_tol=1e-6), wid
+
+
+def _predict(q: float, dec: int, u: float, prompt: int, out: int) -> tuple[float, float, float]:
+    """The latency model as docs/router.md writes it (TTFT, TPOT, this prompt's prefill)
+    for the prior, a step budget of 8192 and a decoder's mean context = this request's."""
+    ov, pt, pa, ds, dk = (PRIOR[k] for k in PRIOR)
+    ctx = prompt + out / 2.0
+    steps = max(1, math.ceil((q + u) / max(1, 8192 - dec)))
+    step = ov + ds * dec + dk * dec * ctx
+    prefill = pt * u + pa * u * (prompt - u / 2.0)
+    return steps * step + pt * q + prefill, step + ds + dk * ctx, prefill
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cluster,
+    request,
+    st.floats(0, 2),
+    st.floats(0, 2),
+    st.sampled_from([(2000.0, 50.0), (300.0, 8.0), (1e9, 1e9)]),
+)
+def test_slo_aware_scores_are_its_documented_formula(ws, rq, iw, cw, slo) -> None:
+    # cost(w) = ttft(w) + imposed_weight x decoding(w) x prefill(w) + compute_weight x prefill(w)
+    # + a large constant for a worker predicted to miss the SLO when another meets it
+    prompt, out = rq
+    params = {
+        "prior": PRIOR,
+        "imposed_weight": iw,
+        "compute_weight": cw,
+        "slo_ttft_ms": slo[0],
+        "slo_tpot_ms": slo[1],
+        **NO_HOT,
+    }
+    pol = build_policy({"name": "slo_aware", "params": params})
+    snap, ov = _snapshot(ws)
+    d = decide(pol, RequestInfo("r", "m", prompt, out), snap, ov)
+    ref, ok = {}, {}
+    for wid, w in snap.workers.items():
+        u = max(0, prompt - ov[wid] * BS)
+        dec = w.inflight  # nothing of this policy's own is queued: all in flight decode
+        ttft, tpot, prefill = _predict(w.pending_prefill_tokens, dec, u, prompt, out)
+        ref[wid] = ttft + (iw * dec + cw) * prefill
+        ok[wid] = ttft <= slo[0] / 1000.0 and tpot <= slo[1] / 1000.0
+    if any(ok.values()):
+        ref = {w: c + (0.0 if ok[w] else 1e6) for w, c in ref.items()}
+    for wid in snap.workers:
+        assert math.isclose(d.scores[wid], ref[wid], rel_tol=1e-9, abs_tol=1e-9), wid
