@@ -133,8 +133,14 @@ class ClusterState:
             self._notify(hb.worker_id)
         cap = Capacity(c.block_size, c.num_gpu_blocks, c.max_num_seqs, c.max_model_len)
         url = hb.url.rstrip("/")
-        if (s.model, s.url, s.loras, s.capacity) != (hb.model, url, hb.loras, cap):
-            s.model, s.url, s.loras, s.capacity = hb.model, url, hb.loras, cap
+        if (s.model, s.url, s.loras, s.capacity, s.role) != (
+            hb.model,
+            url,
+            hb.loras,
+            cap,
+            hb.role,
+        ):
+            s.model, s.url, s.loras, s.capacity, s.role = hb.model, url, hb.loras, cap, hb.role
             self._notify(hb.worker_id)
         self.block_sizes = {x.capacity.block_size for x in self.states.values()}
         self._refresh(hb.worker_id, now)

@@ -130,6 +130,13 @@ class SimRequest:
     # the tokens this request may generate (allowed_token_ids, logit_bias, bad_words); None:
     # the engine's output vocabulary
     output_vocab: tuple[int, ...] | None = None
+    # disaggregated serving (P/D). Decode side: the prompt's KV arrives from a prefill engine;
+    # admission reserves blocks for the whole prompt and parks the request in
+    # ``Engine.receiving`` (no prefill compute) until ``kv_received`` (or ``kv_failed``: the
+    # prompt is recomputed here). Prefill side: when it finishes, its blocks stay referenced
+    # in ``Engine.held`` until ``release_held`` (the decoder pulled them, or a timeout).
+    kv_from_remote: bool = False
+    hold_blocks: bool = False
 
 
 @dataclass
@@ -155,6 +162,9 @@ class StepOutput:
     num_prefill_tokens: int = 0  # uncached prompt tokens computed in this step
     num_decode_seqs: int = 0
     kv_tokens_read: int = 0  # context tokens read by decode attention
+    # P/D decode side: requests whose blocks were reserved in this step (their KV transfer
+    # can start); they wait in ``Engine.receiving``
+    kv_transfers: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -196,6 +206,10 @@ class Engine:
         self.running: list[_Seq] = []
         self._ids: set[str] = set()
         self._aborted: list[FinishedRequest] = []
+        # P/D: decode requests with blocks reserved, waiting for their KV; finished prefill
+        # requests' blocks kept for the decoder to pull (see SimRequest.kv_from_remote)
+        self.receiving: dict[str, _Seq] = {}
+        self.held: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up (vLLM counts tokens)
         self.prefix_cache_hits = 0  # prompt tokens found cached
         self.num_steps = 0
@@ -321,7 +335,42 @@ class Engine:
                 s.blocks = []
                 self._finish_aborted(s)
                 return True
+        s = self.receiving.pop(request_id, None)
+        if s is not None:
+            self.pool.free(s.blocks)
+            s.blocks = []
+            self._finish_aborted(s)
+            return True
         return False  # pragma: no cover - ids are removed when requests finish
+
+    # ------------------------------------------------------------------ P/D transfers
+    def kv_received(self, request_id: str) -> bool:
+        """A receiving request's KV arrived: its prompt (all but the last token, whose logits
+        the engine computes) is in its reserved blocks, whose full blocks enter the prefix
+        cache (BlockStored events); it is scheduled. False when it is not receiving."""
+        s = self.receiving.pop(request_id, None)
+        if s is None:
+            return False
+        s.num_computed = max(s.num_computed, s.prefill_target - 1)
+        self._register_full_blocks(s)
+        self.running.append(s)
+        return True
+
+    def kv_failed(self, request_id: str) -> bool:
+        """A receiving request's transfer failed: it computes its prompt here instead."""
+        s = self.receiving.pop(request_id, None)
+        if s is None:
+            return False
+        self.running.append(s)
+        return True
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a finished prefill request's held blocks (False: none held)."""
+        blocks = self.held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks)
+        return True
 
     def _finish_aborted(self, s: _Seq) -> None:
         self._ids.discard(s.req.request_id)
@@ -445,13 +494,19 @@ class Engine:
                 scheduled.append((s, n))
                 budget -= n
         # like vLLM: no new admissions in a step that had to preempt
+        transfers: list[str] = []
         if waiting and self.num_preemptions == preemptions_before:
             max_seqs = c.max_num_seqs
             while waiting and budget > 0 and len(running) < max_seqs:
                 s = waiting[0]
-                if not self._try_admit(s, budget):
+                remote = s.req.kv_from_remote and not s.admitted
+                if not self._try_admit(s, s.prefill_target if remote else budget):
                     break  # FCFS: the head waits for blocks, and so does everyone behind it
                 waiting.popleft()
+                if remote:  # blocks reserved: the transfer starts, nothing to compute yet
+                    self.receiving[s.req.request_id] = s
+                    transfers.append(s.req.request_id)
+                    continue
                 running.append(s)
                 left = s.prefill_target - s.num_computed
                 n = left if left < budget else budget
@@ -517,7 +572,10 @@ class Engine:
             # only a request that generated a token in this step can have finished; ``done``
             # is in running order, since ``scheduled`` is
             for s in done:
-                self.pool.free(s.blocks)
+                if s.req.hold_blocks:
+                    self.held[s.req.request_id] = s.blocks
+                else:
+                    self.pool.free(s.blocks)
                 s.blocks = []
                 self._ids.discard(s.req.request_id)
                 self.num_finished += 1
@@ -546,6 +604,7 @@ class Engine:
             num_prefill_tokens=prefill_tokens,
             num_decode_seqs=decode_seqs,
             kv_tokens_read=kv_read,
+            kv_transfers=transfers,
         )
 
     def _next_token(self, s: _Seq) -> int:

@@ -23,6 +23,7 @@ from services.common.subjects import Subjects, check_token
 from services.common.tokenizer import load_tokenizer
 from services.core.engine import DEFAULT_OUTPUT_VOCAB, EngineConfig
 from services.worker_sim.faults import Faults
+from services.worker_sim.pd import PdSettings
 from services.worker_sim.worker import SimWorker, WorkerSettings
 
 log = get_logger("sim-worker")
@@ -181,6 +182,12 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     ids = worker_ids(st.worker_id, st.count)
     buses = _buses(st, ids)
     workers: list[SimWorker] = []
+    pd = PdSettings(
+        role=getattr(st, "role", "both"),
+        link=getattr(st, "pd_link", "rdma"),
+        lease_s=getattr(st, "pd_kv_lease_s", 30.0),
+        bootstrap_timeout_s=getattr(st, "pd_bootstrap_timeout_s", 30.0),
+    )
     for i, wid in enumerate(ids):
         ws = WorkerSettings(
             worker_id=wid,
@@ -203,6 +210,7 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
             zmq_replay_topic_frame=st.zmq_replay_topic_frame,
             faults=patch if patch and _selected(st.fault_workers, i, wid) else {},
             fault_seed=i,
+            pd=pd,
         )
         workers.append(SimWorker(ws, config, tokenizer, buses[wid]))
     groups = _by_bus(buses, workers)

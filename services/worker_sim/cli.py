@@ -7,6 +7,8 @@ import argparse
 from services.common import settings as S
 from services.common.service import run_service
 from services.core.engine import ADMISSION_MODES, EngineConfig
+from services.core.pd.transfer import DEFAULT_LINK, LINK_PROFILES
+from services.worker_sim.pd import ROLES
 from services.worker_sim.zmq_wire import BATCH_FORMS, EVENT_FORMS, HASH_MODES
 
 _D = EngineConfig()
@@ -70,6 +72,38 @@ OPTIONS = S.COMMON + (
         False,
         "answer 404 for unknown model names (default: serve them as the base model)",
         env="KVGATE_SIM_STRICT_MODEL",
+    ),
+    # disaggregated serving (P/D)
+    S.option(
+        "role",
+        "both",
+        "what this engine does: both (colocated), prefill or decode (vLLM kv_role / SGLang "
+        "--disaggregation-mode); P/D requests speak vLLM's kv_transfer_params (NIXL) or "
+        "SGLang's bootstrap fields",
+        choices=list(ROLES),
+        env="KVGATE_SIM_ROLE",
+    ),
+    S.option(
+        "pd_link",
+        DEFAULT_LINK,
+        "the KV transfer link between prefill and decode workers (transfer time = setup "
+        "latency + prompt KV bytes / bandwidth)",
+        choices=list(LINK_PROFILES),
+        env="KVGATE_SIM_PD_LINK",
+    ),
+    S.option(
+        "pd_kv_lease_s",
+        30.0,
+        "a prefill worker frees the KV it holds for a decoder after this many seconds "
+        "(vLLM's kv_lease_duration)",
+        env="KVGATE_SIM_PD_KV_LEASE_S",
+    ),
+    S.option(
+        "pd_bootstrap_timeout_s",
+        30.0,
+        "how long a decoder waits for its bootstrap room's prefill (SGLang's "
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+        env="KVGATE_SIM_PD_BOOTSTRAP_TIMEOUT_S",
     ),
     # capacity
     S.option("block_size", _D.block_size, "KV block size (tokens)", env="KVGATE_SIM_BLOCK_SIZE"),

@@ -69,6 +69,15 @@ from services.worker_sim.openai_api import (
     usage,
 )
 from services.worker_sim.outputs import Output
+from services.worker_sim.pd import (
+    PULL_PATH,
+    Handshake,
+    PdSettings,
+    PrefillSide,
+    nixl_response_params,
+    parse_handshake,
+    pull_kv,
+)
 from services.worker_sim.zmq_pub import ZmqPublisher
 from services.worker_sim.zmq_wire import encode_batch
 
@@ -103,6 +112,7 @@ class WorkerSettings:
     zmq_buffer_steps: int = 10_000
     faults: dict[str, Any] = field(default_factory=dict)
     fault_seed: int = 0
+    pd: PdSettings = field(default_factory=PdSettings)  # P/D role, link, lease
 
 
 class SimWorker:
@@ -133,6 +143,8 @@ class SimWorker:
         self._crash_task: asyncio.Task[None] | None = None
         self._drop_log = RateLimiter(30.0)
         self._lora_ids = {name: i + 1 for i, name in enumerate(settings.loras)}
+        self._http: Any = None  # aiohttp session of the decoder's KV pulls (lazy)
+        self.pd_recomputed = 0  # decode requests whose KV pull failed (NIXL: prefilled here)
         self._new_instance()
 
     # ------------------------------------------------------------------ lifecycle
@@ -156,6 +168,12 @@ class SimWorker:
         # seq) when the step's simulated duration is over, or earlier by a kvdump
         self._step_kv: tuple[list[KvEvent], list[EventMeta | None]] | None = None
         self.zmq: ZmqPublisher | None = None
+        # P/D: this instance's held prefill KV; engine request id -> its prefill key; decode
+        # requests' transfers (engine request id -> handshake, and the future of its outcome)
+        self.pd_prefill = PrefillSide(self.settings.pd, self._release_held, self.settings.speedup)
+        self._pd_keys: dict[str, str] = {}
+        self._pd_pulls: dict[str, tuple[Handshake, asyncio.Future[bool]]] = {}
+        self._pd_tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         s = self.settings
@@ -195,12 +213,23 @@ class SimWorker:
         await dumps.start()
         self._dump_sub = dumps
 
+    def _release_held(self, engine_rid: str) -> None:
+        if self.engine.release_held(engine_rid):
+            self._wake.set()  # freed blocks may admit a waiting request
+
     async def stop(self) -> None:
         self.alive = False
+        self.pd_prefill.close()
+        for _h, fut in self._pd_pulls.values():
+            if not fut.done():
+                fut.set_result(False)
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
         if self._dump_sub is not None:
             await self._dump_sub.stop()
             self._dump_sub = None
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait(self._tasks + list(self._pd_tasks))
         self._tasks = []
         for q in self._streams.values():
             q.put_nowait(("crash", "", None))
@@ -254,6 +283,7 @@ class SimWorker:
             kv_events=True,
             ts=time.time(),
             loras=tuple(self.settings.loras),
+            role=self.settings.pd.role,  # type: ignore[arg-type]
         )
 
     @property
@@ -311,6 +341,10 @@ class SimWorker:
             self.gpu.record_step(start + mono_shift, self._busy_until + mono_shift, out)
             self._deliver(out)
             self._publish_step_kv()
+            for rid in out.kv_transfers:  # decode side: blocks reserved, the KV transfer starts
+                task = asyncio.create_task(self._pd_receive(rid))
+                self._pd_tasks.add(task)
+                task.add_done_callback(self._pd_tasks.discard)
 
     def _publish_step_kv(self) -> None:
         """Give the running step's KV events their seq and queue them (once)."""
@@ -324,6 +358,13 @@ class SimWorker:
             if q is not None:
                 q.put_nowait(("tokens", rid, toks))
         for fin in out.finished:
+            key = self._pd_keys.pop(fin.request_id, None)
+            if key is not None:  # a prefill for a decoder: its KV is held (or it failed)
+                if fin.finish_reason == "abort":
+                    self.pd_prefill.failed(key)
+                else:
+                    held = fin.request_id in self.engine.held
+                    self.pd_prefill.finished(key, fin.request_id, fin.prompt_tokens, held)
             q = self._streams.get(fin.request_id)
             if q is not None:
                 q.put_nowait(("done", fin.request_id, fin))
@@ -379,6 +420,51 @@ class SimWorker:
                     log.debug("kv publish failed", worker=self.worker_id, error=repr(exc))
             self.kv_seq_done = max(self.kv_seq_done, seq)
 
+    # ------------------------------------------------------------------ P/D transfers
+    async def _pd_receive(self, engine_rid: str) -> None:
+        """Decode side: read the prompt's KV from the prefill worker into the reserved blocks.
+        A failed read: NIXL recomputes the prompt here; bootstrap fails the request."""
+        entry = self._pd_pulls.pop(engine_rid, None)
+        if entry is None:
+            return
+        h, fut = entry
+        if self._http is None:
+            import aiohttp
+
+            self._http = aiohttp.ClientSession()
+        wait_s = self.settings.pd.bootstrap_timeout_s / self.settings.speedup + 60.0
+        tokens = await pull_kv(self._http, h, wait_s)
+        ok = tokens is not None
+        if ok:
+            self.engine.kv_received(engine_rid)
+        elif h.kind == "nixl":
+            self.pd_recomputed += 1
+            self.engine.kv_failed(engine_rid)
+            ok = True
+        else:
+            self.engine.abort(engine_rid)
+        log.debug("kv transfer", worker=self.worker_id, kind=h.kind, tokens=tokens)
+        if not fut.done():
+            fut.set_result(ok)
+        self._wake.set()
+
+    async def _pd_pull(self, r: web.Request) -> web.Response:
+        """Prefill side: a decoder reads a held prompt's KV (see services/worker_sim/pd.py)."""
+        try:
+            body = await _json_body(r)
+            kind, key = body.get("kind"), body.get("key")
+            if kind not in ("nixl", "bootstrap") or not isinstance(key, str):
+                raise ApiError(400, "a pull needs 'kind' (nixl | bootstrap) and 'key'")
+        except ApiError as exc:
+            return _error(exc)
+        if kind == "nixl" and body.get("engine_id") != self.instance_id:
+            tokens = None  # another instance's blocks: gone with its restart
+        else:
+            tokens = await self.pd_prefill.pull(f"{kind}:{key}", wait=kind == "bootstrap")
+        if tokens is None:
+            return _error(ApiError(404, f"no KV held for {kind} {key}", None, "NotFoundError"))
+        return web.json_response({"tokens": tokens})
+
     async def _on_kvdump(self, req: KvDumpRequest) -> KvEventBatch:
         # the cache already holds the running step's changes: name their seq (no await
         # between this, reading the cache and reading the seq)
@@ -428,6 +514,7 @@ class SimWorker:
             app.router.add_get(path, self._model_info)
         app.router.add_get("/version", self._version)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post(PULL_PATH, self._pd_pull)
         app.router.add_get("/admin/faults", self._get_faults)
         app.router.add_post("/admin/faults", self._post_faults)
         return app
@@ -657,9 +744,14 @@ class SimWorker:
                 rid = prefix + uuid.uuid4().hex  # a reused id must not mix two requests' outputs
             if self.faults.reject and self._rng.random() < self.faults.reject:
                 raise ApiError(503, "the worker is overloaded (injected fault)")
+            pd = parse_handshake(body, self.settings.pd.role)
+            if pd is not None and (len(p.prompts) != 1 or p.n != 1):
+                raise ApiError(400, "a disaggregated (P/D) request takes one prompt and n = 1")
             outs: list[Output] = []
             for pi, prompt in enumerate(p.prompts):
                 mt = p.max_tokens_for(len(prompt.token_ids), c.max_model_len, s.default_max_tokens)
+                if pd is not None and pd.side == "prefill":
+                    mt = 1  # a prefill engine computes the prompt and its first token only
                 try:
                     self.engine.check(len(prompt.token_ids), mt)
                 except AdmissionError as exc:
@@ -684,8 +776,14 @@ class SimWorker:
         q: asyncio.Queue[tuple[str, str, Any]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         now = loop.time() * s.speedup
+        kv_in: asyncio.Future[bool] | None = None
         for o in outs:
             self._streams[o.request_id] = q
+            if pd is not None and pd.side == "prefill":
+                self._pd_keys[o.request_id] = f"{pd.kind}:{pd.key or o.request_id}"
+            elif pd is not None:
+                kv_in = loop.create_future()
+                self._pd_pulls[o.request_id] = (pd, kv_in)
             self.engine.add_request(
                 SimRequest(
                     o.request_id,
@@ -696,12 +794,35 @@ class SimWorker:
                     sample_seed=o.seed,
                     cache_salt=p.cache_salt,
                     output_vocab=p.vocab,
+                    kv_from_remote=pd is not None and pd.side == "decode",
+                    hold_blocks=pd is not None and pd.side == "prefill",
                 ),
                 now,
             )
         self._wake.set()
         done = False
         try:
+            if kv_in is not None and pd is not None and pd.kind == "bootstrap":
+                # SGLang: nothing is answered before the prompt's KV is here (a failed
+                # transfer is an error the router can retry, not a broken stream)
+                if not await kv_in:
+                    return _error(ApiError(503, "the KV transfer from the prefill worker failed"))
+            if pd is not None and pd.side == "prefill" and pd.kind == "nixl" and not p.stream:
+                resp = await self._collect(r, p, rid, outs, q, t0)
+                o = outs[0]
+                if resp.status == 200 and o.finish_reason != "abort":
+                    payload = json.loads(resp.body)  # type: ignore[arg-type]
+                    payload["kv_transfer_params"] = nixl_response_params(
+                        self.instance_id,
+                        o.request_id,
+                        self.engine.held.get(o.request_id, []),
+                        s.advertise_host or s.host,
+                        s.port,
+                        len(o.prompt.token_ids),
+                    )
+                    resp = web.json_response(payload)
+                done = True
+                return resp
             if p.stream:
                 resp = await self._stream(r, p, rid, outs, q, t0)
             else:
