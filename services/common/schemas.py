@@ -175,6 +175,9 @@ class WorkerHeartbeat(Message):
     loras: Annotated[tuple[str, ...], Meta(max_length=1024)] = ()
     # disaggregated serving: what this engine does (vLLM kv_role / SGLang disaggregation-mode)
     role: Literal["both", "prefill", "decode"] = "both"
+    # a prefill engine's KV bootstrap port (SGLang --disaggregation-bootstrap-port; the
+    # simulated worker's HTTP port); 0: not announced (the router assumes SGLang's 8998)
+    bootstrap_port: Annotated[int, Meta(ge=0, le=65535)] = 0
 
 
 class WorkerControl(Message):
@@ -279,6 +282,11 @@ class RouterOutcome(Message):
     retries: NonNeg = 0
     migrated: NonNeg = 0
     stream: bool = False
+    # disaggregated serving: the worker that prefilled (``worker_id`` decoded), how long its
+    # prefill took, and the time from its end to the decoder's first token (KV transfer)
+    prefill_worker: str | None = None
+    prefill_s: NonNegF | None = None
+    handoff_s: NonNegF | None = None
 
 
 class CanaryAssignment(Struct, kw_only=True):

@@ -146,6 +146,11 @@ class ClusterState:
         self._refresh(hb.worker_id, now)
         return new
 
+    def heartbeat_of(self, worker_id: str) -> WorkerHeartbeat | None:
+        """The worker's last applied heartbeat (what it announced of itself), or None."""
+        e = self._entries.get(worker_id)
+        return e.hb if e is not None else None
+
     def on_load(self, load: WorkerLoad, now: float) -> None:
         e = self._entries.get(load.worker_id)
         if e is None:

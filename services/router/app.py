@@ -70,6 +70,7 @@ from services.router.load_share import LoadSharing
 from services.router.metrics import HitRate
 from services.router.migrate import Migrator
 from services.router.outcomes import OutcomePublisher, OutcomeRecorder
+from services.router.pd import PdSender
 from services.router.policy_reload import PolicyReload
 from services.router.public_surface import (
     operator_on_public_port,
@@ -170,6 +171,7 @@ class Router:
         self.sender.migrator = Migrator(
             self.decider, self.dispatcher, self.sender, self.circuits, st.max_migrations
         )
+        self.pd = PdSender(self.state, self.dispatcher, self.sender, self.fast, st)
         self.path = RequestPath(
             self.parser,
             self.policies,
@@ -180,6 +182,7 @@ class Router:
             self.recorder,
             st.max_retries,
             max_prompt_chars=getattr(st, "max_prompt_chars", 0),
+            pd=self.pd,
         )
         self.handlers = Handlers(
             self.router_id,

@@ -76,6 +76,15 @@ OPTIONS = S.COMMON + (
     ),
     S.option("retry_after", 1, "Retry-After seconds on 429 / 503", env="KVGATE_ROUTER_RETRY_AFTER"),
     S.option(
+        "pd_handshake",
+        "auto",
+        "disaggregated serving: how a prefill worker hands the prompt's KV to the decoder: "
+        "nixl (vLLM kv_transfer_params: prefill first, then decode), bootstrap (SGLang "
+        "bootstrap_host/port/room: both at once), auto (bootstrap for SGLang engines, else nixl)",
+        choices=["auto", "nixl", "bootstrap"],
+        env="KVGATE_ROUTER_PD_HANDSHAKE",
+    ),
+    S.option(
         "max_retries",
         2,
         "re-sends to another worker on connect failure / 503 / timeout before output",

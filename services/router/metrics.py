@@ -132,6 +132,30 @@ PEER_ROUTERS = LoopGauge(
 _children: dict[tuple, object] = {}
 
 
+PD_REQUESTS = LoopCounter(
+    "kvgate_router_pd_requests_total",
+    "Disaggregated (P/D) requests by handshake (nixl | bootstrap) and what their prefill did "
+    "(prefilled, prefill_failed: retried on another prefill worker or colocated)",
+    ["handshake", "result"],
+)
+PD_PREFILL = LoopHistogram(
+    "kvgate_router_pd_prefill_seconds",
+    "P/D: time from sending the prefill request to its answer",
+    buckets=LAT_BUCKETS,
+)
+PD_HANDOFF = LoopHistogram(
+    "kvgate_router_pd_handoff_seconds",
+    "P/D: time from the prefill's answer to the decoder's first token (the KV transfer, the "
+    "decoder's queue and its first step)",
+    buckets=LAT_BUCKETS,
+)
+PD_TRANSFER_PREDICTED = LoopHistogram(
+    "kvgate_router_pd_transfer_predicted_seconds",
+    "P/D: the decision's predicted KV transfer time",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)
+
+
 def child(metric, *labels: str):
     """Cached ``metric.labels(*labels)`` (the label lookup is a hot-path cost)."""
     key = (id(metric), labels)

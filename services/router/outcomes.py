@@ -196,6 +196,8 @@ class OutcomeRecorder:
                 itl.observe((e2e - ctx.ttft) / (ctx.completion_tokens - 1))
             if ctx.ttft is not None:
                 ttft.observe(ctx.ttft)
+            if ctx.prefill_worker is not None:
+                _observe_pd(ctx)
             prompt = len(ctx.parsed.token_ids)
             M.PROMPT_TOKENS.inc(prompt)
             self.hit_pred.add(ctx.predicted_cached, prompt)
@@ -226,5 +228,25 @@ class OutcomeRecorder:
                 retries=ctx.retries,
                 migrated=ctx.migrated,
                 stream=ctx.parsed.stream,
+                prefill_worker=ctx.prefill_worker,
+                prefill_s=ctx.pd_prefill_s,
+                handoff_s=_handoff_s(ctx),
             )
         )
+
+
+def _handoff_s(ctx: Ctx) -> float | None:
+    """P/D: from the prefill's answer to the decoder's first token (None: not both seen, or
+    the first token came first, as SGLang's concurrent requests allow)."""
+    if ctx.pd_prefill_done is None or ctx.ttft is None:
+        return None
+    gap = ctx.t0 + ctx.ttft - ctx.pd_prefill_done
+    return gap if gap >= 0 else None
+
+
+def _observe_pd(ctx: Ctx) -> None:
+    handoff = _handoff_s(ctx)
+    if handoff is not None:
+        M.PD_HANDOFF.observe(handoff)
+    if ctx.pd_transfer_predicted > 0:
+        M.PD_TRANSFER_PREDICTED.observe(ctx.pd_transfer_predicted)

@@ -84,6 +84,15 @@ class Ctx(msgspec.Struct):
     sent_at: float = 0.0  # monotonic time the current worker was sent the request (breaker)
     carried_tokens: int = 0  # tokens generated before the last migration (usage)
     answered: Ticket | None = None  # the attempt that answered, released after the reply
+    # disaggregated serving (services/router/pd.py): the prefill worker, the handshake's
+    # fields for the decode request, its prefill time, when it ended (perf_counter) and the
+    # decision's predicted KV transfer time
+    prefill_worker: str | None = None
+    pd_handshake: str = ""
+    pd_fields: dict[str, Any] | None = None
+    pd_prefill_s: float | None = None
+    pd_prefill_done: float | None = None
+    pd_transfer_predicted: float = 0.0
 
     @property
     def generated(self) -> str:
@@ -211,12 +220,15 @@ def reject(
 
 def worker_headers(ctx: Ctx, wid: str) -> dict[str, str]:
     """Response headers naming where and how the request was routed."""
-    return {
+    out = {
         "x-kvgate-worker": wid,
         "x-kvgate-policy": ctx.arm.label,  # name@version, as operators named it
         "x-kvgate-arm": ctx.arm.name,
         "x-request-id": ctx.request_id,
     }
+    if ctx.prefill_worker is not None:  # disaggregated: wid decoded, this one prefilled
+        out["x-kvgate-prefill-worker"] = ctx.prefill_worker
+    return out
 
 
 def session_of(request: Request) -> str | None:

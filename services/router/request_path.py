@@ -30,6 +30,7 @@ from services.router.circuits import Circuits
 from services.router.dispatch import Dispatcher
 from services.router.http_server import Reply, Request, Response
 from services.router.outcomes import OutcomeRecorder
+from services.router.pd import PdSender
 from services.router.proxy import Ctx, WorkerFailed, error_response, reject, session_of
 from services.router.public_surface import check_prompt_size
 from services.router.send import Sender
@@ -64,7 +65,9 @@ class RequestPath:
         outcomes: OutcomeRecorder,
         max_retries: int,
         max_prompt_chars: int = 0,  # 0: no limit (services.router.public_surface)
+        pd: PdSender | None = None,  # disaggregated serving (Decision.prefill_worker)
     ) -> None:
+        self.pd = pd
         self.parser = parser
         self.policies = policies
         self.admission = admission
@@ -134,7 +137,11 @@ class RequestPath:
             try:
                 await self.dispatcher.hold(d)
                 ctx.sent_at = time.monotonic()  # the breaker weighs only evidence sent after
-                reply = await self.sender.send(request, ctx, ticket)
+                if d.prefill_worker is not None and self.pd is not None:
+                    reply = await self.pd.send(request, ctx, ticket, d)
+                else:
+                    ctx.prefill_worker = ctx.pd_fields = None  # a retry may be colocated
+                    reply = await self.sender.send(request, ctx, ticket)
                 ctx.answered = ticket  # released once the reply is out (_settle)
                 return reply
             except WorkerFailed as exc:

@@ -44,6 +44,16 @@ from services.router.stall import StallBound
 from services.router.upstream import FastClient, Stream, UpstreamError
 from services.router.usage import continued_usage
 
+_decode_obj = msgspec.json.decode
+
+
+def with_fields(body: bytes, fields: dict[str, Any]) -> bytes:
+    """A JSON object's bytes with ``fields`` set (the decode request's P/D handshake)."""
+    obj = _decode_obj(body)
+    obj.update(fields)
+    return msgspec.json.encode(obj)
+
+
 log = get_logger("router")
 
 
@@ -96,6 +106,8 @@ class Sender:
         wid = ticket.worker_id
         raw = await request.read()  # aiohttp keeps the bytes it read: no second read
         body = upstream_body(ctx, migrate=False, raw=raw)
+        if ctx.pd_fields:  # the decode half of a P/D request: the handshake's fields
+            body = with_fields(body or raw, ctx.pd_fields)
         if not ctx.parsed.stream and self.state.states[wid].url.startswith("http://"):
             return await self._send_fast(ctx, wid, body or raw, ticket)
         try:

@@ -284,6 +284,8 @@ class SimWorker:
             ts=time.time(),
             loras=tuple(self.settings.loras),
             role=self.settings.pd.role,  # type: ignore[arg-type]
+            # the simulated bootstrap server is the HTTP port (services/worker_sim/pd.py)
+            bootstrap_port=self.settings.port if self.settings.pd.role == "prefill" else 0,
         )
 
     @property
@@ -531,6 +533,14 @@ class SimWorker:
             "kv_usage": e.kv_usage,
             "num_free_blocks": e.num_free_blocks,
             "kv_seq": self.kv_seq,
+            "pd": {
+                "role": self.settings.pd.role,
+                "held": len(self.engine.held),
+                "receiving": len(self.engine.receiving),
+                "pulled": self.pd_prefill.pulled,
+                "lease_expired": self.pd_prefill.lease_expired,
+                "recomputed": self.pd_recomputed,
+            },
         }
 
     async def _health(self, _r: web.Request) -> web.Response:
