@@ -29,9 +29,15 @@ HEALTH_PATHS = {
     "indexer": "/health",
     "telemetry": "/health",
     "sim": "/health",
+    "epp": "",  # grpc://: the gRPC health service's readiness
 }
 # what an operator finds on a port whose purpose its name does not say
-SERVES = {"router-operator": "  (/metrics, /debug/*)", "api": "  (admin API, operator page /ui/)"}
+SERVES = {
+    "router-operator": "  (/metrics, /debug/*)",
+    "api": "  (admin API, operator page /ui/)",
+    "epp": "  (endpoint picker: Envoy ext_proc)",
+    "epp-operator": "  (/metrics, /debug/*)",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _health(url: str) -> str:
+    if url.startswith("grpc://"):
+        return _grpc_health(url.removeprefix("grpc://"))
     try:
         with urllib.request.urlopen(url, timeout=2.0) as resp:  # noqa: S310 - local URL
             return "ok" if resp.status == 200 else f"HTTP {resp.status}"
@@ -49,6 +57,23 @@ def _health(url: str) -> str:
         return f"HTTP {exc.code}"
     except (urllib.error.URLError, OSError) as exc:
         return f"down ({getattr(exc, 'reason', exc)})"
+
+
+def _grpc_health(target: str) -> str:
+    """A gRPC service's ``readiness`` (grpc.health.v1: the EPP's, as a gateway's probe asks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as channel:
+            got = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), timeout=2.0
+            )
+    except grpc.RpcError as exc:
+        return f"down ({exc.code().name})"
+    if got.status == health_pb2.HealthCheckResponse.SERVING:
+        return "ok"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(got.status)
 
 
 def main(args: argparse.Namespace) -> int:

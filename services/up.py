@@ -3,7 +3,9 @@
 Starts (unless URLs are given) a real nats-server with JetStream and a real PostgreSQL, both
 keeping their data under ``--state-dir``; applies migrations; then runs the services as child
 processes: simulated workers, kv_indexer (``--indexers N``: a highly available group of N),
-telemetry, api and router. Prints the URLs, restarts a child that dies (with backoff), and on
+telemetry, api and router (and, with ``--epp-port``, ``kvgate epp``: the router's decision
+core as a Gateway API Inference Extension endpoint picker, on the same bus and cluster state).
+Prints the URLs, restarts a child that dies (with backoff), and on
 Ctrl-C / SIGTERM stops the children (SIGTERM, then SIGKILL after a grace period) before the
 embedded servers, so nothing is orphaned and JetStream / Postgres shut down cleanly.
 """
@@ -64,6 +66,20 @@ OPTIONS = (
     ),
     S.option("router_port", 8080, "router (OpenAI API) port", env="KVGATE_ROUTER_PORT"),
     S.option("api_port", 8081, "admin API port", env="KVGATE_API_PORT"),
+    S.option(
+        "epp_port",
+        0,
+        "also run `kvgate epp` (the Gateway API Inference Extension endpoint picker: Envoy "
+        "ext_proc + gRPC health) on this port, beside the router, deciding from the same "
+        "cluster state; 0: none",
+        env="KVGATE_UP_EPP_PORT",
+    ),
+    S.option(
+        "epp_operator_port",
+        8085,
+        "the endpoint picker's operator port (/health, /metrics, /debug/*), with --epp-port",
+        env="KVGATE_UP_EPP_OPERATOR_PORT",
+    ),
     S.option(
         "router_operator_port",
         8084,
@@ -385,6 +401,19 @@ class Stack:
                 role="router",
             ),
         ]
+        if st.epp_port:
+            # the same decision core behind Envoy's ext_proc; it logs in as a router (the same
+            # subjects) and trusts the same signer; it has no client API of its own
+            kids.append(
+                Child(
+                    "epp",
+                    py
+                    + ["epp", "--port", str(st.epp_port)]
+                    + ["--operator-port", str(st.epp_operator_port)],
+                    f"http://{host}:{st.epp_operator_port}/health",
+                    role="router",
+                )
+            )
         if st.bridge:
             # its /health answers 200 once the engine answered and its history is replayed
             kids.append(
@@ -412,6 +441,7 @@ class Stack:
                 kid.env.update(self.api_secrets)
             elif kid.role == "router":
                 kid.env["KVGATE_TRUSTED_SIGNERS"] = signer.public_key
+            if kid.name == "router":  # its client API keys: the EPP serves no clients
                 kid.env["KVGATE_ROUTER_OPERATOR_PORT"] = str(self.st.router_operator_port)
                 kid.env.update(self.router_secrets)
         return kids
@@ -442,6 +472,7 @@ class Stack:
         ports = [st.router_port, st.router_operator_port, st.api_port]
         ports += [*self.indexer_ports().values(), st.telemetry_port]
         ports += [st.bridge_port] if st.bridge else []
+        ports += [st.epp_port, st.epp_operator_port] if st.epp_port else []
         ports += [st.sim_port + i for i in range(st.workers)]
         busy = [p for p in ports if port_open("127.0.0.1", p, 0.2)]
         if busy:
@@ -543,7 +574,12 @@ class Stack:
         ports["telemetry"] = st.telemetry_port
         if st.workers > 0:
             ports["sim"] = st.sim_port
+        if st.epp_port:
+            ports["epp-operator"] = st.epp_operator_port
         urls = {name: f"http://{host}:{port}" for name, port in ports.items()}
+        if st.epp_port:  # gRPC: kvgate status asks its gRPC health service
+            ports["epp"] = st.epp_port
+            urls["epp"] = f"grpc://{host}:{st.epp_port}"
         pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
         if isinstance(self.nats, EmbeddedNatsCluster):
             for i, node in enumerate(self.nats.nodes):
@@ -638,6 +674,7 @@ class Stack:
             "\nkvgate is up\n"
             f"  OpenAI base URL : http://{host}:{self.st.router_port}/v1\n"
             + key_line
+            + self._epp_line(host)
             + f"  admin API       : http://{host}:{self.st.api_port}/api/v1\n"
             + token_line
             + page_line
@@ -656,6 +693,14 @@ class Stack:
         )
         self.supervise(env)
         return 0
+
+    def _epp_line(self, host: str) -> str:
+        if not self.st.epp_port:
+            return ""
+        return (
+            f"  endpoint picker : {host}:{self.st.epp_port} (Envoy ext_proc, gRPC health; "
+            f"/metrics on http://{host}:{self.st.epp_operator_port})\n"
+        )
 
     def _nats_auth_note(self) -> str:
         if self.nats is None:

@@ -1,6 +1,8 @@
 """`kvgate up` as a user runs it: embedded NATS and Postgres, a chat completion through the
 router with the official openai client, then Ctrl-C leaves no process behind. The stack runs
-the highly available indexer pair (`--indexers 2`): exactly one of them is active.
+the highly available indexer pair (`--indexers 2`): exactly one of them is active, and the
+endpoint picker beside the router (`--epp-port`): a gRPC client playing Envoy gets a simulated
+worker's endpoint from it, and `kvgate status` shows it.
 
 NATS authorization is on by default (one generated user per role): the completion going
 through proves every service works within its role's permissions, and no service's log shows a
@@ -9,6 +11,8 @@ permission it was refused or any of the generated passwords."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.up_stack import UpStack, processes_mentioning
+from services.common.embedded import free_port
+from tests.up_stack import UpStack, processes_mentioning, up_env
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +30,28 @@ def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) ->
     import openai
 
     state = tmp_path / "state"
-    up = UpStack(state, workers=2, indexers=2)
+    epp, epp_operator = free_port(), free_port()
+    up = UpStack(
+        state,
+        workers=2,
+        indexers=2,
+        args=["--epp-port", str(epp), "--epp-operator-port", str(epp_operator)],
+    )
     router, operator, sim = (up.ports[k] for k in ("router", "router-operator", "sim"))
     try:
         output = up.banner(timeout=120)
         assert f"http://127.0.0.1:{router}/v1" in output
+        assert f"endpoint picker : 127.0.0.1:{epp} " in output
+        _check_epp_picks_a_sim_worker(epp, {f"127.0.0.1:{sim + i}" for i in range(2)})
+        status = subprocess.run(
+            [sys.executable, "-m", "services.cli", "status", "--json", "--state-dir", str(state)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=up_env(),
+        )
+        health = json.loads(status.stdout)["health"]
+        assert health["epp"] == "ok" and health["epp-operator"] == "ok", status.stdout
 
         # the OpenAI endpoint wants the client key the banner printed (and nothing else)
         assert f"client API key  : {up.client_key}" in output and up.client_key
@@ -87,9 +109,10 @@ def test_kvgate_up_serves_a_chat_completion_and_stops_cleanly(tmp_path: Path) ->
         assert "permissions violation" not in text.lower(), f"{name}: {text[-3000:]}"
         assert "authorization violation" not in text.lower(), f"{name}: {text[-3000:]}"
     assert "bus connected" in outputs["router.log"]
+    assert "epp listening" in outputs["epp.log"]
     assert "indexer lease acquired" in outputs["indexer-1.log"] + outputs["indexer-2.log"]
     leftovers = processes_mentioning(str(state)) + processes_mentioning(f"--port {router}")
-    leftovers += processes_mentioning(f"--port {sim}")
+    leftovers += processes_mentioning(f"--port {sim}") + processes_mentioning(f"--port {epp}")
     assert leftovers == [], leftovers
 
 
@@ -114,6 +137,7 @@ def _check_children_hold_only_their_secrets(state: Path, client_key: str) -> Non
         "telemetry": {"telemetry"},
         "api": {"api"},
         "router": {"router"},
+        "epp": {"router"},  # it decides as a router does, on the router's subjects
     }
     assert set(own) <= set(stack["pids"]), stack["pids"]
     for child, users in own.items():
@@ -127,3 +151,32 @@ def _check_children_hold_only_their_secrets(state: Path, client_key: str) -> Non
         assert ("KVGATE_SIGNING_SEED" in env) == (child == "api"), f"{child}: signing seed"
     sim = _environ(stack["pids"]["sim-workers"])
     assert "KVGATE_NATS_PASSWORD" not in sim  # no shared worker credential: one per worker
+
+
+def _check_epp_picks_a_sim_worker(port: int, endpoints: set[str]) -> None:
+    """The EPP becomes ready (gRPC health ``readiness``) and answers a request's headers and
+    body, as Envoy sends them, with one of the stack's workers."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.test_epp import body_chunk, picked, request_headers
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 30
+        while True:
+            got = health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+            if got.status == health_pb2.HealthCheckResponse.SERVING:
+                break
+            assert time.monotonic() < deadline, "the EPP never became ready"
+            time.sleep(0.1)
+        body = json.dumps(
+            {"model": "sim-llama-8b", "messages": [{"role": "user", "content": "hi"}]}
+        ).encode()
+        answers = list(
+            pb_grpc.ExternalProcessorStub(channel).Process(
+                iter([request_headers("/v1/chat/completions"), body_chunk(body, True)]), timeout=10
+            )
+        )
+    assert picked(answers[0], len(body)) in endpoints

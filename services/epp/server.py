@@ -139,16 +139,17 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     from services.router.app import Router
     from services.router.public_surface import start_operator_http
 
+    # outcomes, load reports and the NATS connection name this process as an EPP (epp-<hex>
+    # unless --router-id names it), not as a router
+    st.router_id = st.router_id or f"epp-{uuid.uuid4().hex[:8]}"
     bus = Bus(
         st.nats_url,
-        f"epp-{st.router_id or 'e'}",
+        st.router_id,
         Subjects(st.subject_prefix),
         auth=NatsAuth.from_settings(st),
         role="router",
     )
     await bus.connect()
-    # outcomes and load reports name this process as an EPP, not as a router
-    st.router_id = st.router_id or f"epp-{uuid.uuid4().hex[:8]}"
     router = Router(st, bus)
     await router.start()
     epp = EppServer(router, int(st.max_body_bytes))
