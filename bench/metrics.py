@@ -34,6 +34,7 @@ class RequestResult:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
+    prefill_worker: str | None = None  # disaggregated: the engine that computed the prompt
 
     @property
     def end_s(self) -> float:

@@ -22,6 +22,16 @@ Event loop: a heap of (time, seq, kind, payload). An engine is either idle or in
 finished requests, KV events) take effect at ``now + duration``, when the next step starts.
 A request is rejected after ``queue_timeout_s`` in the queue (the router's 429).
 
+Disaggregated fleets (``prefill_workers`` / ``decode_workers`` > 0: xPyD): engines have roles,
+routed by a P/D policy. A decision with a ``prefill_worker`` sends the prompt there first (one
+token, ``hold_blocks``: its blocks stay held for the decoder, at most ``kv_hold_s``); when it
+finishes, the request joins the decoder's queue (``kv_from_remote``); when the decoder admits
+it, its blocks are reserved and the KV moves for
+:func:`~services.core.pd.transfer.transfer_seconds` of the tokens the decoder lacks (one transfer
+at a time into each decoder: its link); then the decoder computes the last prompt token,
+streams the answer, and the prefiller's blocks are released (when the lease ran out first, the
+pull fails and the decoder computes the prompt itself). Both pools' KV events feed the index.
+
 Invariants: every request ends with exactly one :class:`RequestResult`; every ticket the
 lifecycle hands out is released once (at the request's end, or when its engine refuses it);
 virtual time never goes backwards; an engine runs at most one step at a time.
@@ -44,9 +54,11 @@ from services.core.cluster import ClusterState, Ticket
 from services.core.index import PrefixIndex
 from services.core.keys import block_keys, block_seed
 from services.core.lifecycle import AdmissionQueue, RequestLifecycle
+from services.core.pd.transfer import LINK_PROFILES, ModelShape, transfer_seconds
 from services.core.policy import RequestInfo, build_policy
 
-_ARRIVE, _STEP, _EXPIRE, _RELEASE = 0, 1, 2, 3
+_ARRIVE, _STEP, _EXPIRE, _RELEASE, _XFER, _UNHOLD = 0, 1, 2, 3, 4, 5
+PREFILL_SUFFIX = "~prefill"  # the engine request id of a request's remote prefill
 
 
 @dataclass
@@ -64,6 +76,24 @@ class SimOptions:
     speedup: float = 1.0  # like sim-worker --speedup: steps take duration / speedup
     gpu_gauges: bool | None = None  # simulated GPU gauges in the snapshot (None: gpu_aware only)
     worker_prefix: str = "sim"
+    # disaggregated fleet (both 0: ``num_workers`` colocated engines): this many prefill and
+    # decode engines (``num_workers`` is then ignored); KV moves over ``link``, sized by
+    # ``model_shape``; a prefill's blocks are held at most ``kv_hold_s`` for its decoder
+    # (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s)
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    link: str = "rdma"
+    model_shape: ModelShape = field(default_factory=ModelShape)
+    kv_hold_s: float = 480.0
+
+    def fleet(self) -> list[tuple[str, str]]:
+        """(worker id, role) of every engine."""
+        pre = self.worker_prefix
+        if self.prefill_workers or self.decode_workers:
+            return [(f"{pre}-p{i}", "prefill") for i in range(self.prefill_workers)] + [
+                (f"{pre}-d{i}", "decode") for i in range(self.decode_workers)
+            ]
+        return [(f"{pre}-{i}", "both") for i in range(self.num_workers)]
 
 
 @dataclass
@@ -78,6 +108,11 @@ class SimRun:
     decisions: int
     replicas: int = 0  # one-token copies the policy sent (hot-prefix replication)
     held: int = 0  # requests the policy held until their prefix's first request had a token
+    transfers: int = 0  # disaggregated: requests whose prompt KV moved prefiller -> decoder
+    transfer_s: float = 0.0  # their total transfer time (link time, not waits)
+    local_prefills: int = 0  # disaggregated: requests a P/D policy let the decoder prefill
+    hold_timeouts: int = 0  # prefills whose held blocks no decoder pulled within kv_hold_s
+    roles: dict[str, str] = field(default_factory=dict)  # worker -> role
 
 
 @dataclass(slots=True, eq=False)
@@ -92,6 +127,9 @@ class _Live:
     last: float | None = None
     replica: bool = False  # a router-made one-token copy (hot-prefix replication), not a user's
     sreq: Any = None  # the engine request while held (follower hold), else None
+    prefill_worker: str | None = None  # disaggregated: the engine computing its prompt
+    pticket: Ticket | None = None  # the claim there (released when the prefill is done)
+    dispatched: float = 0.0
 
 
 def make_engine_config(overrides: dict[str, Any]):
@@ -130,8 +168,13 @@ def simulate(
         keys = request_keys(requests, bs, getattr(cfg, "hash_seed", 0))
     policy = build_policy(policy_spec)
     with_keys = RequestLifecycle.wants_block_keys(policy)  # like the live router
-    names = [f"{opts.worker_prefix}-{i}" for i in range(opts.num_workers)]
+    fleet = opts.fleet()
+    names = [w for w, _ in fleet]
+    roles = dict(fleet)
     engines = {w: eng_mod.Engine(replace(cfg, seed=cfg.seed + i), w) for i, w in enumerate(names)}
+    link = LINK_PROFILES[opts.link]
+    link_free: dict[str, float] = dict.fromkeys(names, 0.0)  # each decoder's inbound link
+    pre_by_id: dict[str, _Live] = {}  # remote prefills in flight, by engine request id
     # the router's own state and lifecycle; workers never time out on the virtual clock (they
     # heartbeat once) and telemetry is as fresh as its sampling interval
     state = ClusterState(worker_timeout=math.inf, telemetry_stale_s=math.inf, remote_ttl_s=math.inf)
@@ -144,9 +187,15 @@ def simulate(
     )
     for w in names:
         hb = schemas.WorkerHeartbeat(
-            worker_id=w, instance_id=w, url=f"sim://{w}", model=opts.model, capacity=capacity
+            worker_id=w,
+            instance_id=w,
+            url=f"sim://{w}",
+            model=opts.model,
+            capacity=capacity,
+            role=roles[w],
         )
         state.on_heartbeat(hb, 0.0)
+        state.states[w].role = roles[w]
     index = PrefixIndex()
     busy: dict[str, bool] = dict.fromkeys(names, False)
     telemetry = opts.telemetry_interval_s > 0
@@ -195,7 +244,8 @@ def simulate(
         order.clear()
 
     queue: AdmissionQueue[_Live] = AdmissionQueue(math.inf, opts.queue_timeout_s)
-    counts = {"replicas": 0, "held": 0}
+    counts = {"replicas": 0, "held": 0, "transfers": 0, "local": 0, "hold_timeouts": 0}
+    xfer_total = 0.0
     done = 0
     steps = decisions = 0
     now = 0.0
@@ -314,6 +364,9 @@ def simulate(
             finish(lv, REJECTED, t, d.never_fits or d.reason)
             return True
         w = d.worker_id
+        lv.dispatched = t
+        if policy.impl.disaggregated:
+            return dispatch_pd(lv, d, t)
         hold = life.must_hold(d)
         lv.ticket = life.dispatch(lv.rid, w, req.prompt_tokens, req.max_tokens, d.cached_tokens, t)
         lv.worker = w
@@ -342,6 +395,67 @@ def simulate(
                 by_id[rl.rid] = rl
                 counts["replicas"] += 1
         return True
+
+    def dispatch_pd(lv: _Live, d: Any, t: float) -> bool:
+        """A P/D policy's decision: the decoder prefills itself, or the prompt goes to the
+        prefiller first (its KV then moves to the decoder: :func:`start_transfer`)."""
+        req = lv.req
+        lv.ticket, lv.pticket = life.dispatch_pd(lv.rid, d, req.prompt_tokens, req.max_tokens, t)
+        lv.worker = d.worker_id
+        lv.result.worker = d.worker_id
+        if d.prefill_worker is None:
+            counts["local"] += 1
+            send(lv, engine_request(lv, req.max_tokens, t), t)
+            return True
+        lv.prefill_worker = lv.result.prefill_worker = d.prefill_worker
+        sreq = engine_request(lv, 1, t)
+        sreq.request_id = lv.rid + PREFILL_SUFFIX
+        sreq.hold_blocks = True
+        p = d.prefill_worker
+        try:
+            engines[p].add_request(sreq, t)
+        except eng_mod.AdmissionError as exc:
+            assert lv.pticket is not None
+            life.state.release(lv.pticket)
+            end(lv, t)
+            finish(lv, REJECTED, t, str(exc))
+            return True
+        pre_by_id[sreq.request_id] = lv
+        if not busy[p]:
+            start_engine(p, t)
+        return True
+
+    def to_decoder(lv: _Live, t: float) -> None:
+        """The prompt's KV is ready on the prefiller: the request joins the decoder's queue
+        (its KV moves once the decoder admits it and reserves its blocks)."""
+        w = lv.worker
+        assert w is not None
+        sreq = engine_request(lv, lv.req.max_tokens, t)
+        sreq.kv_from_remote = True
+        try:
+            engines[w].add_request(sreq, t)
+        except eng_mod.AdmissionError as exc:
+            engines[lv.prefill_worker or ""].release_held(lv.rid + PREFILL_SUFFIX)
+            end(lv, t)
+            finish(lv, REJECTED, t, str(exc))
+            return
+        push(t + opts.kv_hold_s, _UNHOLD, lv)  # the prefiller's lease on its blocks
+        if not busy[w]:
+            start_engine(w, t)
+
+    def start_transfer(w: str, rid: str, t: float) -> None:
+        """Decoder ``w`` reserved ``rid``'s blocks: move the prompt tokens it lacks."""
+        nonlocal xfer_total
+        s = engines[w].receiving.get(rid)
+        lv = by_id.get(rid)
+        if s is None or lv is None:
+            return
+        dur = transfer_seconds(len(s.tokens) - s.num_computed, opts.model_shape, link)
+        at = max(t, link_free[w]) + dur
+        link_free[w] = at
+        xfer_total += dur
+        counts["transfers"] += 1
+        push(at, _XFER, lv)
 
     def release(group: list[_Live], t: float) -> None:
         """Send held requests (their leader's first token came, or their hold_s passed)."""
@@ -378,6 +492,19 @@ def simulate(
                 push(t + opts.queue_timeout_s + 1e-9, _EXPIRE, None)
         elif kind == _EXPIRE:
             drain_queue(t)
+        elif kind == _XFER:  # the KV arrived: the decoder runs it, the prefiller frees it
+            lv = payload
+            w = lv.worker
+            if engines[lv.prefill_worker].release_held(lv.rid + PREFILL_SUFFIX):
+                engines[w].kv_received(lv.rid)
+            else:  # the prefiller's lease ran out first: the decoder computes the prompt
+                engines[w].kv_failed(lv.rid)
+            if not busy[w]:
+                start_engine(w, t)
+        elif kind == _UNHOLD:  # no decoder pulled the blocks in time: the prefiller frees them
+            lv = payload
+            if engines[lv.prefill_worker].release_held(lv.rid + PREFILL_SUFFIX):
+                counts["hold_timeouts"] += 1
         elif kind == _RELEASE:
             lead_id, who = payload
             if lead_id is None:  # the leader's first token or end released them all
@@ -395,7 +522,7 @@ def simulate(
                 elif isinstance(ev, schemas.AllBlocksCleared):
                     index.clear_worker(w)
             for rid, toks in out.tokens.items():
-                if not toks:
+                if not toks or rid in pre_by_id:  # a remote prefill's token is not streamed
                     continue
                 lv = by_id.get(rid)
                 if lv is None:
@@ -410,11 +537,19 @@ def simulate(
                         push(t, _RELEASE, (None, followers))
                     if not lv.replica:
                         lv.result.ttft_s = t - lv.result.send_s
+                        if policy.impl.disaggregated and lv.prefill_worker is None:
+                            life.prefill_observed(policy, rid, w, t - lv.dispatched)
                 elif lv.last is not None:
                     lv.result.itl_s.append(t - lv.last)
                 lv.last = t
             freed = False
             for fin in out.finished:
+                lv = pre_by_id.pop(fin.request_id, None)
+                if lv is not None:  # a remote prefill is done: its KV goes to the decoder
+                    assert lv.pticket is not None
+                    life.prefilled(policy, lv.rid, lv.pticket, t - lv.dispatched, t)
+                    to_decoder(lv, t)
+                    continue
                 lv = by_id.get(fin.request_id)
                 if lv is None:
                     continue
@@ -437,6 +572,8 @@ def simulate(
                 else:
                     finish(lv, OK, t)
                 freed = True
+            for rid in out.kv_transfers:
+                start_transfer(w, rid, t)
             start_engine(w, t)
             if freed and queue:
                 drain_queue(t)
@@ -461,4 +598,9 @@ def simulate(
         decisions=decisions,
         replicas=counts["replicas"],
         held=counts["held"],
+        transfers=counts["transfers"],
+        transfer_s=xfer_total,
+        local_prefills=counts["local"],
+        hold_timeouts=counts["hold_timeouts"],
+        roles=roles,
     )

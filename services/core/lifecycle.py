@@ -3,6 +3,8 @@ the cluster simulator share.
 
     decide --(wait)--> AdmissionQueue --(capacity)--> decide again
            --(worker)--> dispatch: ticket on the worker, follower hold?, hot-prefix replicas
+           (a P/D decision: dispatch_pd, a ticket on the decoder and one on the prefiller
+            --> prefilled: the prefiller's claim released, the KV moves to the decoder)
            --> first token (prefill done; followers released)
            --> decoded (a streamed answer's mean inter-token gap calibrates the latency model)
            --> end (ticket released)
@@ -180,6 +182,38 @@ class RequestLifecycle(Generic[F]):
         ticket = self.state.reserve(worker_id, prompt_tokens, max_tokens, cached_tokens, wall)
         self.holds.sent(request_id)
         return ticket
+
+    def dispatch_pd(
+        self, request_id: str, d: Decision, prompt_tokens: int, max_tokens: int, wall: float
+    ) -> tuple[Ticket, Ticket | None]:
+        """A P/D decision's claims: on the decoder (``d.worker_id``: the whole request's KV,
+        pending until its first token) and, when ``d.prefill_worker`` is set, on the prefiller
+        (the prompt + 1 token; released by :meth:`prefilled`). The decoder then computes no
+        prompt: its queued prefill is the prefiller's."""
+        ticket = self.dispatch(
+            request_id, d.worker_id or "", prompt_tokens, max_tokens, d.cached_tokens, wall
+        )
+        if d.prefill_worker is None:
+            return ticket, None
+        self.state.first_token(ticket)  # no prompt to compute on the decoder
+        pre = self.state.reserve(d.prefill_worker, prompt_tokens, 1, d.prefill_cached_tokens, wall)
+        return ticket, pre
+
+    def prefilled(
+        self, policy: Policy, request_id: str, ticket: Ticket, ttft_s: float, now: float
+    ) -> None:
+        """The remote prefill of ``request_id`` has its token (its KV is ready to move,
+        ``ttft_s`` after dispatch): the prefiller's claim is released and the policy told."""
+        self.state.first_token(ticket, now)
+        self.state.release(ticket)
+        self.prefill_observed(policy, request_id, ticket.worker_id, ttft_s)
+
+    @staticmethod
+    def prefill_observed(policy: Policy, request_id: str, worker_id: str, ttft_s: float) -> None:
+        """``request_id``'s prompt was computed on ``worker_id`` ``ttft_s`` after dispatch (a
+        remote prefill, or a P/D policy's local one): for the policy's prefill model
+        (:meth:`~services.core.policy.base.PolicyImpl.observe_prefill`)."""
+        policy.impl.observe_prefill(request_id, worker_id, ttft_s, policy.state)
 
     def must_hold(self, d: Decision) -> bool:
         """Should the request wait for ``d.after``'s first token before it is sent?"""

@@ -77,6 +77,9 @@ class PolicyImpl:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     PARAMS: ClassVar[dict[str, Any]] = {}
+    # a P/D policy (prefill/decode disaggregation) pairs a prefill worker with a decode worker
+    # in :meth:`decide_pd` instead of costing colocated ("both") workers
+    disaggregated: ClassVar[bool] = False
 
     def __init__(self, params: dict[str, Any]) -> None:
         self.p = params
@@ -114,6 +117,26 @@ class PolicyImpl:
         requests in flight there (:meth:`RequestLifecycle.decoded
         <services.core.lifecycle.RequestLifecycle.decoded>`): for a policy that calibrates a
         latency model from it; ignored by default."""
+
+    def decide_pd(
+        self,
+        req: RequestInfo,
+        snapshot: ClusterSnapshot,
+        overlaps: dict[str, int],
+        state: PolicyState,
+    ) -> Decision:
+        """A P/D policy's whole decision (``disaggregated`` True): the decode worker as
+        ``worker_id``, the prefill worker as ``prefill_worker`` (None: the decoder prefills
+        itself). Filters are the policy's (:func:`services.core.pd.pools.pools`)."""
+        raise NotImplementedError
+
+    def observe_prefill(
+        self, request_id: str, worker_id: str, ttft_s: float, state: PolicyState
+    ) -> None:
+        """Request ``request_id``'s prefill on ``worker_id`` took ``ttft_s`` from dispatch to
+        its first token (:meth:`RequestLifecycle.prefilled
+        <services.core.lifecycle.RequestLifecycle.prefilled>`; a P/D policy calibrates its
+        prefill model from it); ignored by default."""
 
     def prune(self, state: PolicyState, live: dict[str, WorkerState]) -> None:
         """Workers left the cluster: drop what ``state`` keeps for workers not in ``live``
@@ -201,6 +224,11 @@ def decide(
     impl = policy.impl
     filtered: dict[str, str] = {}
     state = policy.state
+    if impl.disaggregated:
+        state.now = snapshot.now
+        d = impl.decide_pd(request, snapshot, overlaps, state)
+        d.policy = policy.name
+        return d
     if snapshot.watchers is not None:
         if snapshot.removed != state.removed_seen:  # workers left: forget them
             state.removed_seen = snapshot.removed

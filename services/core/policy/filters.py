@@ -2,7 +2,9 @@
 
 - :func:`routable_for_model`: healthy, not cordoned / draining, circuit closed, serves the model
   as its base model or as one of its LoRA adapters (an empty request model matches every
-  worker).
+  worker), and has one of the roles asked for: colocated policies take only ``"both"`` workers
+  (a disaggregated fleet's prefill and decode engines are for P/D policies, which pass their
+  pool's roles).
 - :func:`fit_now`, in one pass: could it ever fit (``blocks_needed(prompt, max_tokens) <=
   num_gpu_blocks`` and ``prompt + max_tokens <= max_model_len``; seed 003: cache must hold
   prompt + generation), and can it be taken now (in-flight below the policy's cap, and the
@@ -17,13 +19,20 @@ from collections.abc import Iterable
 from services.core.keys import blocks_needed
 from services.core.policy.types import RequestInfo, WorkerState
 
+COLOCATED: tuple[str, ...] = ("both",)
+
 
 def routable_for_model(
-    workers: Iterable[WorkerState], model: str, filtered: dict[str, str]
+    workers: Iterable[WorkerState],
+    model: str,
+    filtered: dict[str, str],
+    roles: tuple[str, ...] = COLOCATED,
 ) -> list[WorkerState]:
     out = []
     for w in workers:
-        if model and w.model != model and model not in w.loras:
+        if w.role not in roles:
+            filtered[w.worker_id] = f"role {w.role}"
+        elif model and w.model != model and model not in w.loras:
             filtered[w.worker_id] = f"serves {w.model!r}"
         elif not w.healthy:
             filtered[w.worker_id] = "unhealthy"

@@ -95,7 +95,8 @@ class FleetView:
             w,
             pos,
             self._ver,
-            w.healthy and not (w.cordoned or w.draining or w.circuit_open),
+            # colocated policies' view: a P/D fleet's prefill / decode engines are not theirs
+            w.healthy and not (w.cordoned or w.draining or w.circuit_open) and w.role == "both",
             w.model,
             c.block_size,
             c.num_gpu_blocks,

@@ -141,6 +141,9 @@ class Decision(msgspec.Struct):
     # policy's conditional fall-back). ``transfer_s``: predicted KV transfer time.
     prefill_worker: str | None = None
     transfer_s: float = 0.0
+    # with ``prefill_worker``: the prompt tokens predicted cached there (``cached_tokens`` is
+    # the decoder's, whose KV the transfer need not move)
+    prefill_cached_tokens: int = 0
 
 
 def drop_departed(per_worker: dict[str, Any], live: Container[str]) -> None:
