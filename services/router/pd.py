@@ -85,6 +85,16 @@ def prefill_body(body: dict[str, Any], extra: dict[str, Any], nixl: bool) -> byt
     return _encode(out)
 
 
+def bootstrap_fields(prefill_url: str, port: int) -> dict[str, Any]:
+    """SGLang's bootstrap fields for one request pair: the prefill engine's host and bootstrap
+    port, and a random room (63 bits, as SGLang's load balancer draws it)."""
+    return {
+        "bootstrap_host": urlsplit(prefill_url).hostname or "",
+        "bootstrap_port": port,
+        "bootstrap_room": secrets.randbits(63),
+    }
+
+
 class PdSender:
     def __init__(
         self,
@@ -151,11 +161,7 @@ class PdSender:
         url = self.state.states[pwid].url
         hb = self.state.heartbeat_of(pwid)
         port = (hb.bootstrap_port if hb is not None else 0) or SGLANG_BOOTSTRAP_PORT
-        fields = {
-            "bootstrap_host": urlsplit(url).hostname or "",
-            "bootstrap_port": port,
-            "bootstrap_room": secrets.randbits(63),
-        }
+        fields = bootstrap_fields(url, port)
         ctx.pd_fields = fields
         prefill = asyncio.ensure_future(self._prefill(ctx, pwid, fields, nixl=False))
         prefill.add_done_callback(lambda _f: self.dispatcher.release_ticket(pticket))

@@ -14,8 +14,14 @@ class HttpEngine:
     """An engine's HTTP side: /health, /metrics (process_start_time_seconds, optionally
     vllm:cache_config_info) and SGLang's /get_server_info."""
 
-    def __init__(self, page_size: int | None = None, block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        page_size: int | None = None,
+        block_size: int | None = None,
+        server_info: dict | None = None,
+    ) -> None:
         self.page_size, self.block_size = page_size, block_size
+        self.server_info = server_info  # SGLang's /server_info (resolved server args)
         self.start_time: float | None = 1_700_000_000.0
         self.healthy = True
         self.port = free_port()
@@ -44,11 +50,17 @@ class HttpEngine:
             return web.Response(status=404)
         return web.json_response({"page_size": self.page_size, "max_total_num_tokens": 4000})
 
+    async def _server_info(self, _: web.Request) -> web.Response:
+        if self.server_info is None:
+            return web.Response(status=404)
+        return web.json_response(self.server_info)
+
     async def __aenter__(self) -> HttpEngine:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/get_server_info", self._info)
+        app.router.add_get("/server_info", self._server_info)
         self.runner = await start_http(app, "127.0.0.1", self.port)
         return self
 

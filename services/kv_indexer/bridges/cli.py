@@ -24,6 +24,7 @@ import asyncio
 
 from services.common import settings as S
 from services.common.service import run_service
+from services.kv_indexer.bridges.pd_role import ROLE_CHOICES, role_from_flags
 
 ENGINES = ("vllm", "sglang", "trtllm")
 
@@ -118,6 +119,30 @@ OPTIONS = S.COMMON + (
         env="KVGATE_BRIDGE_POLL_INTERVAL",
     ),
     S.option(
+        "role",
+        "auto",
+        "disaggregated serving: what the engine does, announced in heartbeats: both, prefill "
+        "or decode (or the engines' words: vLLM kv_role kv_producer / kv_consumer / kv_both, "
+        "SGLang --disaggregation-mode null / prefill / decode); auto: from "
+        "--kv-transfer-config, else SGLang's /server_info, else both",
+        choices=list(ROLE_CHOICES),
+        env="KVGATE_BRIDGE_ROLE",
+    ),
+    S.option(
+        "kv_transfer_config",
+        "",
+        "vllm: the --kv-transfer-config JSON the engine was started with (its kv_role gives "
+        "the role)",
+        env="KVGATE_BRIDGE_KV_TRANSFER_CONFIG",
+    ),
+    S.option(
+        "bootstrap_port",
+        0,
+        "sglang prefill: the engine's --disaggregation-bootstrap-port (0: read it from "
+        "/server_info; the router assumes 8998 when none is announced)",
+        env="KVGATE_BRIDGE_BOOTSTRAP_PORT",
+    ),
+    S.option(
         "history_recheck_interval",
         30.0,
         "vllm/sglang: seconds after a failed replay (timeout, socket error) lost engine "
@@ -148,6 +173,10 @@ async def serve(st, stop: asyncio.Event) -> None:
     from services.common.subjects import Subjects
     from services.kv_indexer.bridges.runtime import BridgeRuntime, CapacityDefaults
 
+    try:  # before connecting: a bad flag is a clear start-up error
+        role = role_from_flags(st.role, st.kv_transfer_config)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     bus = Bus(
         st.nats_url,
         f"bridge-{st.engine}",
@@ -171,6 +200,8 @@ async def serve(st, stop: asyncio.Event) -> None:
             max_model_len=st.max_model_len,
         ),
         heartbeat_s=st.heartbeat_interval,
+        role=role,
+        bootstrap_port=st.bootstrap_port,
     )
     await rt.start()
     runner = None

@@ -51,6 +51,7 @@ from services.common.schemas import (
 from services.common.service import metrics_handler
 from services.common.streams import require_kv_events_stream
 from services.kv_indexer.bridges.history import HistoryLedger, LossReason
+from services.kv_indexer.bridges.pd_role import role_from_server_info
 from services.kv_indexer.bridges.rekey import Rekeyer
 
 log = get_logger("bridge")
@@ -149,8 +150,15 @@ class BridgeRuntime:
         block_size: int | None = None,
         capacity: CapacityDefaults | None = None,
         heartbeat_s: float = 1.0,
+        role: str | None = None,
+        bootstrap_port: int = 0,
     ) -> None:
         self.bus = bus
+        # disaggregated serving (services/kv_indexer/bridges/pd_role.py): None = learn it
+        # from the engine (SGLang's /server_info), else what the flags said
+        self.role_given = role
+        self.role = role or "both"
+        self.bootstrap_port = bootstrap_port
         self.worker_id = worker_id
         self.engine = engine
         self.model = model
@@ -388,6 +396,14 @@ class BridgeRuntime:
                             self._engine_caps["max_num_seqs"] = int(info["max_running_requests"])
                         if info.get("context_length"):
                             self._engine_caps["max_model_len"] = int(info["context_length"])
+        if self.engine == "sglang" and self.role_given is None:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                async with s.get(f"{self.engine_url}/server_info") as r:
+                    if r.status == 200:
+                        learned = role_from_server_info(await r.json())
+                        if learned is not None:
+                            self.role, port = learned
+                            self.bootstrap_port = self.bootstrap_port or port
         if "block_size" in self._engine_caps:
             self.set_block_size(self._engine_caps["block_size"])
         return True
@@ -488,6 +504,8 @@ class BridgeRuntime:
             kv_seq=self.out_seq,
             ts=time.time(),
             loras=self.loras,
+            role=self.role,  # type: ignore[arg-type]
+            bootstrap_port=self.bootstrap_port if self.role == "prefill" else 0,
         )
 
     async def _heartbeat_loop(self) -> None:
