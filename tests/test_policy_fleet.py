@@ -121,6 +121,8 @@ def _run(seq, spec: dict, n: int = 8, check_view: bool = False, roomy: bool = Fa
                 db.overlap_blocks,
                 db.reason,
             )
+            # and so the same reuse attribution (services/core/policy/attribution.py)
+            assert (da.available_tokens, da.lost_reason) == (db.available_tokens, db.lost_reason)
             # the shortcut's costs are the full evaluation's, for the workers it scored
             assert set(da.scores) <= set(db.scores)
             assert all(da.scores[w] == db.scores[w] for w in da.scores)

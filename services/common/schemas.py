@@ -275,7 +275,7 @@ class RouterOutcome(Message):
     http_status: int = 200
     prompt_tokens: NonNeg = 0
     completion_tokens: NonNeg = 0
-    predicted_cached_tokens: NonNeg = 0
+    predicted_cached_tokens: NonNeg = 0  # captured: the chosen worker's, by the index
     cached_tokens: NonNeg | None = None  # as reported by the worker (ground truth)
     ttft_s: NonNegF | None = None
     e2e_s: NonNegF | None = None
@@ -287,6 +287,10 @@ class RouterOutcome(Message):
     prefill_worker: str | None = None
     prefill_s: NonNegF | None = None
     handoff_s: NonNegF | None = None
+    # reuse attribution (services/core/policy/attribution.py): the most prompt tokens an
+    # eligible worker held cached, and why that worker was not chosen ("" when it was)
+    available_cached_tokens: NonNeg = 0
+    lost_reason: str = ""
 
 
 class CanaryAssignment(Struct, kw_only=True):

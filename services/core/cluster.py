@@ -142,7 +142,7 @@ class ClusterState:
         ):
             s.model, s.url, s.loras, s.capacity, s.role = hb.model, url, hb.loras, cap, hb.role
             self._notify(hb.worker_id)
-        self.block_sizes = {x.capacity.block_size for x in self.states.values()}
+        self._block_sizes_changed()
         self._refresh(hb.worker_id, now)
         return new
 
@@ -150,6 +150,10 @@ class ClusterState:
         """The worker's last applied heartbeat (what it announced of itself), or None."""
         e = self._entries.get(worker_id)
         return e.hb if e is not None else None
+
+    def _block_sizes_changed(self) -> None:
+        self.block_sizes = {x.capacity.block_size for x in self.states.values()}
+        self.snapshot.max_block_size = max(self.block_sizes, default=0)
 
     def on_load(self, load: WorkerLoad, now: float) -> None:
         e = self._entries.get(load.worker_id)
@@ -245,7 +249,7 @@ class ClusterState:
                 self._reserved.pop(wid, None)
                 self.snapshot.removed += 1  # the policies drop their state for it
                 self._notify(wid)
-                self.block_sizes = {x.capacity.block_size for x in self.states.values()}
+                self._block_sizes_changed()
                 self._refresh_loras()
                 changed = True
                 continue

@@ -163,7 +163,7 @@ class RequestLifecycle(Generic[F]):
         excluded = set(excluded)
         if excluded:
             states = {k: v for k, v in self.state.states.items() if k not in excluded}
-            snap = ClusterSnapshot(states, now)
+            snap = ClusterSnapshot(states, now, max_block_size=self.state.snapshot.max_block_size)
         else:
             snap = self.state.snapshot
             snap.now = now

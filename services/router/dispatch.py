@@ -64,6 +64,12 @@ class Dispatcher:
         assert wid is not None
         ctx.worker_id = wid
         ctx.predicted_cached = d.cached_tokens
+        # reuse attribution: a retry's decision no longer sees the workers that failed it; the
+        # first decision's best holder still counts as available (lost to the retry)
+        if d.available_tokens >= ctx.available_cached:
+            ctx.available_cached, ctx.lost_reason = d.available_tokens, d.lost_reason
+        else:
+            ctx.lost_reason = "retry" if d.cached_tokens < ctx.available_cached else ""
         prompt_tokens, wall = len(ctx.parsed.token_ids), time.time()
         ticket = self.lifecycle.dispatch(
             ctx.request_id, wid, prompt_tokens, ctx.parsed.max_tokens, d.cached_tokens, wall

@@ -60,6 +60,20 @@ HIT_RATE = LoopGauge(  # alias (first release's name)
 )
 PROMPT_TOKENS = LoopCounter("kvgate_router_prompt_tokens_total", "Prompt tokens routed")
 CACHED_TOKENS = LoopCounter("kvgate_router_cached_tokens_total", "Cached prompt tokens", ["kind"])
+PREFIX_TOKENS = LoopCounter(
+    "kvgate_router_prefix_tokens_total",
+    "Reuse attribution of answered requests, in prompt tokens (kind: available = the most any "
+    "eligible worker held cached, captured = the chosen worker's, delivered = the engine's "
+    "report, unpredicted = delivered beyond captured)",
+    ["kind"],
+)
+PREFIX_LOST = LoopCounter(
+    "kvgate_router_prefix_tokens_lost_total",
+    "Cached prompt tokens available but not delivered, by why (services/core/policy/"
+    "attribution.py: unhealthy, breaker, drain, capacity, filtered, tie, load, slo, policy; "
+    "retry, engine) and canary arm",
+    ["reason", "arm"],
+)
 TIMEOUTS = LoopCounter("kvgate_router_timeouts_total", "Requests that timed out at the router")
 TIMEOUTS_ALIAS = LoopCounter(  # alias (first release's name)
     "request_timeout_total", "Alias of kvgate_router_timeouts_total"

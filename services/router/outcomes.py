@@ -203,6 +203,7 @@ class OutcomeRecorder:
             self.hit_pred.add(ctx.predicted_cached, prompt)
             if ctx.cached_reported is not None:
                 self.hit_reported.add(ctx.cached_reported, prompt)
+            self.attribute(ctx)
         elif ctx.status == "timeout":
             M.TIMEOUTS.inc()
             M.TIMEOUTS_ALIAS.inc()
@@ -231,8 +232,32 @@ class OutcomeRecorder:
                 prefill_worker=ctx.prefill_worker,
                 prefill_s=ctx.pd_prefill_s,
                 handoff_s=_handoff_s(ctx),
+                available_cached_tokens=ctx.available_cached,
+                lost_reason=ctx.lost_reason,
             )
         )
+
+    def attribute(self, ctx: Ctx) -> None:
+        """An answered request's reuse attribution, in prompt tokens: available >= captured
+        (the decision's), delivered (the engine's report, when it gives one); what was
+        available and not delivered is counted by why: the decision's reason for the part
+        not captured, ``engine`` for the captured part the engine did not report as cached.
+        Delivered beyond captured (the index had not yet heard of those blocks) is counted
+        as ``unpredicted``."""
+        available, captured = ctx.available_cached, ctx.predicted_cached
+        arm = ctx.arm.name
+        M.child(M.PREFIX_TOKENS, "available").inc(available)
+        M.child(M.PREFIX_TOKENS, "captured").inc(captured)
+        if available > captured:
+            M.child(M.PREFIX_LOST, ctx.lost_reason or "filtered", arm).inc(available - captured)
+        delivered = ctx.cached_reported
+        if delivered is None:
+            return
+        M.child(M.PREFIX_TOKENS, "delivered").inc(delivered)
+        if delivered < captured:
+            M.child(M.PREFIX_LOST, "engine", arm).inc(captured - delivered)
+        elif delivered > captured:
+            M.child(M.PREFIX_TOKENS, "unpredicted").inc(delivered - captured)
 
 
 def _handoff_s(ctx: Ctx) -> float | None:

@@ -61,7 +61,10 @@ class Ctx(msgspec.Struct):
     t0: float
     path: str
     worker_id: str | None = None
-    predicted_cached: int = 0
+    predicted_cached: int = 0  # captured: the chosen worker's cached prompt tokens
+    # the most any eligible worker held (services/core/policy/attribution.py)
+    available_cached: int = 0
+    lost_reason: str = ""  # why the best holder was not taken ("" when it was)
     cached_reported: int | None = None
     completion_tokens: int = 0
     # generated text, see ``generated``: decoded parts (str) and whole events passed through

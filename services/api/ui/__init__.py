@@ -70,6 +70,8 @@ class DecisionFeed:
                     "prompt_tokens": o.prompt_tokens,
                     "predicted_cached_tokens": o.predicted_cached_tokens,
                     "cached_tokens": o.cached_tokens,
+                    "available_cached_tokens": o.available_cached_tokens,
+                    "lost_reason": o.lost_reason,
                     "ttft_s": o.ttft_s,
                     "e2e_s": o.e2e_s,
                     "retries": o.retries,

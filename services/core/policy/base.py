@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from services.core.policy import filters
+from services.core.policy.attribution import attribute
 from services.core.policy.errors import PolicyError
-from services.core.policy.pickers import pick_min
+from services.core.policy.pickers import TIE_EPS, pick_min
 from services.core.policy.types import ClusterSnapshot, Decision, RequestInfo, WorkerState
 from services.core.policy.validation import check
 
@@ -80,6 +81,10 @@ class PolicyImpl:
     # a P/D policy (prefill/decode disaggregation) pairs a prefill worker with a decode worker
     # in :meth:`decide_pd` instead of costing colocated ("both") workers
     disaggregated: ClassVar[bool] = False
+    # reuse attribution: why this policy's cost puts a worker that holds more of the prompt
+    # behind the chosen one ("load": it weighs queues against reuse; "policy": it ignores
+    # prefixes); services.core.policy.attribution
+    cost_reason: ClassVar[str] = "load"
 
     def __init__(self, params: dict[str, Any]) -> None:
         self.p = params
@@ -109,6 +114,14 @@ class PolicyImpl:
 
     def pick(self, costs: dict[str, float], state: PolicyState) -> str:
         return pick_min(costs, state.rng)
+
+    def lost_reason(self, holder: str, chosen: str, costs: dict[str, float]) -> str:
+        """Why the candidate ``holder`` (it holds more of the prompt) was not chosen over
+        ``chosen``: ``tie`` when it cost no more (the picker chose among equals, or sampled),
+        else :attr:`cost_reason`."""
+        if costs[holder] <= costs[chosen] + TIE_EPS:
+            return "tie"
+        return self.cost_reason
 
     def observe_decode(
         self, worker_id: str, gap_s: float, decoding: int, state: PolicyState
@@ -295,13 +308,17 @@ def _chosen(
     state.after = None
     ov = overlaps.get(wid, 0)
     bs = snapshot.workers[wid].capacity.block_size
+    cached = min(ov * bs, request.prompt_tokens)
+    available, lost = attribute(impl, request, snapshot, overlaps, costs, filtered, wid, cached)
     return Decision(
         wid,
         scores=costs,
         reason="lowest cost",
         filtered=filtered,
         overlap_blocks=ov,
-        cached_tokens=min(ov * bs, request.prompt_tokens),
+        cached_tokens=cached,
+        available_tokens=available,
+        lost_reason=lost,
         policy=policy.name,
         replicate_to=replicas,
         after=after,

@@ -103,6 +103,9 @@ class ClusterSnapshot:
     now: float = 0.0
     watchers: list[set[str]] | None = None
     removed: int = 0
+    # the largest block size among ``workers`` (0: unknown); lets reuse attribution skip its
+    # per-holder pass when no holder can hold more tokens than the chosen worker
+    max_block_size: int = 0
 
 
 class Decision(msgspec.Struct):
@@ -121,7 +124,12 @@ class Decision(msgspec.Struct):
     never_fits: str | None = None
     filtered: dict[str, str] = msgspec.field(default_factory=dict)  # worker -> why excluded
     overlap_blocks: int = 0  # chosen worker's matched blocks
-    cached_tokens: int = 0  # predicted cached prompt tokens on the chosen worker
+    cached_tokens: int = 0  # predicted cached prompt tokens on the chosen worker ("captured")
+    # reuse attribution (services.core.policy.attribution): the most prompt tokens any
+    # eligible worker held ("available", >= cached_tokens), and why that worker was not
+    # chosen ("" when the chosen one holds as many)
+    available_tokens: int = 0
+    lost_reason: str = ""
     policy: str = ""
     # hot-prefix replication: workers that should also get a one-token copy of this request
     # now (it computes the prompt there, so that worker holds the prefix before any user

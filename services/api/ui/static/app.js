@@ -177,7 +177,7 @@ function renderDecisions() {
     el("td", {}, d.arm),
     el("td", {}, d.worker_id || "–"),
     el("td", { class: d.status === "ok" ? "ok" : "bad" }, d.status),
-    el("td", {}, `${d.predicted_cached_tokens} / ${d.cached_tokens ?? "–"} / ${d.prompt_tokens}`),
+    reuseCell(d),
     ttftCell(d),
     el("td", {}, ms(d.e2e_s)))));
   // requests per worker among the kept decisions, as bars
@@ -203,6 +203,33 @@ function renderDecisions() {
   });
   chart.replaceChildren(box);
   document.getElementById("decisions-rate").textContent = rateText();
+  document.getElementById("reuse").textContent = reuseText(state.decisions);
+}
+
+// one decision's reuse attribution: available / captured / delivered / prompt (+ why lost)
+function reuseCell(d) {
+  const avail = d.available_cached_tokens ?? d.predicted_cached_tokens;
+  const text = `${avail} / ${d.predicted_cached_tokens} / ${d.cached_tokens ?? "–"} / ${d.prompt_tokens}`;
+  return el("td", { class: "reuse" }, d.lost_reason ? `${text} (${d.lost_reason})` : text);
+}
+
+// "60% available, 45% captured, 40% delivered; lost: 15% load" over the answered requests kept
+function reuseText(decisions) {
+  let prompt = 0, avail = 0, capt = 0, deliv = 0;
+  const lost = {};
+  const add = (why, n) => { if (n > 0) lost[why] = (lost[why] || 0) + n; };
+  for (const d of decisions) {
+    if (d.status !== "ok" || d.cached_tokens == null) continue;
+    const a = Math.max(d.available_cached_tokens ?? 0, d.predicted_cached_tokens);
+    prompt += d.prompt_tokens; avail += a; capt += d.predicted_cached_tokens; deliv += d.cached_tokens;
+    add(d.lost_reason || "filtered", a - d.predicted_cached_tokens);
+    add("engine", d.predicted_cached_tokens - d.cached_tokens);
+  }
+  if (!prompt) return "";
+  const p = (n) => `${(100 * n / prompt).toFixed(0)}%`;
+  const why = Object.entries(lost).sort((x, y) => y[1] - x[1]).map(([k, n]) => `${p(n)} ${k}`);
+  return `prompt tokens cached: ${p(avail)} available, ${p(capt)} captured, ${p(deliv)} delivered` +
+    (why.length ? `; lost: ${why.join(", ")}` : "");
 }
 
 // a router's id is <16 hex: its random prefix><16 hex: a counter>: the counter is what differs

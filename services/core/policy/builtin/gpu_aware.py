@@ -14,6 +14,7 @@ def _w(desc: str, default: float) -> dict:
 @register
 class GpuAware(PolicyImpl):
     name = "gpu_aware"
+    cost_reason = "policy"  # ignores prefixes
     description = "least GPU pressure (SM, memory, bandwidth) and load; stale telemetry = neutral"
     PARAMS = {
         "sm_weight": _w("weight of SM utilisation 0..1", 1.0),

@@ -10,6 +10,7 @@ from services.core.policy.types import RequestInfo, WorkerState
 @register
 class KvLoad(PolicyImpl):
     name = "kv_load"
+    cost_reason = "policy"  # ignores prefixes
     description = "least KV cache usage (in-flight breaks ties); prefixes ignored"
     PARAMS = {
         "inflight_weight": {

@@ -9,6 +9,7 @@ from services.core.policy.types import RequestInfo, WorkerState
 @register
 class LeastRequest(PolicyImpl):
     name = "least_request"
+    cost_reason = "policy"  # ignores prefixes
     description = "fewest in-flight requests, counted over all router replicas"
 
     def costs(self, req: RequestInfo, cands: list[WorkerState], overlaps, state: PolicyState):

@@ -9,6 +9,7 @@ from services.core.policy.types import RequestInfo, WorkerState
 @register
 class PowerOfTwo(PolicyImpl):
     name = "power_of_two"
+    cost_reason = "policy"  # ignores prefixes
     description = "two random choices, the less loaded one wins"
 
     def costs(self, req: RequestInfo, cands: list[WorkerState], overlaps, state: PolicyState):

@@ -9,6 +9,7 @@ from services.core.policy.types import RequestInfo, WorkerState
 @register
 class RandomPick(PolicyImpl):
     name = "random"
+    cost_reason = "policy"  # ignores prefixes
     description = "uniformly random worker (seeded; deterministic per seed)"
 
     def costs(self, req: RequestInfo, cands: list[WorkerState], overlaps, state: PolicyState):

@@ -9,6 +9,7 @@ from services.core.policy.types import RequestInfo, WorkerState
 @register
 class RoundRobin(PolicyImpl):
     name = "round_robin"
+    cost_reason = "policy"  # ignores prefixes
     description = "cycle over the workers that can take the request"
 
     def costs(self, req: RequestInfo, cands: list[WorkerState], overlaps, state: PolicyState):

@@ -141,6 +141,13 @@ class SloAware(KvAware):
 
     INFEASIBLE = INFEASIBLE
 
+    def lost_reason(self, holder: str, chosen: str, costs: dict[str, float]) -> str:
+        """``slo`` when ``holder`` was predicted to miss the request's SLO and ``chosen`` to
+        meet it (the infeasible carry :data:`INFEASIBLE` on top of their cost)."""
+        if costs[holder] - costs[chosen] >= INFEASIBLE / 2:
+            return "slo"
+        return super().lost_reason(holder, chosen, costs)
+
     def fast_costs(
         self,
         req: RequestInfo,

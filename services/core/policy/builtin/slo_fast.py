@@ -232,6 +232,16 @@ def fast_costs(
                 heapq.heapreplace(heads, (a + d * per_d + r, g, a, nxt[1]))
     finally:
         fv.restore()
+    # reuse attribution (services/core/policy/attribution.py) reads the costs of the index's
+    # best holders: score those the search passed over (each costs more than the pick, so
+    # lowest and lowest_ok stay), as the full path scores every worker
+    if overlaps:
+        top = min(max(overlaps.values()) * bs, prompt)
+        for wid, o in overlaps.items():
+            if wid not in out and min(o * bs, prompt) >= top > 0:
+                w = routable_worker(wid)
+                if w is not None:
+                    score(w, ov_of.get(wid, 0))
     fast_dispatch(state, fp, out, prompt)
     if lowest_ok == INF:  # nobody meets the SLO: the best overall, or shed
         if p["shed"]:
