@@ -33,6 +33,12 @@ class RequestResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # reuse attribution of the decision that sent it (services/core/policy/attribution.py):
+    # the most prompt tokens an eligible worker held cached, the chosen worker's, and why
+    # the best holder was not taken; None where the client cannot know (a live bench)
+    available_tokens: int | None = None
+    captured_tokens: int | None = None
+    lost_reason: str = ""
     error: str = ""
     prefill_worker: str | None = None  # disaggregated: the engine that computed the prompt
 
@@ -241,6 +247,7 @@ def summarize(
         "completion_tokens": out_tokens,
         "hit_rate": cache.hit_rate if cache is not None else None,
         "hit_rate_reported": cached / in_tokens if in_tokens else None,
+        "reuse": reuse(ok),
         "workers_used": sum(1 for v in per_worker.values() if v["requests"] > 0),
         "fair_ratio_min": min(ratios) if ratios else None,
         "fair_ratio_max": max(ratios) if ratios else None,
@@ -252,6 +259,39 @@ def summarize(
         # per completed request (TTFT s, TPOT s): SLO attainment at any targets, see
         # :func:`slo_attainment` (requests not completed count as misses)
         "slo_samples": [[round(t, 5), round(tp, 6)] for t, tp in slo_samples(ok)],
+    }
+
+
+def reuse(ok: Sequence[RequestResult]) -> dict[str, Any] | None:
+    """Reuse attribution over completed requests, as fractions of their prompt tokens:
+    ``available`` (some eligible worker held them cached), ``captured`` (the chosen worker
+    held them), ``delivered`` (the engine reported them cached), ``lost`` by reason (the
+    decision's reason for available - captured, ``engine`` for captured - delivered) and
+    ``unpredicted`` (delivered beyond captured: blocks the index had not heard of yet); so
+    available = delivered + sum(lost) - unpredicted. None without attribution (live runs)."""
+    rs = [r for r in ok if r.available_tokens is not None and r.captured_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in rs)
+    if not rs or not prompt:
+        return None
+    avail = capt = deliv = unpred = 0
+    lost: dict[str, int] = {}
+    for r in rs:
+        a, c, d = r.available_tokens or 0, r.captured_tokens or 0, r.cached_tokens
+        avail, capt, deliv = avail + a, capt + c, deliv + d
+        if a > c:
+            why = r.lost_reason or "filtered"
+            lost[why] = lost.get(why, 0) + a - c
+        if d < c:
+            lost["engine"] = lost.get("engine", 0) + c - d
+        else:
+            unpred += d - c
+    return {
+        "prompt_tokens": prompt,
+        "available": avail / prompt,
+        "captured": capt / prompt,
+        "delivered": deliv / prompt,
+        "unpredicted": unpred / prompt,
+        "lost": {k: v / prompt for k, v in sorted(lost.items(), key=lambda kv: -kv[1])},
     }
 
 

@@ -14,6 +14,7 @@ Only I/O here is writing the files; everything else is pure formatting.
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,49 @@ def terminal_table(report: dict[str, Any]) -> str:
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ).rstrip()
 
-    return "\n".join([line(head), *(line(r) for r in rows)]) + "\n"
+    return "\n".join([line(head), *(line(r) for r in rows)]) + "\n" + reuse_text(report)
+
+
+def reuse_line(reuse: dict[str, Any]) -> str:
+    """``60.0% available, 45.0% captured, 40.0% delivered; lost: 15.0% load, ...`` (of prompt
+    tokens)."""
+    text = (
+        f"{_fmt(reuse['available'], pct=True)} available, "
+        f"{_fmt(reuse['captured'], pct=True)} captured, "
+        f"{_fmt(reuse['delivered'], pct=True)} delivered"
+    )
+    lost = [f"{_fmt(v, pct=True)} {k}" for k, v in reuse["lost"].items() if v > 0]
+    if lost:
+        text += "; lost: " + ", ".join(lost)
+    if reuse.get("unpredicted"):
+        text += f"; {_fmt(reuse['unpredicted'], pct=True)} delivered beyond captured"
+    return text
+
+
+def reuse_text(report: dict[str, Any], width: int = 80) -> str:
+    """Per run, where its prompt tokens' reuse went (simulated runs: the decisions'
+    attribution), wrapped to ``width`` columns; empty when no run has it."""
+    rows = [
+        (run["label"], run["summary"]["reuse"])
+        for run in report.get("runs", [])
+        if run["summary"].get("reuse")
+    ]
+    if not rows:
+        return ""
+    pad = max(len(label) for label, _ in rows) + 4
+    out = [
+        "",
+        "prompt tokens cached (available: on some eligible worker; captured: on the",
+        "chosen one; delivered: by the engine's report):",
+    ]
+    for label, r in rows:
+        out += textwrap.wrap(
+            reuse_line(r),
+            width,
+            initial_indent=f"  {label}".ljust(pad),
+            subsequent_indent=" " * pad,
+        )
+    return "\n".join(out) + "\n"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -145,6 +188,18 @@ def markdown(report: dict[str, Any]) -> str:
             )
             + " |"
         )
+    reuse = [
+        (run["label"], r) for run in report.get("runs", []) if (r := run["summary"].get("reuse"))
+    ]
+    if reuse:
+        lines += [
+            "",
+            "Reuse of prompt tokens (available: cached on some eligible worker; captured: on the "
+            "chosen one; delivered: by the engine's report; lost: why, "
+            "services/core/policy/attribution.py):",
+            "",
+            *(f"- `{label}`: {reuse_line(r)}" for label, r in reuse),
+        ]
     acts = [
         f"`{run['label']}` {a['replicas']} replicas, {a['held']} held"
         for run in report.get("runs", [])

@@ -380,6 +380,9 @@ def simulate(
         elif not send(lv, sreq, t):
             return True
         lv.result.worker = w
+        lv.result.available_tokens = d.available_tokens
+        lv.result.captured_tokens = d.cached_tokens
+        lv.result.lost_reason = d.lost_reason
         for rep in life.replicas(lv.rid, d, req.prompt_tokens, overlaps, t):
             # hot-prefix replication: a one-token copy, like the router
             rl = _Live(

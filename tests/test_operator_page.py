@@ -159,6 +159,14 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
                 expect(
                     page.locator(f'#workers tr[data-worker="{worker}"] td.routed')
                 ).not_to_have_text("0")
+                # reuse attribution: available / captured / delivered / prompt, and the split
+                # over the kept requests (one worker: whatever is available is captured)
+                expect(row.locator("td.reuse")).to_have_text(
+                    re.compile(r"^(\d+) / \1 / \d+ / \d+$")
+                )
+                expect(page.locator("#reuse")).to_contain_text(
+                    re.compile(r"\d+% available, \d+% captured, \d+% delivered")
+                )
                 # a non-streamed request's TTFT is its total (marked), not "–"
                 expect(row.locator("td").nth(7)).to_have_text(re.compile(r"^\d+\*$"))
                 expect(row.locator("td").nth(8)).to_have_text(re.compile(r"^\d+$"))

@@ -146,7 +146,8 @@ def test_kvgate_simulate_command_writes_report(tmp_path, capsys):
     table = out_text.split("simulated ", 1)[0].strip().splitlines()
     assert table[0].split()[:3] == ["run", "ok", "fail"]
     assert any(line.startswith("kv_aware ") for line in table)
-    assert max(len(line) for line in table) <= 80  # fits a terminal
+    assert max(len(line) for line in out_text.splitlines()[:-1]) <= 80  # fits a terminal
+    assert "available, " in out_text  # the reuse split under the table
     assert "| `kv_aware` |" in (out / "results.md").read_text()  # the full table is kept
     assert kvgate(["simulate", "-w", "mooncake", "--no-progress"]) == 2  # no trace path
 
@@ -216,3 +217,24 @@ def test_the_policy_sees_block_keys_exactly_when_the_live_router_passes_them(
     assert all(r.status == OK for r in run.results)
     assert len(seen) == run.decisions > 0
     assert all(bool(keys) == with_keys for keys in seen)
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "round_robin"])
+def test_the_report_splits_the_hit_rate_into_available_captured_delivered(ssp, policy):
+    """Reuse attribution from the decisions: the simulator gets it from the pure decision
+    path; the split adds up to the engines' own hit rate."""
+    run, s = _run(ssp, policy)
+    for r in run.results:
+        assert r.available_tokens >= r.captured_tokens >= 0
+        assert (r.lost_reason == "") == (r.available_tokens == r.captured_tokens)
+    u = s["reuse"]
+    assert u["available"] >= u["captured"] > 0
+    assert u["delivered"] == pytest.approx(s["hit_rate_reported"])
+    assert u["available"] == pytest.approx(
+        u["delivered"] + sum(u["lost"].values()) - u["unpredicted"]
+    )
+    if policy == "round_robin":  # it ignores prefixes: what it leaves is lost to the policy
+        assert u["lost"]["policy"] > 0 and set(u["lost"]) <= {"policy", "engine"}
+    from bench.report import reuse_line
+
+    assert reuse_line(u).startswith(f"{100 * u['available']:.1f}% available, ")

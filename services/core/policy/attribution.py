@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from services.core.policy.pickers import TIE_EPS
 from services.core.policy.types import ClusterSnapshot, RequestInfo
 
 if TYPE_CHECKING:
@@ -51,6 +52,11 @@ LOST_REASONS = (
 # cached tokens than the chosen worker was predicted to hold: evicted meanwhile, or computed
 # again by the engine's own rule, e.g. the prompt's last token)
 DELIVERY_REASONS = ("retry", "engine")
+
+# among holders of as many tokens, the reason reported is the one closest to a choice: the
+# best holder the policy could have taken
+_TIE, _COST, _FILTER, _NONE = 0, 1, 2, 3
+_INF = float("inf")
 
 # filters.py's verdicts -> reason; verdicts of workers the request could never run on -> None
 _VERDICTS = {
@@ -94,21 +100,29 @@ def attribute(
         return captured, ""
     model = request.model
     workers = snapshot.workers
-    best, reason = captured, ""
+    chosen_cost = costs.get(chosen, 0.0)
+    best, reason, rank = captured, "", _NONE
     for wid, blocks in overlaps.items():
-        if wid == chosen:
+        if mbs and blocks * mbs < best:  # cannot hold more than the best so far
             continue
         w = workers.get(wid)
-        if w is None:  # not in this snapshot (left, or excluded by the caller)
+        if w is None or wid == chosen:  # not in this snapshot (left, or excluded by the caller)
             continue
         tokens = blocks * w.capacity.block_size
         if tokens > prompt:
             tokens = prompt
         if tokens <= captured or tokens < best:
             continue
+        verdict = filtered.get(wid)
+        if tokens == best:
+            # as many tokens as the best so far: only a reason closer to a choice replaces it
+            # (a tie before a cost before a filter)
+            if rank == _TIE or (rank == _COST and verdict is not None):
+                continue
+            if rank == _COST and costs.get(wid, _INF) > chosen_cost + TIE_EPS:
+                continue
         if model and w.model != model and model not in w.loras:
             continue
-        verdict = filtered.get(wid)
         if verdict is not None:
             why = verdict_reason(verdict)
             if why is None:
@@ -117,14 +131,7 @@ def attribute(
             why = impl.lost_reason(wid, chosen, costs)
         else:  # a shortcut (fast_costs) left it unscored: its cost could not win
             why = impl.cost_reason
-        if tokens > best or _rank(why) < _rank(reason):
-            best, reason = tokens, why
+        r = _TIE if why == "tie" else _FILTER if verdict is not None else _COST
+        if tokens > best or r < rank:
+            best, reason, rank = tokens, why, r
     return best, reason
-
-
-def _rank(reason: str) -> int:
-    """Among holders of equally many tokens, the reason reported is the one closest to a
-    choice (a tie before load before a filter): the best holder the policy could have taken."""
-    if reason == "":
-        return 99
-    return {"tie": 0, "load": 1, "slo": 1, "policy": 1}.get(reason, 2)
