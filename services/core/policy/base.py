@@ -241,6 +241,9 @@ def decide(
         state.now = snapshot.now
         d = impl.decide_pd(request, snapshot, overlaps, state)
         d.policy = policy.name
+        # reuse attribution covers colocated decisions only: a P/D pair's reuse is not
+        # compared with other pairs' (available = captured, no reason)
+        d.available_tokens = max(d.available_tokens, d.cached_tokens)
         return d
     if snapshot.watchers is not None:
         if snapshot.removed != state.removed_seen:  # workers left: forget them
