@@ -4,8 +4,11 @@ request-lifecycle code. Pure: no I/O, no wall clock; the same inputs give the sa
 Pieces (all shared with the live system):
 - ``services.core.lifecycle.RequestLifecycle`` over ``services.core.cluster.ClusterState``:
   the code the live router runs per request (decide, dispatch with its ticket, follower holds,
-  hot-prefix replicas, first token, end), here with the virtual clock passed in; and its
-  ``AdmissionQueue`` (FIFO, timed) for requests whose decision is ``wait``.
+  hot-prefix replicas, first token, end), here with the virtual clock passed in;
+- ``services.core.flow``: the router's flow control (``FlowQueue``: priority bands, fair
+  queueing across tenants by virtual token counters, shedding; ``QuotaBook``: per-tenant
+  quotas) for requests whose decision names no worker. Without tenants and priorities it is
+  the router's FIFO, timed admission queue.
 - ``services.core.engine.Engine``: the simulated worker's engine model (paged KV cache
   with prefix caching, continuous batching, step-time model). The live sim-worker runs the
   same class on the wall clock.
@@ -14,13 +17,15 @@ Pieces (all shared with the live system):
 What the simulator owns is what happens between the lifecycle's steps: the engine calls (a
 request is handed to its engine instead of POSTed), telemetry (every engine's load fed to
 ``ClusterState.on_load`` every ``telemetry_interval_s``, like the telemetry agent), and when
-a queued request is retried (whenever a request finishes, head of the queue first; the live
-router retries every waiter whenever capacity may have changed).
+a queued request is retried (whenever a request finishes, head of the queue first, like the
+live router).
 
 Event loop: a heap of (time, seq, kind, payload). An engine is either idle or inside one step;
 ``Engine.step(now)`` returns the step's outputs and its duration, and the outputs (tokens,
 finished requests, KV events) take effect at ``now + duration``, when the next step starts.
-A request is rejected after ``queue_timeout_s`` in the queue (the router's 429).
+A request is rejected after ``queue_timeout_s`` in the queue (the router's 429), when it is
+shed (a sheddable one while the fleet is saturated; the router's 429) or over its tenant's
+quota (the router's 429).
 
 Disaggregated fleets (``prefill_workers`` / ``decode_workers`` > 0: xPyD): engines have roles,
 routed by a P/D policy. A decision with a ``prefill_worker`` sends the prompt there first (one
@@ -49,11 +54,13 @@ from typing import Any
 from bench.metrics import ERROR, OK, REJECTED, TIMEOUT, CacheCounters, RequestResult
 from bench.workloads import BenchRequest
 from services.common import schemas
+from services.common.tenancy import NO_TENANT, Priority, RequestTenancy, Tenant
 from services.core import engine as eng_mod
 from services.core.cluster import ClusterState, Ticket
+from services.core.flow import FlowQueue, QuotaBook, Verdict, VirtualCounters, on_arrival, verdict
 from services.core.index import PrefixIndex
 from services.core.keys import block_keys, block_seed
-from services.core.lifecycle import AdmissionQueue, RequestLifecycle
+from services.core.lifecycle import RequestLifecycle
 from services.core.pd.transfer import LINK_PROFILES, ModelShape, transfer_seconds
 from services.core.policy import RequestInfo, build_policy
 
@@ -95,6 +102,12 @@ class SimOptions:
             ]
         return [(f"{pre}-{i}", "both") for i in range(self.num_workers)]
 
+    # flow control (services.core.flow): "kvgate" (priority bands + fair queueing across
+    # tenants + shedding) or "fcfs" (one FIFO line: tenants and priorities ignored)
+    flow: str = "kvgate"
+    tenants: dict[str, Tenant] = field(default_factory=dict)  # weights and quotas by id
+    queue_size: float = math.inf  # router queue bound (the router's --queue-size)
+
 
 @dataclass
 class SimRun:
@@ -113,6 +126,7 @@ class SimRun:
     local_prefills: int = 0  # disaggregated: requests a P/D policy let the decoder prefill
     hold_timeouts: int = 0  # prefills whose held blocks no decoder pulled within kv_hold_s
     roles: dict[str, str] = field(default_factory=dict)  # worker -> role
+    dispatched_at: dict[str, float] = field(default_factory=dict)  # request id -> when sent
 
 
 @dataclass(slots=True, eq=False)
@@ -130,6 +144,8 @@ class _Live:
     prefill_worker: str | None = None  # disaggregated: the engine computing its prompt
     pticket: Ticket | None = None  # the claim there (released when the prefill is done)
     dispatched: float = 0.0
+    tenancy: RequestTenancy = NO_TENANT
+    waited: bool = False  # joined the queue (its quota is checked again when dispatched)
 
 
 def make_engine_config(overrides: dict[str, Any]):
@@ -221,6 +237,14 @@ def simulate(
         _Live(r, RequestResult(r.request_id, prompt_tokens=r.prompt_tokens), keys[i], r.request_id)
         for i, r in enumerate(requests)
     ]
+    if opts.flow == "kvgate":
+        for lv in lives:
+            tenant = opts.tenants.get(lv.req.tenant or "")
+            lv.tenancy = RequestTenancy(
+                lv.req.tenant, Priority(lv.req.priority), tenant.weight if tenant else 1.0
+            )
+    elif opts.flow != "fcfs":
+        raise ValueError(f"unknown flow control {opts.flow!r}: kvgate or fcfs")
     by_id = {lv.rid: lv for lv in lives}
     # session chains: a turn becomes ready when its predecessor finished
     prev_turn: dict[str, _Live] = {}
@@ -243,7 +267,12 @@ def simulate(
             push(lv.req.arrival_s, _ARRIVE, lv)
         order.clear()
 
-    queue: AdmissionQueue[_Live] = AdmissionQueue(math.inf, opts.queue_timeout_s)
+    counters = VirtualCounters()
+    queue: FlowQueue[_Live] = FlowQueue(counters, opts.queue_size, opts.queue_timeout_s)
+    quotas = (
+        QuotaBook() if any(t.quota != Tenant("").quota for t in opts.tenants.values()) else None
+    )
+    dispatched_at: dict[str, float] = {}
     counts = {"replicas": 0, "held": 0, "transfers": 0, "local": 0, "hold_timeouts": 0}
     xfer_total = 0.0
     done = 0
@@ -342,6 +371,28 @@ def simulate(
             start_engine(w, t)
         return True
 
+    def over_quota(lv: _Live, t: float) -> bool:
+        """Over its tenant's quota: finished as rejected (the router's 429)."""
+        tenant = lv.req.tenant
+        if quotas is None or tenant is None or tenant not in opts.tenants:
+            return False
+        refusal = quotas.check(tenant, opts.tenants[tenant].quota, lv.req.prompt_tokens, t)
+        if refusal is None:
+            return False
+        finish(lv, REJECTED, t, f"quota: {refusal.message}")
+        return True
+
+    def enqueue(lv: _Live, t: float) -> None:
+        """Wait in the flow queue (or be refused: it is full)."""
+        joined = queue.join(lv, lv.tenancy, t)
+        if not joined.ok:
+            finish(lv, REJECTED, t, "router queue full (429)")
+            return
+        if joined.bumped is not None:
+            finish(joined.bumped, REJECTED, t, "router queue full, bumped (429)")
+        lv.waited = True
+        push(t + opts.queue_timeout_s + 1e-9, _EXPIRE, lv)
+
     def try_route(lv: _Live, t: float) -> bool:
         """True when handled (dispatched or failed); False when it must wait."""
         nonlocal decisions
@@ -359,11 +410,19 @@ def simulate(
         decisions += 1
         d = life.decide(policy, info, overlaps, t)
         if d.worker_id is None:
-            if d.wait:
-                return False
+            if d.wait or d.shed:
+                if verdict(lv.tenancy.priority, d.shed) is Verdict.QUEUE:
+                    return False
+                finish(lv, REJECTED, t, f"shed (429): {d.reason}")
+                return True
             finish(lv, REJECTED, t, d.never_fits or d.reason)
             return True
         w = d.worker_id
+        ten = lv.tenancy
+        counters.dispatched(ten.flow, ten.weight, req.prompt_tokens)
+        if quotas is not None and req.tenant is not None:
+            quotas.admitted(req.tenant, req.prompt_tokens, t)
+        dispatched_at[lv.rid] = t
         lv.dispatched = t
         if policy.impl.disaggregated:
             return dispatch_pd(lv, d, t)
@@ -472,9 +531,13 @@ def simulate(
     def drain_queue(t: float) -> None:
         while queue:
             lv = queue.head()
+            assert lv is not None
             if queue.expired(lv, t):
                 queue.leave(lv)
                 finish(lv, REJECTED, t, "router queue timeout (429)")
+                continue
+            if over_quota(lv, t):
+                queue.leave(lv)
                 continue
             if not try_route(lv, t):
                 return
@@ -490,10 +553,22 @@ def simulate(
         if kind == _ARRIVE:
             lv = payload
             lv.result.send_s = t
-            if queue or not try_route(lv, t):
-                queue.join(lv, t)
-                push(t + opts.queue_timeout_s + 1e-9, _EXPIRE, None)
+            if over_quota(lv, t):
+                continue
+            v = on_arrival(lv.tenancy.priority, queue)
+            if v is Verdict.SHED:
+                finish(lv, REJECTED, t, "shed (429): requests wait for capacity")
+            elif v is Verdict.QUEUE:
+                enqueue(lv, t)
+                if queue.head() is lv:  # ahead of every waiter (its flow is owed): its turn
+                    drain_queue(t)
+            elif not try_route(lv, t):
+                enqueue(lv, t)
         elif kind == _EXPIRE:
+            lv = payload
+            if lv in queue and queue.expired(lv, t):
+                queue.leave(lv)
+                finish(lv, REJECTED, t, "router queue timeout (429)")
             drain_queue(t)
         elif kind == _XFER:  # the KV arrived: the decoder runs it, the prefiller frees it
             lv = payload
@@ -564,6 +639,9 @@ def simulate(
                     del by_id[fin.request_id]
                     continue
                 r = lv.result
+                counters.completed(lv.tenancy.flow, lv.tenancy.weight, fin.completion_tokens)
+                if quotas is not None and lv.req.tenant is not None:
+                    quotas.ended(lv.req.tenant, fin.completion_tokens, t)
                 r.prompt_tokens = fin.prompt_tokens
                 r.cached_tokens = fin.cached_tokens
                 r.completion_tokens = fin.completion_tokens
@@ -606,4 +684,5 @@ def simulate(
         local_prefills=counts["local"],
         hold_timeouts=counts["hold_timeouts"],
         roles=roles,
+        dispatched_at=dispatched_at,
     )

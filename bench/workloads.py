@@ -53,6 +53,10 @@ class BenchRequest:
     session_id: str | None = None
     turn: int = 0
     group: int | None = None
+    # multi-tenant workloads (bench/bench_tenants.py): the tenant it is for (None: tenant-less)
+    # and its priority band (services.common.tenancy.Priority)
+    tenant: str | None = None
+    priority: str = "standard"
 
     @property
     def prompt_tokens(self) -> int:
