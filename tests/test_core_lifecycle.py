@@ -8,8 +8,10 @@ import random
 import pytest
 
 from services.common.schemas import WorkerCapacity, WorkerHeartbeat, WorkerLoad
+from services.common.tenancy import NO_TENANT
 from services.core.cluster import ClusterState
-from services.core.lifecycle import AdmissionQueue, FirstTokenHolds, RequestLifecycle
+from services.core.flow import FlowQueue, VirtualCounters
+from services.core.lifecycle import FirstTokenHolds, RequestLifecycle
 from services.core.policy import Decision, RequestInfo, build_policy
 from services.core.policy.types import replica_id
 
@@ -143,12 +145,14 @@ def test_decide_excludes_workers_without_touching_the_state() -> None:
 
 
 def test_the_admission_queue_is_bounded_timed_and_first_in_first_out() -> None:
-    q: AdmissionQueue[str] = AdmissionQueue(size=2, timeout_s=30.0)
-    assert q.join("a", 0.0) and q.join("b", 1.0) and not q.join("c", 1.0)
+    # without tenants or priorities flow control's queue is the router's FIFO queue
+    q: FlowQueue[str] = FlowQueue(VirtualCounters(), size=2, timeout_s=30.0)
+    join = lambda e, t: q.join(e, NO_TENANT, t).ok  # noqa: E731
+    assert join("a", 0.0) and join("b", 1.0) and not join("c", 1.0)
     assert q.head() == "a" and len(q) == 2
     assert q.left_s("a", 10.0) == 20.0 and not q.expired("a", 30.0) and q.expired("a", 30.5)
     q.leave("a")
-    assert q.head() == "b" and q.join("c", 2.0)
+    assert q.head() == "b" and join("c", 2.0)
 
 
 def test_holds_on_a_request_that_is_not_pending_are_refused() -> None:

@@ -253,6 +253,9 @@ class RouterLoad(Message):
     inflight: dict[str, NonNeg] = {}
     # uncached prompt tokens of those requests still before their first token (queued prefill)
     pending_prefill: dict[str, NonNeg] = {}
+    # per tenant with a quota: [requests, input tokens, output tokens] in the last minute and
+    # requests in flight, admitted by this router (services.core.flow.quota)
+    tenant_usage: dict[str, list[NonNeg]] = {}
 
 
 class RouterOutcome(Message):

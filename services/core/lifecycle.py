@@ -1,7 +1,7 @@
 """One request's lifecycle in the router, on an injected clock: the code the live router and
 the cluster simulator share.
 
-    decide --(wait)--> AdmissionQueue --(capacity)--> decide again
+    decide --(wait)--> flow control's queue (services.core.flow) --(capacity)--> decide again
            --(worker)--> dispatch: ticket on the worker, follower hold?, hot-prefix replicas
            (a P/D decision: dispatch_pd, a ticket on the decoder and one on the prefiller
             --> prefilled: the prefiller's claim released, the KV moves to the decoder)
@@ -38,7 +38,6 @@ from services.core.policy import Decision, Policy, RequestInfo, decide
 from services.core.policy.types import ClusterSnapshot, replica_id
 
 F = TypeVar("F")
-Q = TypeVar("Q")
 
 
 class FirstTokenHolds(Generic[F]):
@@ -84,45 +83,6 @@ class FirstTokenHolds(Generic[F]):
     def done(self, request_id: str) -> list[F]:
         """``request_id`` has its first token, or ended: its followers, to be released."""
         return self._pending.pop(request_id, None) or []
-
-
-class AdmissionQueue(Generic[Q]):
-    """Requests waiting for capacity (every worker at capacity: ``Decision.wait``).
-
-    Bounded by ``size`` (a request that finds it full is refused: the router's 429); a
-    request may wait ``timeout_s`` (then it is refused too). Entries keep their arrival order.
-    """
-
-    def __init__(self, size: float, timeout_s: float) -> None:
-        self.size = size
-        self.timeout_s = timeout_s
-        self._since: dict[Q, float] = {}  # entry -> when it joined (insertion = FIFO order)
-
-    def __len__(self) -> int:
-        return len(self._since)
-
-    def __bool__(self) -> bool:
-        return bool(self._since)
-
-    def join(self, entry: Q, now: float) -> bool:
-        """Wait from ``now``; False (not queued) when the queue is full."""
-        if len(self._since) >= self.size:
-            return False
-        self._since[entry] = now
-        return True
-
-    def leave(self, entry: Q) -> None:
-        self._since.pop(entry, None)
-
-    def head(self) -> Q:
-        return next(iter(self._since))
-
-    def left_s(self, entry: Q, now: float) -> float:
-        """Seconds ``entry`` may still wait (<= 0: it waited ``timeout_s``)."""
-        return self._since[entry] + self.timeout_s - now
-
-    def expired(self, entry: Q, now: float) -> bool:
-        return now - self._since[entry] > self.timeout_s
 
 
 @dataclass(slots=True)
@@ -272,4 +232,4 @@ class RequestLifecycle(Generic[F]):
         return followers
 
 
-__all__ = ["AdmissionQueue", "FirstTokenHolds", "Replica", "RequestLifecycle"]
+__all__ = ["FirstTokenHolds", "Replica", "RequestLifecycle"]

@@ -1,12 +1,20 @@
 """Admission: a decision with a worker, or the request's error response.
 
-When every worker is at capacity (the decision says ``wait``) the request joins the
-lifecycle's bounded :class:`~services.core.lifecycle.AdmissionQueue` and decides again each
-time the capacity signal fires (at least every 0.5 s).
+Flow control (services/router/flow_control.py over the pure services/core/flow): a request
+over its tenant's quota is refused at once (429 + Retry-After). When the fleet is saturated
+for it (its decision names no worker: every worker at capacity, or no worker meets its SLO;
+or requests of its band wait already) it waits in its model's :class:`FlowQueue`, or is shed
+(services.core.flow.control: sheddable ones at once, standard ones when the SLO cannot be
+met, critical ones never on a prediction). Waiting requests are served in order: priority
+band, then the tenant with the least virtual token counter, then first come; only the head
+of the line asks the policy again, each time the capacity signal fires (at least every
+0.5 s), and when it leaves the next head is woken.
 
-Invariants: at most ``queue_size`` requests wait at once (the next one gets 429 at once); a
-request waits at most ``queue_timeout`` seconds (then 429 with the workers' reasons); the
-queue holds exactly the requests waiting now (each leaves it in ``finally``).
+Invariants: at most ``queue_size`` requests wait per model (a request that finds its
+model's line full takes the place of the youngest one of a lower band, which gets 429, or
+gets 429 itself); a request waits at most ``queue_timeout`` seconds (then 429 with the
+workers' reasons); the line holds exactly the requests waiting now (each leaves it in
+``finally``); a sheddable request is dispatched only while no request of its model waits.
 Error mapping: never fits -> 400; every candidate failed this request -> 502/504; unknown
 model -> 404, except while the router does not know the cluster yet (``starting``,
 services.router.readiness): 503 with Retry-After; nothing routable -> 503 with Retry-After.
@@ -20,90 +28,167 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common.aio import wait_event
+from services.common.tenancy import Priority
 from services.core.cluster import ClusterState
+from services.core.flow import FlowQueue, Verdict, on_arrival, verdict
 from services.core.policy import Decision
 from services.router import metrics as M
 from services.router.decide import Decider
+from services.router.flow_control import QUEUED, WAIT, FlowControl, shed
 from services.router.http_server import Response
 from services.router.proxy import Ctx, reject
 from services.router.signals import CapacitySignal
 
 
+class _Waiter:
+    """A request's place in its model's line."""
+
+    __slots__ = ("bumped", "since")
+
+    def __init__(self, since: float) -> None:
+        self.since = since
+        self.bumped = False  # a higher band took its place: answer 429
+
+
 class Admission:
     def __init__(
-        self, decider: Decider, state: ClusterState, capacity: CapacitySignal, st: Any
+        self,
+        decider: Decider,
+        state: ClusterState,
+        capacity: CapacitySignal,
+        st: Any,
+        flow: FlowControl | None = None,
     ) -> None:
         self.decider = decider
         self.state = state
         self.capacity = capacity
         self.st = st
+        self.flow = (
+            flow
+            if flow is not None
+            else FlowControl(st.queue_size, st.queue_timeout, state.remote_ttl_s)
+        )
         # True while a model not seen yet may just not have been heard of (a router starting)
         self.starting: Callable[[], bool] = lambda: False
 
     async def decide_or_wait(self, ctx: Ctx) -> Decision | Response:
         """A decision with a worker, or the error response (400 / 404 / 429 / 502 / 503 / 504)."""
-        entry = object()  # this request's place in the queue
-        queue = self.capacity.queue
-        queued = False
+        fc = self.flow
+        ten = ctx.tenancy
+        prio = ten.priority
+        first = not ctx.flow_counted  # not a retry: quota checked, and counted on dispatch
+        if first:
+            refusal = fc.over_quota(ten, len(ctx.parsed.token_ids), time.monotonic())
+            if refusal is not None:
+                return self._refuse(ctx, refusal.message, refusal.retry_after_s)
+        lane = fc.lane(ctx.parsed.model)
+        me: _Waiter | None = None
+        last: Decision | None = None  # its last decision (why it waits)
         try:
-            while True:
-                td = time.perf_counter()
-                d, ctx.overlaps = self.decider.decide_for(
-                    ctx.parsed,
-                    ctx.request_id,
-                    ctx.session_id,
-                    ctx.arm.policy,
-                    ctx.excluded,
-                    ctx.slo,
+            v = on_arrival(prio, lane) if lane else Verdict.DECIDE
+            if v is Verdict.SHED:
+                shed(prio, "saturated")
+                return self._refuse(
+                    ctx, f"the fleet is saturated ({len(lane)} waiting); {prio} requests are shed"
                 )
-                M.DECISION.observe(time.perf_counter() - td)
-                if d.worker_id is not None:
-                    return d
-                if d.shed:  # the policy predicts no worker meets the request's SLO
-                    ctx.shed = True
-                    return reject(
-                        ctx,
-                        429,
-                        d.reason,
-                        "rate_limit_error",
-                        "rejected",
-                        {"Retry-After": str(self.st.retry_after)},
+            if v is Verdict.QUEUE:
+                me, refused = self._join(ctx, lane, prio)
+                if refused is not None:
+                    return refused
+            while True:
+                if me is None or lane.head() is me:
+                    if me is not None and first:  # it waited: its quota again
+                        refusal = fc.over_quota(ten, len(ctx.parsed.token_ids), time.monotonic())
+                        if refusal is not None:
+                            return self._refuse(ctx, refusal.message, refusal.retry_after_s)
+                    td = time.perf_counter()
+                    d, ctx.overlaps = self.decider.decide_for(
+                        ctx.parsed,
+                        ctx.request_id,
+                        ctx.session_id,
+                        ctx.arm.policy,
+                        ctx.excluded,
+                        ctx.slo,
                     )
-                if d.never_fits:
-                    return reject(ctx, 400, d.never_fits, "invalid_request_error", "rejected")
-                if not d.wait:
-                    return self._no_worker(ctx, d)
-                # every worker is at capacity: wait in the bounded queue
-                if not queued:
-                    if not queue.join(entry, time.monotonic()):
-                        M.QUEUE_REJECTED.labels("full").inc()
-                        return reject(
-                            ctx,
-                            429,
-                            f"router queue full ({self.st.queue_size} waiting)",
-                            "rate_limit_error",
-                            "rejected",
-                            {"Retry-After": str(self.st.retry_after)},
+                    M.DECISION.observe(time.perf_counter() - td)
+                    last = d
+                    if d.worker_id is not None:
+                        if first:
+                            fc.dispatched(ten, len(ctx.parsed.token_ids), time.monotonic())
+                            ctx.flow_counted = True
+                        return d
+                    if d.never_fits:
+                        return reject(ctx, 400, d.never_fits, "invalid_request_error", "rejected")
+                    if not (d.wait or d.shed):
+                        return self._no_worker(ctx, d)
+                    if verdict(prio, d.shed) is Verdict.SHED:
+                        shed(prio, "slo" if d.shed else "saturated")
+                        if d.shed:  # the policy predicts no worker meets the request's SLO
+                            ctx.shed = True
+                            return self._refuse(ctx, d.reason)
+                        return self._refuse(
+                            ctx, f"every worker is at capacity; {prio} requests are shed"
                         )
-                    queued = True
-                    M.QUEUE_LEN.set(len(queue))
-                left = queue.left_s(entry, time.monotonic())
-                if left <= 0:
-                    M.QUEUE_REJECTED.labels("timeout").inc()
-                    return reject(
+                    if me is None:  # saturated: wait in the bounded line
+                        me, refused = self._join(ctx, lane, prio)
+                        if refused is not None:
+                            return refused
+                elif me.bumped:
+                    me = None  # no longer in the line
+                    shed(prio, "bumped")
+                    M.QUEUE_REJECTED.labels("full").inc()
+                    return self._refuse(
                         ctx,
-                        429,
-                        f"no worker could take the request within {self.st.queue_timeout}s "
-                        f"(all at capacity: {'; '.join(f'{k}: {v}' for k, v in sorted(d.filtered.items())[:8])})",
-                        "rate_limit_error",
-                        "rejected",
-                        {"Retry-After": str(max(1, math.ceil(self.st.retry_after)))},
+                        f"router queue full ({self.st.queue_size} waiting): a request of a "
+                        "higher priority took this one's place",
+                    )
+                assert me is not None
+                left = me.since + self.st.queue_timeout - time.monotonic()
+                if left <= 0:
+                    shed(prio, "timeout")
+                    M.QUEUE_REJECTED.labels("timeout").inc()
+                    why = sorted(last.filtered.items())[:8] if last is not None else []
+                    reasons = "; ".join(f"{k}: {v}" for k, v in why)
+                    return self._refuse(
+                        ctx,
+                        f"no worker could take the request within {self.st.queue_timeout}s"
+                        + (f" (all at capacity: {reasons})" if reasons else ""),
+                        max(1, math.ceil(self.st.retry_after)),
                     )
                 await wait_event(self.capacity.event, min(left, 0.5))
         finally:
-            if queued:
-                queue.leave(entry)
-                M.QUEUE_LEN.set(len(queue))
+            if me is not None:
+                lane.leave(me)
+                WAIT.labels(prio.value).observe(time.monotonic() - me.since)
+                M.QUEUE_LEN.set(len(fc))
+                if lane:  # the next head decides now
+                    self.capacity.notify()
+
+    def _join(
+        self, ctx: Ctx, lane: FlowQueue, prio: Priority
+    ) -> tuple[_Waiter | None, Response | None]:
+        """Join ``lane``: (its place, None) or (None, the 429: the line is full)."""
+        me = _Waiter(time.monotonic())
+        joined = lane.join(me, ctx.tenancy, me.since)
+        if not joined.ok:
+            shed(prio, "queue_full")
+            M.QUEUE_REJECTED.labels("full").inc()
+            return None, self._refuse(ctx, f"router queue full ({self.st.queue_size} waiting)")
+        if joined.bumped is not None:
+            joined.bumped.bumped = True
+            self.capacity.notify()  # it answers 429 now
+        QUEUED.labels(prio.value).inc()
+        M.QUEUE_LEN.set(len(self.flow))
+        return me, None
+
+    def _refuse(self, ctx: Ctx, message: str, retry_after: float | None = None) -> Response:
+        ra = self.st.retry_after if retry_after is None else retry_after
+        return reject(ctx, 429, message, "rate_limit_error", "rejected", {"Retry-After": str(ra)})
+
+    def ended(self, ctx: Ctx) -> None:
+        """The request ended (after the reply): its generated tokens are charged."""
+        if ctx.flow_counted:
+            self.flow.ended(ctx.tenancy, ctx.completion_tokens, time.monotonic())
 
     def _no_worker(self, ctx: Ctx, d: Decision) -> Response:
         """No worker and no point waiting: why, as the client's error."""

@@ -49,7 +49,7 @@ from services.common.signing import Verifier
 from services.common.streams import raise_alert, require_outcomes_stream
 from services.common.tokenizer import load_tokenizer
 from services.core.cluster import ClusterState
-from services.core.lifecycle import AdmissionQueue, RequestLifecycle
+from services.core.lifecycle import RequestLifecycle
 from services.core.policy import DEFAULT_POLICY, build_policy
 from services.core.url_pin import DEFAULT_KEEP_DEPARTED_S, UrlPins, parse_allowlist
 from services.router import openai_extras
@@ -62,6 +62,7 @@ from services.router.debug import DebugViews
 from services.router.decide import Decider
 from services.router.dispatch import Dispatcher
 from services.router.ejection import RouterOutliers, outlier_config
+from services.router.flow_control import FlowControl
 from services.router.handlers import Handlers
 from services.router.holds import FirstTokenWaits
 from services.router.http_server import Request, Response, Routes, Server
@@ -137,13 +138,16 @@ class Router:
         self.lifecycle: RequestLifecycle[asyncio.Event] = RequestLifecycle(
             self.state, FirstTokenWaits()
         )
-        self.capacity = CapacitySignal(AdmissionQueue(st.queue_size, st.queue_timeout))
+        self.flow = FlowControl(st.queue_size, st.queue_timeout, self.state.remote_ttl_s)
+        self.capacity = CapacitySignal(self.flow)
         self.spawner = Spawner()
         self.fast = FastClient(st.connect_timeout)
         self.session: aiohttp.ClientSession | None = None
         # beside the request path
         self.feed = ClusterFeed(self.state, self.capacity)
-        self.load = LoadSharing(self.router_id, bus, self.state, self.capacity, st.load_interval)
+        self.load = LoadSharing(
+            self.router_id, bus, self.state, self.capacity, st.load_interval, self.flow.quotas
+        )
         self.reload = PolicyReload(bus, self.policies)
         self.circuits = Circuits(
             self.router_id,
@@ -163,7 +167,7 @@ class Router:
         self.recorder.outliers = self.sweeper.outliers = self.outliers
         # the request path
         self.decider = Decider(self.lifecycle, self.index_source, self.parser)
-        self.admission = Admission(self.decider, self.state, self.capacity, st)
+        self.admission = Admission(self.decider, self.state, self.capacity, st, self.flow)
         self.dispatcher = Dispatcher(
             self.lifecycle, self.load, self.capacity, self.spawner, self.fast, st
         )

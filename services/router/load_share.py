@@ -9,6 +9,11 @@ alone publishes only the periodic message: nobody reads its changes, and at ~200
 second, sending them and reading its own back cost it ~7% of its CPU under load
 (docs/benchmarks.md, "What keeps the router's CPU down"). Nothing is published while NATS is
 down; this router's own messages are ignored on the way in.
+
+The same messages carry this router's per-tenant quota usage (requests, input and output
+tokens in the last minute, requests in flight: services.core.flow.quota), so every router
+enforces a tenant's quota on the sum; a change of usage comes with the dispatch or release
+that made it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import RouterLoad
 from services.core.cluster import ClusterState
+from services.core.flow import QuotaBook
 from services.router import metrics as M
 from services.router.signals import CapacitySignal
 
@@ -36,12 +42,14 @@ class LoadSharing:
         state: ClusterState,
         capacity: CapacitySignal,
         interval_s: float,
+        quotas: QuotaBook | None = None,
     ) -> None:
         self.router_id = router_id
         self.bus = bus
         self.state = state
         self.capacity = capacity
         self.interval_s = interval_s
+        self.quotas = quotas if quotas is not None else QuotaBook()
         self._dirty = asyncio.Event()
         self._peers = state.remote_routers  # a live view: read on every dispatch and release
         M.PEER_ROUTERS.set_function(lambda: len(self._peers))
@@ -59,7 +67,9 @@ class LoadSharing:
             return
         if rl.router_id not in self._peers:
             self._dirty.set()  # a router heard for the first time: our counts at once
-        self.state.on_router_load(rl.router_id, rl.inflight, rl.pending_prefill, time.monotonic())
+        now = time.monotonic()
+        self.state.on_router_load(rl.router_id, rl.inflight, rl.pending_prefill, now)
+        self.quotas.on_peer(rl.router_id, rl.tenant_usage, now)
         if self.capacity.waiting:
             self.capacity.notify()
 
@@ -79,6 +89,7 @@ class LoadSharing:
                 seq=self._seq,
                 inflight=self.state.local_inflight(),
                 pending_prefill=self.state.local_prefill(),
+                tenant_usage=self.quotas.report(time.monotonic()),
             )
             try:
                 await self.bus.publish(self.bus.subjects.router_load(self.router_id), msg)

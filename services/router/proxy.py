@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from services.common.tenancy import NO_TENANT, RequestTenancy
 from services.core.cluster import Ticket
 from services.router import sse
 from services.router.canary import Arm
@@ -96,6 +97,9 @@ class Ctx(msgspec.Struct):
     pd_prefill_s: float | None = None
     pd_prefill_done: float | None = None
     pd_transfer_predicted: float = 0.0
+    # who the request is for and its priority band (services.router.tenant_identity)
+    tenancy: RequestTenancy = NO_TENANT
+    flow_counted: bool = False  # charged to its tenant by flow control (once, at dispatch)
 
     @property
     def generated(self) -> str:

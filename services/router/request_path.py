@@ -18,10 +18,12 @@ import asyncio
 import itertools
 import os
 import time
+from collections.abc import Callable
 
 import msgspec
 
 from services.common.logging import get_logger
+from services.common.tenancy import NO_TENANT, RequestTenancy
 from services.router import metrics as M
 from services.router import slo
 from services.router.admission import Admission
@@ -78,6 +80,8 @@ class RequestPath:
         self.max_retries = max_retries
         self.max_prompt_chars = max_prompt_chars
         self.ids = RequestIds()
+        # who a request is for and its priority (the tenant directory sets this)
+        self.tenancy_of: Callable[[Request], RequestTenancy] = lambda _request: NO_TENANT
 
     async def handle(self, request: Request, chat: bool) -> Reply:
         t0 = time.perf_counter()
@@ -103,6 +107,7 @@ class RequestPath:
         session_id = session_of(request)
         ctx = Ctx(rid, parsed, self.policies.arm(rid, session_id), session_id, t0, request.path)
         ctx.slo = targets
+        ctx.tenancy = self.tenancy_of(request)
         so = parsed.body.get("stream_options")
         ctx.client_wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
         M.INFLIGHT.inc()
@@ -122,6 +127,7 @@ class RequestPath:
             try:
                 if ctx.answered is not None:
                     self.dispatcher.release(ctx, ctx.answered)
+                self.admission.ended(ctx)
             finally:
                 self.outcomes.record(ctx)
         except Exception:

@@ -1,8 +1,8 @@
 """Signals between the request path and the background parts of the router.
 
-- :class:`CapacitySignal`: requests waiting for capacity (in the admission queue) sleep on it;
-  whatever
-  may free capacity (a release, a heartbeat, telemetry, a closed circuit) calls ``notify``.
+- :class:`CapacitySignal`: requests waiting for capacity (in flow control's lines,
+  services/router/flow_control.py) sleep on it; whatever may free capacity (a release, a
+  heartbeat, telemetry, a closed circuit) calls ``notify``.
   Invariant: ``notify`` wakes every request waiting at that moment, and does nothing (costs
   nothing) while no request waits.
 - :class:`Spawner`: fire-and-forget tasks kept referenced until done (so they cannot be
@@ -12,14 +12,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sized
 from typing import Any
-
-from services.core.lifecycle import AdmissionQueue
 
 
 class CapacitySignal:
-    def __init__(self, queue: AdmissionQueue[Any]) -> None:
+    def __init__(self, queue: Sized) -> None:
         self.queue = queue  # the requests waiting for capacity
         self.event = asyncio.Event()
 

@@ -20,6 +20,7 @@ after a join, a leave or a charge (O(backlogged flows of the first non-empty ban
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import KeysView
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -60,6 +61,10 @@ class FlowQueue(Generic[Q]):
 
     def __contains__(self, entry: object) -> bool:
         return entry in self._where
+
+    def backlogged(self) -> KeysView[str]:
+        """The flows with a request waiting."""
+        return self._backlog.keys()
 
     def floor(self) -> float | None:
         """The least counter among the backlogged flows (None: none is)."""

@@ -1,0 +1,114 @@
+"""The router's flow control: the pure core (services/core/flow) with this router's state, its
+metrics and the quota reports of the other routers.
+
+- one :class:`~services.core.flow.FlowQueue` per model (a request waits only behind requests
+  for the same model), sharing one set of virtual token counters; each holds at most
+  ``queue_size`` requests for ``queue_timeout`` seconds;
+- one :class:`~services.core.flow.QuotaBook`: this router's per-tenant usage, reported to
+  the other routers on the load-share channel (services/router/load_share.py), and theirs;
+- ``quota_of(tenant_id)``: the tenant's quota (the tenant directory's, hot-reloaded; every
+  tenant is unlimited until one is set).
+
+Counting: a request is counted (its tenant's counter charged its prompt, its quota usage
+counted) once, when first dispatched, and its generated tokens when it ends; a retry on
+another worker is not counted again. Quotas are checked on arrival and again when a request
+that waited is dispatched. Only tenants with a quota are counted in the quota book.
+
+Invariant: ``len(self)`` is the number of requests waiting in all lanes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from services.common.loop_metrics import LoopCounter, LoopHistogram
+from services.common.tenancy import Priority, RequestTenancy, TenantQuota
+from services.core.flow import FlowQueue, QuotaBook, Refusal, VirtualCounters
+
+UNLIMITED = TenantQuota()
+_PRIORITIES = [p.value for p in Priority]
+
+SHED = LoopCounter(
+    "kvgate_flow_shed_total",
+    "Requests refused (429) by flow control: by priority and why (saturated: a sheddable "
+    "request while the fleet is saturated; slo: no worker meets its SLO; queue_full; bumped: "
+    "made room for a higher band; timeout: waited queue_timeout)",
+    ["priority", "reason"],
+)
+QUEUED = LoopCounter(
+    "kvgate_flow_queued_total", "Requests that waited for capacity, by priority", ["priority"]
+)
+WAIT = LoopHistogram(
+    "kvgate_flow_wait_seconds",
+    "How long requests that waited for capacity waited, by priority",
+    ["priority"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+QUOTA_REFUSED = LoopCounter(
+    "kvgate_tenant_quota_refused_total",
+    "Requests refused (429) over their tenant's quota, by tenant and limit",
+    ["tenant", "limit"],
+)
+
+
+class FlowControl:
+    def __init__(self, queue_size: float, queue_timeout_s: float, peer_ttl_s: float) -> None:
+        self.queue_size = queue_size
+        self.queue_timeout_s = queue_timeout_s
+        self.counters = VirtualCounters()
+        self.lanes: dict[str, FlowQueue] = {}
+        self.quotas = QuotaBook(peer_ttl_s=peer_ttl_s)
+        self.quota_of: Callable[[str], TenantQuota] = lambda _tenant: UNLIMITED
+        self._dispatches = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.lanes.values())
+
+    def lane(self, model: str) -> FlowQueue:
+        q = self.lanes.get(model)
+        if q is None:
+            q = self.lanes[model] = FlowQueue(self.counters, self.queue_size, self.queue_timeout_s)
+        return q
+
+    def over_quota(self, tenancy: RequestTenancy, prompt_tokens: int, now: float) -> Refusal | None:
+        tenant = tenancy.tenant_id
+        if tenant is None:
+            return None
+        refusal = self.quotas.check(tenant, self.quota_of(tenant), prompt_tokens, now)
+        if refusal is not None:
+            QUOTA_REFUSED.labels(tenant, refusal.limit).inc()
+        return refusal
+
+    def dispatched(self, tenancy: RequestTenancy, prompt_tokens: int, now: float) -> None:
+        """A request is dispatched for the first time: charged and counted."""
+        self.counters.dispatched(tenancy.flow, tenancy.weight, prompt_tokens)
+        tenant = tenancy.tenant_id
+        if tenant is not None and self.quota_of(tenant) != UNLIMITED:
+            self.quotas.admitted(tenant, prompt_tokens, now)
+        self._dispatches += 1
+        if self._dispatches % 4096 == 0 and len(self.counters.counters) > 1024:
+            self._forget()
+
+    def ended(self, tenancy: RequestTenancy, completion_tokens: int, now: float) -> None:
+        """A dispatched request ended having generated ``completion_tokens``."""
+        self.counters.completed(tenancy.flow, tenancy.weight, completion_tokens)
+        tenant = tenancy.tenant_id
+        if tenant is not None and self.quota_of(tenant) != UNLIMITED:
+            self.quotas.ended(tenant, completion_tokens, now)
+
+    def _forget(self) -> None:
+        """Drop the counters of flows that came and went (bounded memory)."""
+        backlogged: set[str] = set()
+        floors = []
+        for q in self.lanes.values():
+            backlogged.update(q.backlogged())
+            f = q.floor()
+            if f is not None:
+                floors.append(f)
+        self.counters.forget(min(floors) if floors else None, backlogged)
+        for model in [m for m, q in self.lanes.items() if not q]:
+            del self.lanes[model]
+
+
+def shed(priority: Priority, reason: str) -> None:
+    SHED.labels(priority.value, reason).inc()
