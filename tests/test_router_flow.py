@@ -1,0 +1,249 @@
+"""Flow control in the live router on real NATS (services/router/admission.py over
+services/core/flow): priority order, fair order across tenants, shed order, and quota
+refusals summed across router replicas over the load-share channel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from services.common.bus import Bus
+from services.common.tenancy import Priority, RequestTenancy, TenantQuota
+from services.router.http_server import Request
+from tests.test_router_support import Beats, FakeWorker, RouterProc, post, wait_until
+
+ONE_AT_A_TIME = dict(block_size=16, num_gpu_blocks=1000, max_num_seqs=1, max_model_len=8192)
+WEIGHTS = {"a": 1.0, "b": 1.0}
+
+
+def tenancy_from_headers(request: Request) -> RequestTenancy:
+    """The tenant directory's job (services/router/tenant_identity.py), done here from two
+    headers: which tenant and which band."""
+    h = request.headers
+    tenant = h.get("x-kvgate-tenant")
+    return RequestTenancy(
+        tenant, Priority(h.get("x-kvgate-priority", "standard")), WEIGHTS.get(tenant or "", 1.0)
+    )
+
+
+async def one_worker_router(bus: Bus, nats_url, subjects, **kw):
+    from services.common.schemas import WorkerCapacity
+
+    hold = asyncio.Event()
+    w = await FakeWorker("w0", hold=hold, capacity=WorkerCapacity(**ONE_AT_A_TIME)).start(bus)
+    beats = Beats(bus, [w]).start()
+    router = await RouterProc(nats_url, subjects, **kw).start()
+    router.router.path.tenancy_of = tenancy_from_headers
+    await router.wait_workers(1)
+    return w, hold, beats, router
+
+
+def order_served(w: FakeWorker) -> list[str]:
+    return [x["body"]["prompt"] for x in w.served]
+
+
+async def queue_in_order(s, router, url, items: list[tuple[str, str, str]]) -> list[asyncio.Task]:
+    """Send (prompt, tenant, priority) one by one, each waiting in the line before the next."""
+    r = router.router
+    tasks = []
+    for prompt, tenant, prio in items:
+        n = r.queue_len
+        tasks.append(
+            asyncio.create_task(
+                post(
+                    s,
+                    url,
+                    {"model": "m", "prompt": prompt, "max_tokens": 4},
+                    {"x-kvgate-tenant": tenant, "x-kvgate-priority": prio},
+                )
+            )
+        )
+        await wait_until(lambda n=n: r.queue_len == n + 1, what=f"{prompt} waiting")
+    return tasks
+
+
+async def test_priority_order_and_sheddable_shed_when_saturated(nats_url, subjects, bus) -> None:
+    w, hold, beats, router = await one_worker_router(bus, nats_url, subjects, retry_after=2)
+    try:
+        async with aiohttp.ClientSession() as s:
+            url = router.url + "/v1/completions"
+            first = asyncio.create_task(
+                post(s, url, {"model": "m", "prompt": "0", "max_tokens": 4})
+            )
+            await asyncio.wait_for(w.started.wait(), 10)
+            tasks = await queue_in_order(
+                s,
+                router,
+                url,
+                [
+                    ("s1", "a", "standard"),
+                    ("c1", "a", "critical"),
+                    ("s2", "b", "standard"),
+                    ("c2", "b", "critical"),
+                ],
+            )
+            # saturated: a sheddable request is shed at once, OpenAI error shape + Retry-After
+            st, h, body = await post(
+                s,
+                url,
+                {"model": "m", "prompt": "x1", "max_tokens": 4},
+                {"x-kvgate-tenant": "a", "x-kvgate-priority": "sheddable"},
+            )
+            assert st == 429 and h["Retry-After"] == "2"
+            err = json.loads(body)["error"]
+            assert (
+                err["type"] == "rate_limit_error"
+                and "sheddable requests are shed" in err["message"]
+            )
+            hold.set()
+            assert [t[0] for t in await asyncio.gather(first, *tasks)] == [200] * 5
+            # critical first (a's then b's: equal counters, a's came first), then standard
+            assert order_served(w) == ["0", "c1", "c2", "s1", "s2"]
+            # nothing waits now: a sheddable request is served
+            st, _, _ = await post(
+                s,
+                url,
+                {"model": "m", "prompt": "x2", "max_tokens": 4},
+                {"x-kvgate-tenant": "a", "x-kvgate-priority": "sheddable"},
+            )
+            assert st == 200
+    finally:
+        await router.stop()
+        await beats.stop()
+        await w.stop()
+
+
+async def test_fair_order_across_tenants(nats_url, subjects, bus) -> None:
+    """a queues three requests before b's one: b's is served second, not last (FIFO: last).
+    Counters in prompt tokens (every prompt is 10): x is dispatched first (x = 10, the lift
+    floor); a joins lifted to 10, b to 10 (the least backlogged counter, a's); a tie goes to
+    the flow whose head came first: a1 (a = 20); then b1 (10 < 20); then a2, a3."""
+    w, hold, beats, router = await one_worker_router(bus, nats_url, subjects)
+    try:
+        async with aiohttp.ClientSession() as s:
+            url = router.url + "/v1/completions"
+            first = asyncio.create_task(
+                post(
+                    s,
+                    url,
+                    {"model": "m", "prompt": "x" * 10, "max_tokens": 4},
+                    {"x-kvgate-tenant": "x"},
+                )
+            )
+            await asyncio.wait_for(w.started.wait(), 10)
+            items = [(f"a{i}" + "." * 8, "a", "standard") for i in (1, 2, 3)]
+            items.append(("b1" + "." * 8, "b", "standard"))
+            tasks = await queue_in_order(s, router, url, items)
+            hold.set()
+            assert [t[0] for t in await asyncio.gather(first, *tasks)] == [200] * 5
+            assert [p[:2] for p in order_served(w)] == ["xx", "a1", "b1", "a2", "a3"]
+    finally:
+        await router.stop()
+        await beats.stop()
+        await w.stop()
+
+
+async def test_a_full_line_sheds_the_lower_band_first(nats_url, subjects, bus) -> None:
+    w, hold, beats, router = await one_worker_router(bus, nats_url, subjects, queue_size=2)
+    try:
+        async with aiohttp.ClientSession() as s:
+            url = router.url + "/v1/completions"
+            first = asyncio.create_task(
+                post(s, url, {"model": "m", "prompt": "0", "max_tokens": 4})
+            )
+            await asyncio.wait_for(w.started.wait(), 10)
+            s1, s2 = await queue_in_order(
+                s, router, url, [("s1", "a", "standard"), ("s2", "b", "standard")]
+            )
+            # the line is full: a critical request takes the youngest standard one's place
+            c1 = asyncio.create_task(
+                post(
+                    s,
+                    url,
+                    {"model": "m", "prompt": "c1", "max_tokens": 4},
+                    {"x-kvgate-tenant": "a", "x-kvgate-priority": "critical"},
+                )
+            )
+            st, h, body = await s2
+            assert st == 429 and "Retry-After" in h and b"higher priority" in body
+            # full of requests of its band or above: a standard one is refused
+            st, _, body = await post(
+                s, url, {"model": "m", "prompt": "s3", "max_tokens": 4}, {"x-kvgate-tenant": "a"}
+            )
+            assert st == 429 and b"queue full" in body
+            hold.set()
+            assert [t[0] for t in await asyncio.gather(first, c1, s1)] == [200] * 3
+            assert order_served(w) == ["0", "c1", "s1"]
+    finally:
+        await router.stop()
+        await beats.stop()
+        await w.stop()
+
+
+async def test_quota_refused_across_three_routers(nats_url, subjects, bus) -> None:
+    """Tenant t may send 3 requests a minute: one on each of three routers, then the fourth
+    is refused wherever it lands, because each router counts the others' reports."""
+    w = await FakeWorker("w0").start(bus)
+    beats = Beats(bus, [w]).start()
+    routers = [await RouterProc(nats_url, subjects, load_interval=0.2).start() for _ in range(3)]
+    quota = TenantQuota(requests_per_min=3, input_tokens_per_min=10_000)
+    for rp in routers:
+        rp.router.path.tenancy_of = tenancy_from_headers
+        rp.router.flow.quota_of = lambda t: quota if t == "t" else TenantQuota()
+    try:
+        for rp in routers:
+            await rp.wait_workers(1)
+        await wait_until(
+            lambda: all(len(rp.router.state.remote_routers) == 2 for rp in routers),
+            what="every router hears the other two",
+        )
+        hdr = {"x-kvgate-tenant": "t"}
+        async with aiohttp.ClientSession() as s:
+            for i, rp in enumerate(routers):
+                st, _, _ = await post(
+                    s,
+                    rp.url + "/v1/completions",
+                    {"model": "m", "prompt": f"p{i}", "max_tokens": 4},
+                    hdr,
+                )
+                assert st == 200
+            await wait_until(
+                lambda: all(
+                    rp.router.flow.quotas.usage("t", _now()).requests == 3 for rp in routers
+                ),
+                what="every router knows t's 3 requests",
+            )
+            for rp in routers:
+                st, h, body = await post(
+                    s,
+                    rp.url + "/v1/completions",
+                    {"model": "m", "prompt": "q", "max_tokens": 4},
+                    hdr,
+                )
+                err = json.loads(body)["error"]
+                assert st == 429 and int(h["Retry-After"]) >= 1, body
+                assert (
+                    err["type"] == "rate_limit_error" and "3 requests per minute" in err["message"]
+                )
+            # another tenant is not limited
+            st, _, _ = await post(
+                s,
+                routers[0].url + "/v1/completions",
+                {"model": "m", "prompt": "u", "max_tokens": 4},
+                {"x-kvgate-tenant": "u"},
+            )
+            assert st == 200
+        assert len(w.served) == 4
+    finally:
+        for rp in routers:
+            await rp.stop()
+        await beats.stop()
+        await w.stop()
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
