@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from services.router.send import _read_usage
+from services.router.usage import read_usage
 
 
 def _ctx() -> SimpleNamespace:
@@ -31,7 +31,7 @@ def test_usage_of_a_whole_answer_is_read() -> None:
         }
     )
     ctx = _ctx()
-    _read_usage(ctx, body)
+    read_usage(ctx, body)
     assert ctx.completion_tokens == 8 and ctx.cached_reported == 16
 
 
@@ -48,5 +48,5 @@ def test_usage_of_a_whole_answer_is_read() -> None:
 )
 def test_an_unreadable_usage_leaves_the_counts_unknown(body: bytes) -> None:
     ctx = _ctx()
-    _read_usage(ctx, body)
+    read_usage(ctx, body)
     assert ctx.completion_tokens == 0 and ctx.cached_reported is None

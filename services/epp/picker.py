@@ -1,7 +1,8 @@
-"""One request's pick, through the router's own parts: the same parser (render + tokenize),
-SLO headers, canary arm, admission (``decide()`` over the same cluster state and index
-replica, the bounded wait queue, shedding), dispatch (ticket, replicas, follower holds) and
-outcome recorder as ``kvgate router``: one decision core, two front doors.
+"""One request's pick, through the router's own parts: the same intake
+(``RequestPath.intake``: parse and tokenize, SLO headers, session, canary arm), admission
+(``decide()`` over the same cluster state and index replica, the bounded wait queue,
+shedding), dispatch (ticket, replicas, follower holds) and outcome recorder as ``kvgate
+router``: one decision core, two front doors.
 
 Invariants: a :class:`Pick` holds exactly one ticket on its worker until :meth:`Picker.settle`
 releases it (called once per stream, in ``finally``); every request, picked or refused,
@@ -17,24 +18,18 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import msgspec
-
 from services.common.logging import get_logger
 from services.core.cluster import Ticket
 from services.router import metrics as RM
 from services.router import slo
 from services.router.app import Router
 from services.router.http_server import Response
-from services.router.proxy import SESSION_HEADERS, Ctx, error_response
-from services.router.public_surface import check_prompt_size
-from services.router.request_path import RequestIds
-from services.router.tokenize import BadRequest
+from services.router.proxy import Ctx, error_response
 
 from . import endpoints
 from . import metrics as M
 
 log = get_logger("epp")
-_json_decode = msgspec.json.decode
 
 # a request without a body (headers only) is load-balanced like the router's un-keyed
 # pass-through requests: the parser keys no prompt for a path that is not an OpenAI one
@@ -54,8 +49,6 @@ class Pick:
 class Picker:
     def __init__(self, router: Router) -> None:
         self.router = router
-        self.ids = RequestIds()
-        self.max_prompt_chars = int(getattr(router.st, "max_prompt_chars", 0) or 0)
         self.fallbacks = int(getattr(router.st, "fallback_endpoints", 0) or 0)
 
     async def pick(
@@ -65,29 +58,19 @@ class Picker:
         t0 = time.perf_counter()
         r = self.router
         path = headers.get(":path", "").split("?", 1)[0]
-        try:
-            if body is None:
-                data: object = {}
-                parsed = await r.parser.parse(data, False, NO_BODY_PATH)
-            else:
-                data = _json_decode(body)
-                if len(body) > self.max_prompt_chars:
-                    check_prompt_size(data, self.max_prompt_chars)
-                parsed = await r.parser.parse(data, path == "/v1/chat/completions", path)
-        except msgspec.DecodeError as exc:
-            return self._refused(
-                400, f"request body is not valid JSON: {exc}", "invalid_request_error"
-            )
-        except BadRequest as exc:
-            return self._refused(400, str(exc), "invalid_request_error", exc.param)
-        try:
-            targets = slo.parse(_with_aliases(headers))
-        except slo.BadSloHeader as exc:
-            return self._refused(400, str(exc), "invalid_request_error", exc.header)
-        rid = headers.get("x-request-id") or self.ids.next()
-        session = next((headers[h] for h in SESSION_HEADERS if headers.get(h)), None)
-        ctx = Ctx(rid, parsed, r.policies.arm(rid, session), session, t0, path or NO_BODY_PATH)
-        ctx.slo = targets
+        got = await r.path.intake(
+            body,
+            _with_aliases(headers),
+            NO_BODY_PATH if body is None else path,
+            path == "/v1/chat/completions",
+            t0,
+        )
+        if isinstance(got, Response):  # a 400: the router's answer to the same request
+            M.PICKS.labels(str(got.status)).inc()
+            return got
+        ctx = got
+        if body is None:  # the outcome names the request's own path
+            ctx.path = path or NO_BODY_PATH
         if not r.state.states:  # an empty pool: no ready endpoint (the spec's 503)
             return self._unavailable(ctx, "no worker is known to the picker")
         if subset is not None:

@@ -1,7 +1,8 @@
 """What the EPP learns from a response passing through it (it moves no bytes itself: each
 chunk goes back to the data plane unchanged): the first token's time, the data events of a
 stream (one per token chunk) and the ``usage`` (completion and cached tokens), read with the
-router's own SSE helpers (services/router/sse.py), for the latency model and the outcome.
+router's own SSE helpers and usage reading (services/router/sse.py, usage.py), for the
+latency model and the outcome.
 
 Invariants: at most one incomplete SSE event (a stream) or ``max_plain_bytes`` of a whole JSON
 body is kept between chunks; a response it cannot read is only not counted, never an error.
@@ -9,12 +10,9 @@ body is kept between chunks; a response it cannot read is only not counted, neve
 
 from __future__ import annotations
 
-import msgspec
-
 from services.router import sse
 from services.router.proxy import Ctx
-
-_decode = msgspec.json.decode
+from services.router.usage import read_usage, take_usage
 
 
 class ResponseWatch:
@@ -30,7 +28,7 @@ class ResponseWatch:
         elif len(self.rest) + len(data) <= self.max_plain_bytes:
             self.rest += data
             if end:
-                self._whole(self.rest)
+                read_usage(self.ctx, self.rest)
         else:
             self.rest = b""
             self.max_plain_bytes = -1  # too large to read: not counted
@@ -48,22 +46,6 @@ class ResponseWatch:
             if info.done:
                 continue
             if info.usage is not None:
-                self._usage(info.usage)
+                take_usage(ctx, info.usage)
             if not info.usage_only:
                 ctx.chunks += 1
-
-    def _whole(self, body: bytes) -> None:
-        try:
-            data = _decode(body)
-        except msgspec.DecodeError:
-            return
-        if isinstance(data, dict) and isinstance(data.get("usage"), dict):
-            self._usage(data["usage"])
-
-    def _usage(self, usage: dict) -> None:
-        tokens = usage.get("completion_tokens")
-        if isinstance(tokens, int) and tokens >= 0:
-            self.ctx.completion_tokens = tokens
-        cached = sse.cached_tokens_of(usage)
-        if cached is not None:
-            self.ctx.cached_reported = cached

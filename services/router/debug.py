@@ -81,7 +81,7 @@ class DebugViews:
         except (BadRequest, msgspec.DecodeError, ValueError) as exc:
             return error_response(400, f"bad request: {exc}", "invalid_request_error")
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        session_id = session_of(request)
+        session_id = session_of(request.headers)
         arm = self.policies.arm(rid, session_id)
         policy = copy.copy(arm.policy)
         policy.state = copy.deepcopy(arm.policy.state)

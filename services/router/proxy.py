@@ -15,6 +15,7 @@ The flow for a request (driven by :meth:`services.router.request_path.RequestPat
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -24,7 +25,7 @@ from services.common.tenancy import NO_TENANT, RequestTenancy
 from services.core.cluster import Ticket
 from services.router import sse
 from services.router.canary import Arm
-from services.router.http_server import Request, Response, StreamResponse, json_response
+from services.router.http_server import Response, StreamResponse, json_response
 from services.router.slo import NO_TARGETS, SloTargets
 from services.router.tokenize import Parsed
 from services.router.upstream import Stream
@@ -238,10 +239,10 @@ def worker_headers(ctx: Ctx, wid: str) -> dict[str, str]:
     return out
 
 
-def session_of(request: Request) -> str | None:
+def session_of(headers: Mapping[str, str]) -> str | None:
     """The client's session id (a conversation), from the first session header present."""
     for h in SESSION_HEADERS:
-        v = request.headers.get(h)
+        v = headers.get(h)
         if v:
             return v
     return None

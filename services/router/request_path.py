@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 
@@ -83,16 +83,23 @@ class RequestPath:
         # who a request is for and its priority (the tenant directory sets this)
         self.tenancy_of: Callable[[Request], RequestTenancy] = lambda _request: NO_TENANT
 
-    async def handle(self, request: Request, chat: bool) -> Reply:
-        t0 = time.perf_counter()
+    async def intake(
+        self, raw: bytes | None, headers: Mapping[str, str], path: str, chat: bool, t0: float
+    ) -> Ctx | Response:
+        """A request's body and headers as its :class:`Ctx` (parsed and tokenized, SLO
+        targets, session, canary arm), or the 400 to answer: the same for both front doors,
+        the router's HTTP port and the EPP (services/epp/picker.py). ``raw`` None: a request
+        without a body (the EPP's headers-only requests), parsed as an empty object."""
         try:
-            raw = await request.read()
-            body = _json_decode(raw)
-            # before the tokenizer sees it; a body of at most that many bytes cannot hold more
-            # characters of text (each takes one byte of JSON or more)
-            if len(raw) > self.max_prompt_chars:
-                check_prompt_size(body, self.max_prompt_chars)
-            parsed = await self.parser.parse(body, chat, request.path)
+            if raw is None:
+                body: object = {}
+            else:
+                body = _json_decode(raw)
+                # before the tokenizer sees it; a body of at most that many bytes cannot hold
+                # more characters of text (each takes one byte of JSON or more)
+                if len(raw) > self.max_prompt_chars:
+                    check_prompt_size(body, self.max_prompt_chars)
+            parsed = await self.parser.parse(body, chat, path)
         except msgspec.DecodeError as exc:
             return error_response(
                 400, f"request body is not valid JSON: {exc}", "invalid_request_error"
@@ -100,16 +107,24 @@ class RequestPath:
         except BadRequest as exc:
             return error_response(400, str(exc), "invalid_request_error", param=exc.param)
         try:
-            targets = slo.parse(request.headers)
+            targets = slo.parse(headers)
         except slo.BadSloHeader as exc:
             return error_response(400, str(exc), "invalid_request_error", param=exc.header)
-        rid = request.headers.get("x-request-id") or self.ids.next()
-        session_id = session_of(request)
-        ctx = Ctx(rid, parsed, self.policies.arm(rid, session_id), session_id, t0, request.path)
+        rid = headers.get("x-request-id") or self.ids.next()
+        session_id = session_of(headers)
+        ctx = Ctx(rid, parsed, self.policies.arm(rid, session_id), session_id, t0, path)
         ctx.slo = targets
-        ctx.tenancy = self.tenancy_of(request)
         so = parsed.body.get("stream_options")
         ctx.client_wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+        return ctx
+
+    async def handle(self, request: Request, chat: bool) -> Reply:
+        t0 = time.perf_counter()
+        raw = await request.read()  # BodyTooLarge / BodyTimeout: answered by the server
+        ctx = await self.intake(raw, request.headers, request.path, chat, t0)
+        if isinstance(ctx, Response):
+            return ctx
+        ctx.tenancy = self.tenancy_of(request)
         M.INFLIGHT.inc()
         try:
             return await self._route_and_send(request, ctx)
