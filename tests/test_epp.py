@@ -61,7 +61,7 @@ class EppProc:
         await self.bus.connect(max_wait_s=10)
         self.router = Router(st, self.bus)
         await self.router.start()
-        self.server = EppServer(self.router, st.max_body_bytes)
+        self.server = EppServer(self.router, st.max_body_bytes, st.conformance_test_epp)
         port = await self.server.start("127.0.0.1", 0)
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         return self
@@ -598,3 +598,72 @@ async def test_queued_request_dropped_by_the_data_plane(nats_url, subjects, bus:
         await sub.unsubscribe()
         await shutdown(("epp", epp.stop()), ("beats", beats.stop()))
         await w0.stop()
+
+
+def set_headers(resp: pb.ProcessingResponse, phase: str) -> dict[str, str]:
+    common = getattr(resp, phase).response
+    return {o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers}
+
+
+async def test_conformance_test_epp(nats_url, subjects, bus: Bus) -> None:
+    """``--conformance-test-epp``: what the Gateway API Inference Extension conformance suite
+    expects of its test EPP (v1.6.0, pkg/lwepp/handlers): the test-epp-endpoint-selection
+    header chooses among the endpoints it names (before a subset hint; a bare address names
+    every port of it; none served: 503), the pick is echoed for the suite's echo server, and
+    the response carries the served endpoint the data plane reports. Without the flag the
+    header chooses nothing."""
+    ws = [await FakeWorker(f"w{i}").start(bus) for i in range(3)]
+    beats = Beats(bus, ws).start()
+    epp = await EppProc(nats_url, subjects, conformance_test_epp=True).start()
+    plain = await EppProc(nats_url, subjects).start()
+    sel = P.TEST_SELECTION_HEADER
+    eps = [endpoint_of(w) for w in ws]
+    body = {"model": "m", "prompt": "conformance " * 20, "max_tokens": 4}
+    n = len(json.dumps(body))
+    try:
+        await epp.wait_workers(3)
+        await plain.wait_workers(3)
+        for ep in eps:  # every one of them, twice: the header decides, not the policy
+            for _ in range(2):
+                first = await pick_once(epp, body, extra={sel: ep})
+                assert picked(first, n) == ep
+                echo = set_headers(first, "request_headers")[P.ECHO_SET_HEADER]
+                assert echo == f"{P.CONFORMANCE_SERVED_HEADER}:{ep}"
+        both = f"{eps[0]}, {eps[2]}"
+        assert picked(await pick_once(epp, body, extra={sel: both}), n) in {eps[0], eps[2]}
+        # the header before the subset hint, as the lightweight EPP reads them
+        first = await pick_once(epp, body, subset=[eps[0]], extra={sel: eps[1]})
+        assert picked(first, n) == eps[1]
+        assert picked(await pick_once(epp, body, extra={sel: "127.0.0.1"}), n) in eps
+        for nobody in ("10.255.0.1", "127.0.0.1:1"):
+            status, err = immediate(await pick_once(epp, body, extra={sel: nobody}))
+            assert status == 503, err
+        # the served endpoint, echoed on the response (or the suite's "fail: ..." text)
+        raw = json.dumps(body).encode()
+        for served, want in ((eps[2], eps[2]), (None, "fail: missing envoy lb metadata")):
+            e = epp.envoy()
+            await e.send(request_headers(extra={sel: eps[1]}))
+            await e.send(body_chunk(raw, True))
+            assert picked(await e.recv(), len(raw)) == eps[1]
+            await e.recv()
+            await e.send(response_headers(200, served))
+            got = await e.recv()
+            assert set_headers(got, "response_headers")[P.CONFORMANCE_SERVED_HEADER] == want
+            await e.close()
+        # without the flag: no echo, no answer on the response, and the header chooses nothing
+        # (an endpoint nobody serves is not a 503)
+        first = await pick_once(plain, body, extra={sel: "10.255.0.1"})
+        assert picked(first, n) in eps
+        assert P.ECHO_SET_HEADER not in set_headers(first, "request_headers")
+        e = plain.envoy()
+        await e.send(request_headers(extra={sel: eps[1]}))
+        await e.send(body_chunk(raw, True))
+        picked(await e.recv(), len(raw))
+        await e.recv()
+        await e.send(response_headers(200, eps[1]))
+        assert set_headers(await e.recv(), "response_headers") == {}
+        await e.close()
+    finally:
+        await shutdown(("epp", epp.stop()), ("plain", plain.stop()), ("beats", beats.stop()))
+        for w in ws:
+            await w.stop()

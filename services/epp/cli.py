@@ -56,6 +56,15 @@ OPTIONS = tuple(o for o in ROUTER_OPTIONS if o.name not in _NOT_THE_EPPS) + (
         env="KVGATE_EPP_FALLBACK_ENDPOINTS",
     ),
     S.option(
+        "conformance_test_epp",
+        False,
+        "the Gateway API Inference Extension conformance suite's test-EPP behaviours: the "
+        "test-epp-endpoint-selection request header restricts the pick to the endpoints it "
+        "names, and x-conformance-test-served-endpoint echoes the served endpoint on the "
+        "response. For running that suite only: any client may then choose its endpoint",
+        env="KVGATE_EPP_CONFORMANCE_TEST_EPP",
+    ),
+    S.option(
         "max_body_bytes",
         4 * 1024 * 1024,
         "largest request body the EPP buffers to read the prompt (bytes); larger: "

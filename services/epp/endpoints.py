@@ -49,7 +49,31 @@ def worker_at(state: ClusterState, endpoint: str) -> str | None:
     return None
 
 
+def _host_port(entry: str) -> tuple[str, str | None]:
+    """``ip:port`` / ``[ipv6]:port`` -> (host, port); a bare address -> (host, None)."""
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        return host, rest[1:] if rest.startswith(":") else None
+    if entry.count(":") == 1:
+        host, port = entry.split(":")
+        return host, port
+    return entry, None  # an IPv4 address, or an IPv6 one without brackets: any port
+
+
 def outside(state: ClusterState, subset: Iterable[str]) -> set[str]:
-    """Workers whose endpoint is not in ``subset``: the ones a subset hint excludes."""
-    allowed = set(subset)
-    return {wid for wid, s in state.states.items() if endpoint_of(s.url) not in allowed}
+    """Workers whose endpoint ``subset`` does not name: the ones a subset hint (or the
+    conformance suite's selection header) excludes. An entry with a port names that endpoint;
+    a bare address names every port of that host (as GIE's lightweight EPP reads them)."""
+    exact, hosts = set(), set()
+    for e in subset:
+        host, port = _host_port(e)
+        if port is None:
+            hosts.add(host)
+        else:
+            exact.add(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    out = set()
+    for wid, s in state.states.items():
+        ep = endpoint_of(s.url)
+        if ep is None or (ep not in exact and _host_port(ep)[0] not in hosts):
+            out.add(wid)
+    return out

@@ -12,6 +12,16 @@ EPP -> data plane: the pick as the ``x-gateway-destination-endpoint`` request he
 ``clear_route_cache``); the body sent back unchanged as one streamed chunk; or an
 ImmediateResponse (503: no endpoint, 429: shed, 400 / 404: the router's answers).
 
+The GIE conformance suite's test EPP (``kvgate epp --conformance-test-epp``; as
+kubernetes-sigs/gateway-api-inference-extension v1.6.0's lightweight EPP does,
+``pkg/lwepp/handlers/request.go`` and ``response.go``, header names from
+``conformance/utils/headers/headers.go``): the ``test-epp-endpoint-selection`` request header
+(comma-separated ``ip`` or ``ip:port``) restricts the pick, before any subset hint; the pick
+also goes out as ``X-Echo-Set-Header: x-conformance-test-served-endpoint:<pick>`` (the
+suite's echo server sets that response header from it); on the response the EPP sets
+``x-conformance-test-served-endpoint`` to the served endpoint the data plane reports, or
+``fail: missing ...`` when it reports none.
+
 Invariant: builders only; nothing here decides or keeps state.
 """
 
@@ -29,6 +39,9 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+TEST_SELECTION_HEADER = "test-epp-endpoint-selection"
+CONFORMANCE_SERVED_HEADER = "x-conformance-test-served-endpoint"
+ECHO_SET_HEADER = "x-echo-set-header"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -70,16 +83,51 @@ def served_endpoint(req: pb.ProcessingRequest) -> str | None:
     return v.string_value.split(",")[0].strip() or None
 
 
+def test_selection(headers: Mapping[str, str]) -> list[str] | None:
+    """The endpoints the conformance suite's ``test-epp-endpoint-selection`` header names
+    (None when absent or empty)."""
+    v = headers.get(TEST_SELECTION_HEADER, "")
+    picked = [e.strip() for e in v.split(",") if e.strip()]
+    return picked or None
+
+
+def conformance_served(req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    """The response-headers answer of the conformance test EPP: the served endpoint echoed
+    in ``x-conformance-test-served-endpoint`` (the lightweight EPP's ``fail: ...`` text when
+    the data plane did not report it)."""
+    md = req.metadata_context.filter_metadata
+    if LB_NAMESPACE not in md:
+        value = "fail: missing envoy lb metadata"
+    else:
+        v = _field(req, LB_NAMESPACE, SERVED_KEY)
+        ok = v is not None and v.WhichOneof("kind") == "string_value"
+        value = v.string_value if ok else "fail: missing destination endpoint served metadata"
+    return pb.ProcessingResponse(
+        response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(
+                    set_headers=[_set(CONFORMANCE_SERVED_HEADER, value)]
+                )
+            )
+        )
+    )
+
+
 def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
     )
 
 
-def pick_response(endpoint: str, body_len: int | None) -> pb.ProcessingResponse:
+def pick_response(
+    endpoint: str, body_len: int | None, echo: str | None = None
+) -> pb.ProcessingResponse:
     """The request-headers answer naming the pick (header + ``envoy.lb`` metadata). The
-    client's own ``x-gateway-destination-endpoint`` is overwritten, never kept."""
+    client's own ``x-gateway-destination-endpoint`` is overwritten, never kept. ``echo``
+    (the conformance test EPP): the endpoint the suite's echo server is asked to report."""
     sets = [_set(DESTINATION_HEADER, endpoint)]
+    if echo is not None:
+        sets.append(_set(ECHO_SET_HEADER, f"{CONFORMANCE_SERVED_HEADER}:{echo}"))
     if body_len is not None:  # the body is sent back as a mutation: Envoy wants its length
         sets.append(_set("content-length", str(body_len)))
     md = struct_pb2.Struct()

@@ -38,14 +38,15 @@ READY_POLL_S = 0.5  # how often Watch-ers learn a readiness change (Check reads 
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, picker: Picker, max_body_bytes: int) -> None:
+    def __init__(self, picker: Picker, max_body_bytes: int, conformance: bool = False) -> None:
         self.picker = picker
         self.max_body_bytes = max_body_bytes
+        self.conformance = conformance
 
     async def Process(  # noqa: N802 - the generated servicer's method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        s = EppStream(self.picker, self.max_body_bytes)
+        s = EppStream(self.picker, self.max_body_bytes, self.conformance)
         try:
             async for req in request_iterator:
                 for resp in await s.on(req):
@@ -86,14 +87,14 @@ class Health(HealthServicer):
 
 
 class EppServer:
-    def __init__(self, router: Any, max_body_bytes: int) -> None:
+    def __init__(self, router: Any, max_body_bytes: int, conformance: bool = False) -> None:
         self.router = router
         self.picker = Picker(router)
         self.stopping = False
         self.health = Health(self._ready)
         self.server = grpc.aio.server()
         pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.picker, max_body_bytes), self.server
+            ExternalProcessor(self.picker, max_body_bytes, conformance), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._poll: asyncio.Task[None] | None = None
@@ -152,7 +153,13 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     await bus.connect()
     router = Router(st, bus)
     await router.start()
-    epp = EppServer(router, int(st.max_body_bytes))
+    conformance = bool(st.conformance_test_epp)
+    if conformance:
+        log.warning(
+            "conformance test EPP: the test-epp-endpoint-selection header chooses the endpoint; "
+            "for the Gateway API Inference Extension conformance suite only"
+        )
+    epp = EppServer(router, int(st.max_body_bytes), conformance)
     port = await epp.start(st.host, st.port)
     operator = await start_operator_http(st, router.operator_routes())
     log.info(

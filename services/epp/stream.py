@@ -33,9 +33,10 @@ class ProtocolError(Exception):
 
 
 class EppStream:
-    def __init__(self, picker: Picker, max_body_bytes: int) -> None:
+    def __init__(self, picker: Picker, max_body_bytes: int, conformance: bool = False) -> None:
         self.picker = picker
         self.max_body_bytes = max_body_bytes
+        self.conformance = conformance  # the GIE conformance suite's test EPP (protocol.py)
         self.headers: dict[str, str] | None = None
         self.subset: list[str] | None = None
         self.body = bytearray()
@@ -51,6 +52,8 @@ class EppStream:
         if kind == "request_headers":
             self.headers = P.headers_of(req.request_headers)
             self.subset = P.subset_hint(req)
+            if self.conformance:  # the suite's selection header comes before any hint
+                self.subset = P.test_selection(self.headers) or self.subset
             if req.request_headers.end_of_stream:
                 return await self._decide(None)
             return []
@@ -112,6 +115,8 @@ class EppStream:
                 self.picker.served_by(p, served)
             if req.response_headers.end_of_stream:
                 self.finished = True
+        if self.conformance:
+            return [P.conformance_served(req)]
         return [P.response_headers_pass()]
 
     async def _decide(self, body: bytes | None) -> list[pb.ProcessingResponse]:
@@ -121,7 +126,8 @@ class EppStream:
             self.done = True
             return [self._immediate(got)]
         self.pick = got
-        out = [P.pick_response(got.value, None if body is None else len(body))]
+        echo = got.endpoint if self.conformance else None
+        out = [P.pick_response(got.value, None if body is None else len(body), echo)]
         if body is not None:
             out.append(P.request_body_response(body))
         return out
