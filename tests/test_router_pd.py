@@ -50,7 +50,8 @@ def install_pairing(router: RouterProc) -> None:
 
 class PdFleet:
     def __init__(self, nats_url, subjects, prefill: int = 2, decode: int = 2, **kw) -> None:
-        common = {"speedup": kw.pop("speedup", 20.0), **kw}
+        # leases far longer than a test: a decoder always finds its prefill's KV
+        common = {"speedup": kw.pop("speedup", 20.0), "pd_kv_lease_s": 1e4, **kw}
         self.pre = SimCluster(
             nats_url, subjects, prefill, worker_id="pre", role="prefill", **common
         )

@@ -34,8 +34,9 @@ def nixl_prefill_body(max_tokens: int = 1) -> dict:
 
 
 async def test_nixl_prefill_holds_blocks_until_the_decoder_pulls_them():
+    # a lease far longer than the test (30 simulated s are 0.15 s of wall time at 200x)
     async with (
-        sim_worker(worker_id="p", pd=PdSettings(role="prefill")) as pw,
+        sim_worker(worker_id="p", pd=PdSettings(role="prefill", lease_s=1e4)) as pw,
         sim_worker(worker_id="d", pd=PdSettings(role="decode")) as dw,
     ):
         assert pw.heartbeat().role == "prefill" and dw.heartbeat().role == "decode"
@@ -95,7 +96,7 @@ async def _false_when(x) -> bool:
 
 async def test_sglang_bootstrap_both_requests_at_once_decoder_waits_for_the_prefill():
     async with (
-        sim_worker(worker_id="p", pd=PdSettings(role="prefill")) as pw,
+        sim_worker(worker_id="p", pd=PdSettings(role="prefill", lease_s=1e4)) as pw,
         sim_worker(worker_id="d", pd=PdSettings(role="decode")) as dw,
     ):
         room = random.randint(0, 2**63 - 1)
