@@ -118,6 +118,7 @@ async def test_every_mutating_route_needs_admin(api: ApiHarness) -> None:
                 assert op.get("x-required-role") == "admin", (method, path)
                 concrete = path.replace("{name}", "x").replace("{worker_id}", "w1")
                 concrete = concrete.replace("{version}", "1").replace("{id}", "1")
+                concrete = concrete.replace("{key_id}", "1")
                 status, _ = await api.call(method.upper(), concrete, {}, token="viewer")
                 assert status == 403, (method, path, status)
 

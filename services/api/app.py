@@ -1,8 +1,8 @@
 """The admin API service: wiring of Postgres, NATS, background loops and HTTP (I/O shell).
 
 Background loops (each survives Postgres / NATS outages and resumes by itself):
-outcome collector + canary evaluator, alert manager, worker-control republisher, policy
-resync. None of them needs Postgres to be up when the API starts.
+outcome collector + canary evaluator, tenant usage collector, alert manager, worker-control
+republisher, policy and tenant directory resync. None of them needs Postgres to be up when the API starts.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from services.api.db import Database
 from services.api.framework import install
 from services.api.publisher import PolicyPublisher
 from services.api.routes import build_routes
+from services.api.tenants import TenantPublisher
 from services.api.tokens import TokenAuth
 from services.api.ui import add_static
+from services.api.usage import UsageCollector
 from services.api.workers import ControlRepublisher, WorkerRegistry
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus, NatsAuth
@@ -73,6 +75,7 @@ class ApiService:
         self.evaluator: EvaluatorLoop | None = None
         self.alerts: AlertManager | None = None
         self.controls: ControlRepublisher | None = None
+        self.usage: UsageCollector | None = None
         self._resync: asyncio.Task[None] | None = None
         self.app: web.Application | None = None
 
@@ -95,6 +98,7 @@ class ApiService:
             registry=registry,
             policy_schemas=policy_schemas(),
             token_max_ttl_s=cfg.token_max_ttl_s,
+            tenants=TenantPublisher(db, bus),
         )
         await registry.subscribe(bus)
 
@@ -108,6 +112,8 @@ class ApiService:
         await require_policy_stream(bus)
         self.collector = OutcomeCollector(db, bus, flush_s=cfg.flush_interval_s)
         await self.collector.start()
+        self.usage = UsageCollector(db, bus)
+        await self.usage.start()
         self.evaluator = EvaluatorLoop(db, publisher, tick_s=cfg.eval_interval_s, name=cfg.name)
         self.evaluator.start()
         self.alerts = AlertManager(db, bus)
@@ -138,11 +144,18 @@ class ApiService:
             except Exception as exc:
                 if limiter.allow("resync"):
                     log.warning("policy resync failed", error=repr(exc)[:200])
+            try:
+                await self.ctx.tenants.resync()
+            except Exception as exc:
+                if limiter.allow("tenants"):
+                    log.warning("tenant directory resync failed", error=repr(exc)[:200])
 
     async def stop(self) -> None:
         if self._resync is not None:
             await cancel_and_wait([self._resync])
-        parts = [p for p in (self.evaluator, self.controls, self.alerts, self.collector) if p]
+        parts = [
+            p for p in (self.evaluator, self.controls, self.alerts, self.collector, self.usage) if p
+        ]
         await asyncio.gather(*(p.stop() for p in parts), return_exceptions=True)
         if self.ctx is not None:
             await self.ctx.publisher.close()

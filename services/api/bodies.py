@@ -193,3 +193,72 @@ ALL_BODIES: tuple[type, ...] = (
     TokenCreate,
     RepinBody,
 )
+
+
+# ----------------------------------------------------------------------------- tenants
+Priority = Literal["critical", "standard", "sheddable"]
+TenantId = Annotated[
+    str,
+    Meta(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$",
+        description="lower-case letters, digits, '_' and '-' (a leading '_' is reserved)",
+    ),
+]
+_PerMin = Annotated[int, Meta(ge=1, le=10**12, description="per minute; null: unlimited")]
+
+
+class TenantQuota(Body, kw_only=True):
+    """Limits enforced by the routers' flow control; null: unlimited."""
+
+    requests_per_min: _PerMin | None = None
+    input_tokens_per_min: _PerMin | None = None
+    output_tokens_per_min: _PerMin | None = None
+    concurrent_requests: Annotated[int, Meta(ge=1, le=10_000_000)] | None = None
+    cache_budget_blocks: (
+        Annotated[int, Meta(ge=1, le=10**12, description="KV blocks the tenant may hold")] | None
+    ) = None
+
+
+class TenantSpec(Body, kw_only=True):
+    """What a tenant may do: its share of a saturated fleet (``weight``), the priority band of
+    its requests unless a key says otherwise, its quota, and whether its prompts get a cache
+    namespace of their own (``cache_isolation``: no prefix sharing with other tenants)."""
+
+    weight: Annotated[float, Meta(gt=0.0, le=1e6)] = 1.0
+    default_priority: Priority = "standard"
+    quota: TenantQuota = msgspec.field(default_factory=TenantQuota)
+    cache_isolation: bool = False
+
+
+class TenantCreate(Body, kw_only=True):
+    tenant_id: TenantId
+    description: Text = ""
+    spec: TenantSpec = msgspec.field(default_factory=TenantSpec)
+
+
+class TenantUpdate(Body, kw_only=True):
+    description: Text | None = None
+    spec: TenantSpec | None = None
+
+
+class TenantKeyCreate(Body, kw_only=True):
+    name: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9_.@\- ]*$")] = ""
+    priority: Priority | None = None  # null: the tenant's default_priority
+    # may a request name its own band (x-kvgate-priority)
+    allow_priority_header: bool = False
+    ttl_s: (
+        Annotated[
+            float,
+            Meta(
+                ge=TOKEN_TTL_RANGE_S[0],
+                le=TOKEN_TTL_RANGE_S[1],
+                description="lifetime in seconds (default: until revoked)",
+            ),
+        ]
+        | None
+    ) = None
+
+
+ALL_BODIES += (TenantCreate, TenantUpdate, TenantKeyCreate)

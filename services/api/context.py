@@ -7,6 +7,7 @@ from typing import Any
 
 from services.api.db import Database
 from services.api.publisher import PolicyPublisher
+from services.api.tenants import TenantPublisher
 from services.api.tokens import TokenAuth
 from services.api.ui import DecisionFeed
 from services.api.workers import WorkerRegistry
@@ -24,3 +25,4 @@ class ApiContext:
     background: list[Any] = field(default_factory=list)  # things with async stop()
     decisions: DecisionFeed = field(default_factory=DecisionFeed)  # the operator page's feed
     token_max_ttl_s: float = 0.0  # > 0: longest lifetime of a new token (and its default)
+    tenants: TenantPublisher = None  # type: ignore[assignment]  # set by services.api.app

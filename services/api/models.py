@@ -261,3 +261,95 @@ class AuditEntry(Base):
     after: Mapped[dict[str, Any] | None] = mapped_column(JSONB, nullable=True)
 
     __table_args__ = (Index("audit_by_ts", "ts"),)
+
+
+# ----------------------------------------------------------------------------- tenants
+class TenantRow(Base):
+    """A tenant and its current settings (``spec``: weight, default priority, quota, cache
+    isolation), versioned like policies: each change adds a ``tenant_versions`` row."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    description: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    # the tenant's secret cache namespace (sent to routers only; used when spec isolates it)
+    cache_salt: Mapped[str] = mapped_column(String(64), nullable=False)
+    created_at: Mapped[datetime] = mapped_column(TZ, nullable=False, server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(TZ, nullable=False, server_default=func.now())
+    created_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+
+
+class TenantVersion(Base):
+    __tablename__ = "tenant_versions"
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(TZ, nullable=False, server_default=func.now())
+    created_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+
+
+class TenantKey(Base):
+    """A client API key of a tenant, stored only as its sha256 hex digest (like api_tokens)."""
+
+    __tablename__ = "tenant_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True
+    )
+    name: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+    key_hash: Mapped[str] = mapped_column(String(64), nullable=False, unique=True)
+    priority: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    allow_priority_header: Mapped[bool] = mapped_column(
+        nullable=False, default=False, server_default=text("false")
+    )
+    created_at: Mapped[datetime] = mapped_column(TZ, nullable=False, server_default=func.now())
+    created_by: Mapped[str] = mapped_column(String(128), nullable=False, default="")
+    revoked_at: Mapped[datetime | None] = mapped_column(TZ, nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(TZ, nullable=True)
+
+
+class TenantState(Base):
+    """The single row (id = 1) whose ``revision`` numbers the tenant directory routers hold:
+    bumped in the same transaction as every change to tenants or keys."""
+
+    __tablename__ = "tenant_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    revision: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    updated_at: Mapped[datetime] = mapped_column(TZ, nullable=False, server_default=func.now())
+
+
+class TenantUsage(Base):
+    """What a tenant used in one minute (unix minute), summed from router outcomes: no
+    foreign key, so usage outlives a deleted tenant (a bill is still owed)."""
+
+    __tablename__ = "tenant_usage"
+
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    minute: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    errors: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    # prompt tokens of requests whose engine reported no cache figure (neither cached nor
+    # computed can be said of them)
+    unreported_prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+
+
+class TenantUsageSeen(Base):
+    """OUTCOMES stream messages already added to ``tenant_usage`` (by stream sequence and the
+    time the stream stored it: a re-created stream's sequence numbers start again), so a
+    message redelivered after a crash between commit and ack is not counted twice."""
+
+    __tablename__ = "tenant_usage_seen"
+
+    stream_seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    stored_us: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    seen_at: Mapped[datetime] = mapped_column(TZ, nullable=False, server_default=func.now())

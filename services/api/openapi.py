@@ -80,8 +80,10 @@ def build_document(
         components["PolicySpec"] = _policy_spec_schema(policy_schemas)
     _describe_no_nul(components)
     components["Error"] = ERROR_SCHEMA
-    if "PolicyUpdate" in components:  # what the handler enforces: at least one of the two
-        components["PolicyUpdate"]["anyOf"] = [
+    for update in ("PolicyUpdate", "TenantUpdate"):  # what the handlers enforce: one or both
+        if update not in components:
+            continue
+        components[update]["anyOf"] = [
             {"required": ["spec"], "properties": {"spec": {"type": "object"}}},
             {"required": ["description"], "properties": {"description": {"type": "string"}}},
         ]

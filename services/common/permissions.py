@@ -7,7 +7,7 @@ denied by the server (allow lists only). In particular:
 
 - a worker (simulated worker or engine bridge) publishes only its own ``kv.events.<id>`` and
   ``workers.heartbeat.<id>`` and answers only its own ``workers.kvdump.<id>``;
-- only the api publishes ``policy.updated``, ``workers.control.*`` and managed ``alerts.>``;
+- only the api publishes ``policy.updated``, ``tenants.updated``, ``workers.control.*`` and managed ``alerts.>``;
 - each role reads request replies only on its own inbox (:meth:`Subjects.inbox_prefix`), so no
   role snoops another's KV dumps, snapshots or JetStream acks;
 - streams are provisioned, never reconfigured, by services: only the ``provisioner`` (the
@@ -115,6 +115,7 @@ def provisioned_streams(subjects: Subjects) -> list[str]:
         s.kv_events_stream,
         s.outcomes_stream,
         s.policy_stream,
+        s.tenants_stream,
         s.alert_signals_stream,
         s.alerts_stream,
         f"KV_{s.indexer_lease_bucket}",
@@ -183,6 +184,7 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 js_info,
                 *_js_read(s.outcomes_stream),
                 *_js_read_last(s.policy_stream),
+                *_js_read_last(s.tenants_stream),
             ),
             subscribe=(
                 s.heartbeat_all,
@@ -190,6 +192,7 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 s.worker_control_all,
                 s.router_load_all,
                 s.policy_updated,
+                s.tenants_updated,
                 s.kv_events_all,
                 s.kv_index_delta,
                 inbox,
@@ -199,13 +202,18 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
         return Permissions(
             publish=(
                 s.policy_updated,
+                s.tenants_updated,
                 s.worker_control_all,
                 s.alerts_all,
                 s.alert_signal("api"),
                 js_info,
                 *_js_read_last(s.policy_stream),
+                *_js_read_last(s.tenants_stream),
                 *_js_read(s.outcomes_stream),
-                *_js_consume(s.outcomes_stream, [s.durable("api_canary_outcomes")]),
+                *_js_consume(
+                    s.outcomes_stream,
+                    [s.durable("api_canary_outcomes"), s.durable("api_tenant_usage")],
+                ),
                 *_js_read(s.alert_signals_stream),
                 *_js_consume(s.alert_signals_stream, [s.durable("api_alert_manager")]),
                 *_js_read(s.alerts_stream),

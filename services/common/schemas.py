@@ -294,6 +294,10 @@ class RouterOutcome(Message):
     # eligible worker held cached, and why that worker was not chosen ("" when it was)
     available_cached_tokens: NonNeg = 0
     lost_reason: str = ""
+    # who it was for (services.common.tenancy; None: a tenant-less request) and its band:
+    # the admin API sums these per tenant for chargeback (services.api.usage)
+    tenant_id: str | None = None
+    priority: str | None = None
 
 
 class CanaryAssignment(Struct, kw_only=True):
@@ -325,6 +329,53 @@ class PolicyUpdated(Message):
     version: NonNeg
     spec: dict[str, Any]
     canary: CanaryAssignment | None = None
+    ts: float = 0.0
+
+
+# --------------------------------------------------------------------------- tenants
+
+
+TenantId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
+PriorityName = Literal["critical", "standard", "sheddable"]
+OptCount = Annotated[int, Meta(ge=1)] | None
+
+
+class TenantRecord(Struct, kw_only=True):
+    """One tenant as routers need it (services.common.tenancy.Tenant, plus its cache salt)."""
+
+    tenant_id: TenantId
+    weight: Annotated[float, Meta(gt=0.0, le=1e6)] = 1.0
+    default_priority: PriorityName = "standard"
+    requests_per_min: OptCount = None
+    input_tokens_per_min: OptCount = None
+    output_tokens_per_min: OptCount = None
+    concurrent_requests: OptCount = None
+    cache_budget_blocks: OptCount = None
+    cache_isolation: bool = False
+    # the tenant's secret cache namespace (random, made by the api); used only when isolated
+    cache_salt: Annotated[str, Meta(max_length=128)] = ""
+    version: NonNeg = 0
+
+
+class TenantKeyRecord(Struct, kw_only=True):
+    """A client API key of a tenant, by its SHA-256 digest (the key itself is never sent)."""
+
+    key_id: NonNeg
+    tenant_id: TenantId
+    digest: Annotated[str, Meta(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
+    priority: PriorityName | None = None  # None: the tenant's default
+    allow_priority_header: bool = False  # may the request name its band (x-kvgate-priority)
+    expires_at: NonNegF | None = None  # unix seconds; None: until revoked
+
+
+class TenantsUpdated(Message):
+    """The whole tenant directory (tenants and their active keys: a revoked key is absent).
+    Routers apply the newest ``revision``; the api publishes it after every change and
+    re-publishes it when the TENANTS stream does not hold its own current one."""
+
+    revision: NonNeg
+    tenants: list[TenantRecord] = []
+    keys: list[TenantKeyRecord] = []
     ts: float = 0.0
 
 

@@ -6,6 +6,7 @@ it, and the check every service makes before it uses a stream.
 - OUTCOMES (``router.outcomes``): 24 h; the canary evaluator's durable consumer.
 - POLICY (``policy.updated``): keeps only the newest notice, so a router that starts later
   reads the active policy at once.
+- TENANTS (``tenants.updated``): keeps only the newest tenant directory, like POLICY.
 - ALERT_SIGNALS (``alerting.signals.*``): raw signals from detectors and routers, kept until
   the alert manager has consumed them (survives an API outage).
 - ALERTS (``alerts.>``): managed alerts, 7 days, so late subscribers can replay.
@@ -147,6 +148,12 @@ def policy_spec(s: Subjects) -> StreamSpec:
     )
 
 
+def tenants_spec(s: Subjects) -> StreamSpec:
+    return StreamSpec(
+        s.tenants_stream, (s.tenants_updated,), 365 * 24 * HOUR, 64 << 20, max_msgs_per_subject=1
+    )
+
+
 def alert_signals_spec(s: Subjects) -> StreamSpec:
     return StreamSpec(s.alert_signals_stream, (s.alert_signals_all,), 24 * HOUR, _budget(0.1))
 
@@ -177,6 +184,7 @@ def all_specs(s: Subjects) -> list[StreamSpec]:
         kv_events_spec(s),
         outcomes_spec(s),
         policy_spec(s),
+        tenants_spec(s),
         alert_signals_spec(s),
         alerts_spec(s),
         lease_bucket_spec(s),
@@ -398,6 +406,10 @@ async def require_outcomes_stream(bus: Bus, timeout_s: float = REQUIRE_TIMEOUT_S
 
 async def require_policy_stream(bus: Bus, timeout_s: float = REQUIRE_TIMEOUT_S) -> str:
     return await require_stream(bus, policy_spec(bus.subjects), timeout_s)
+
+
+async def require_tenants_stream(bus: Bus, timeout_s: float = REQUIRE_TIMEOUT_S) -> str:
+    return await require_stream(bus, tenants_spec(bus.subjects), timeout_s)
 
 
 async def require_alert_streams(bus: Bus, timeout_s: float = REQUIRE_TIMEOUT_S) -> tuple[str, str]:

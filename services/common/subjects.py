@@ -23,6 +23,7 @@ router.load.<router>                    RouterLoad (in-flight per worker)       
 router.outcomes                         RouterOutcome, or an array of them         JetStream OUTCOMES
 policy.updated                          PolicyUpdated                              core + JetStream POLICY
 policy.revision                         PolicyRevisionRequest -> Reply (req/reply) core (the api answers)
+tenants.updated                         TenantsUpdated (the tenant directory)      core + JetStream TENANTS
 alerting.signals.<source>               Alert (raw signal, not yet de-duplicated)  JetStream ALERT_SIGNALS
 alerts.<severity>.<kind>                Alert (managed: firing / resolved)         JetStream ALERTS
 ======================================  =========================================  ===========
@@ -98,6 +99,10 @@ class Subjects:
     def policy_stream(self) -> str:
         return self.stream("POLICY")
 
+    @property
+    def tenants_stream(self) -> str:
+        return self.stream("TENANTS")
+
     # -- KV events and the index -----------------------------------------------------------
     def kv_events(self, worker_id: str) -> str:
         return self._s(f"kv.events.{check_token(worker_id, 'worker id')}")
@@ -166,6 +171,10 @@ class Subjects:
     @property
     def policy_revision(self) -> str:
         return self._s("policy.revision")
+
+    @property
+    def tenants_updated(self) -> str:
+        return self._s("tenants.updated")
 
     # -- alerts -------------------------------------------------------------------------------
     def alert_signal(self, source: str) -> str:

@@ -70,6 +70,9 @@ class RequestTenancy:
     tenant_id: str | None = None
     priority: Priority = Priority.STANDARD
     weight: float = 1.0
+    # the tenant's private cache namespace (``Tenant.cache_isolation``): set on the request
+    # as its ``cache_salt``, so its prompts share blocks with no other tenant's
+    cache_salt: str | None = None
 
     @property
     def flow(self) -> str:

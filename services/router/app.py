@@ -41,6 +41,7 @@ from services.common.replay_guard import DEFAULT_MAX_AGE_S, DEFAULT_MAX_SKEW_S, 
 from services.common.schemas import (
     PolicyUpdated,
     RouterLoad,
+    TenantsUpdated,
     WorkerControl,
     WorkerHeartbeat,
     WorkerLoad,
@@ -85,6 +86,8 @@ from services.router.request_path import RequestPath
 from services.router.send import Sender
 from services.router.signals import CapacitySignal, Spawner
 from services.router.sweeper import Sweeper
+from services.router.tenant_identity import TenantDirectory
+from services.router.tenant_reload import TenantReload
 from services.router.tokenize import RequestParser
 from services.router.trust import BusTrust
 from services.router.upstream import FastClient
@@ -165,6 +168,8 @@ class Router:
             self.router_id, bus, self.state, self.capacity, self.spawner, outlier_config(st)
         )
         self.recorder.outliers = self.sweeper.outliers = self.outliers
+        # tenants and their keys, from the admin API (services.router.tenant_identity)
+        self.tenants = TenantDirectory(trust_header=bool(getattr(st, "trust_tenant_header", False)))
         # the request path
         self.decider = Decider(self.lifecycle, self.index_source, self.parser)
         self.admission = Admission(self.decider, self.state, self.capacity, st, self.flow)
@@ -219,6 +224,10 @@ class Router:
             ),
         )
         self.feed.reject = self.trust.reject  # a heartbeat moving a pinned worker's URL
+        self.tenant_reload = TenantReload(bus, self.tenants, self.trust)
+        # identity on the request path, quotas in flow control: both read the directory
+        self.path.tenancy_of = self.tenants.tenancy_of
+        self.flow.quota_of = self.tenants.quota_of
         # start-up (cluster not known yet: 503, never 404) and drain state; /ready
         self.readiness = Readiness(st.worker_timeout, self.index_source)
         self.admission.starting = self.readiness.starting_refusal
@@ -275,9 +284,13 @@ class Router:
                 PolicyUpdated,
                 self.trust.guard_policy(self.bus, self.reload.on_policy),
             ),
+            await self.bus.subscribe(
+                s.tenants_updated, TenantsUpdated, self.tenant_reload.on_tenants
+            ),
         ]
         self.readiness.heartbeats_subscribed()
         await self.reload.load_latest(functools.partial(self.trust.stored_policy_ok, self.bus))
+        await self.tenant_reload.load_latest()
         await self.index_source.start()
         self.readiness.index_started = True
         self.outcomes.start()
@@ -352,7 +365,7 @@ async def start_router_http(
 ) -> Server:
     """Serve the router's OpenAI port (https with ``ssl_context``); on stop, in-flight
     requests get ``shutdown_s`` to finish."""
-    surface = public_surface(router.st)
+    surface = public_surface(router.st, router.tenants)
     routes = router.make_routes()
     if not operator_on_public_port(router.st):  # the details are the operator port's
         routes.add("GET", "/health", status_only_health(router.handlers.health, surface))

@@ -209,6 +209,11 @@ class Request:
         self._chunks = []
         return self._body
 
+    def replace_body(self, body: bytes) -> None:
+        """After :meth:`read`: what the router forwards instead of the client's bytes (a body
+        it rewrote, e.g. a tenant's ``cache_salt`` added)."""
+        self._body = body
+
     def _feed(self, data: bytes, limit: int) -> None:
         if self._too_large:
             return

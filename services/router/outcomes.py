@@ -29,6 +29,7 @@ from services.router import metrics as M
 from services.router import slo
 from services.router.metrics import OUTCOMES_DROPPED
 from services.router.proxy import Ctx
+from services.router.tenant_metrics import TenantMetrics
 
 log = get_logger("router.outcomes")
 
@@ -149,6 +150,7 @@ class OutcomeRecorder:
         self.hit_pred = M.HitRate("predicted")
         self.hit_reported = M.HitRate("reported")
         self.outliers: Any = None  # services.router.ejection.RouterOutliers, set by the router
+        self.tenants = TenantMetrics()
         # per (policy, arm, worker, status): the labelled metric children a request of that
         # kind updates, found in one lookup (six label lookups were a µs per request)
         self._children: dict[tuple[str, str, str, str], tuple[Any, ...]] = {}
@@ -207,6 +209,14 @@ class OutcomeRecorder:
         elif ctx.status == "timeout":
             M.TIMEOUTS.inc()
             M.TIMEOUTS_ALIAS.inc()
+        tenancy = ctx.tenancy
+        self.tenants.record(
+            tenancy,
+            ctx.status,
+            len(ctx.parsed.token_ids),
+            ctx.cached_reported,
+            ctx.completion_tokens,
+        )
         self.publisher.submit(
             RouterOutcome(
                 request_id=ctx.request_id,
@@ -234,6 +244,8 @@ class OutcomeRecorder:
                 handoff_s=_handoff_s(ctx),
                 available_cached_tokens=ctx.available_cached,
                 lost_reason=ctx.lost_reason,
+                tenant_id=tenancy.tenant_id,
+                priority=tenancy.priority.value,
             )
         )
 

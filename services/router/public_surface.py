@@ -5,6 +5,9 @@
 - **Client API keys** (optional): with keys configured, every ``/v1/*`` request needs
   ``Authorization: Bearer <key>``. Keys are held only as SHA-256 digests (a keys file may hold
   digests alone: ``sha256:<hex>``), and compared in constant time against every digest.
+  Tenant keys issued by the admin API (services.router.tenant_identity) are accepted beside
+  the static ones; once the directory holds any, a key is required as with static keys. An
+  expired tenant key is answered 401 ``API key expired``; a revoked one as an unknown key.
 - **Body limit**: a request body above ``--max-body-bytes`` is refused from its Content-Length
   before anything is read, and while reading when no length was sent (chunked); the prompt's
   text is measured (``--max-prompt-chars``) before the tokenizer sees it.
@@ -52,6 +55,7 @@ from services.router.http_server import (
     json_response,
 )
 from services.router.openai_extras import passthrough_paths
+from services.router.tenant_identity import TenantDirectory, bearer_key
 from services.router.tokenize import BadRequest
 
 MIB = 1 << 20
@@ -80,6 +84,14 @@ OPTIONS = (
         "",
         "file of client API keys, one per line: the key, or sha256:<hex digest> of it",
         env="KVGATE_ROUTER_API_KEYS_FILE",
+    ),
+    S.option(
+        "trust_tenant_header",
+        False,
+        "take the tenant from the x-kvgate-tenant (or llm-d's x-gateway-inference-fairness-id) "
+        "header: only behind a gateway that authenticates clients and sets it (never "
+        "trusted otherwise)",
+        env="KVGATE_ROUTER_TRUST_TENANT_HEADER",
     ),
     S.option(
         "operator_port",
@@ -185,19 +197,49 @@ class PublicSurface:
         keys: ApiKeys | None = None,
         limits: ConnLimits | None = None,
         keyed: Iterable[str] = KEYED_PATHS,
+        tenants: TenantDirectory | None = None,
     ) -> None:
         self.max_body = max_body
         self.keys = keys if keys is not None and keys.enabled else None
         self.keyed = frozenset(keyed)  # exact paths besides /v1/* that need a key
         self.limits = limits if limits is not None else ConnLimits()
+        self.tenants = tenants
         # a refusal of the router's state (starting), after the key check
         self.gate: Callable[[Request], Response | None] | None = None
 
+    @property
+    def keys_required(self) -> bool:
+        return self.keys is not None or (self.tenants is not None and self.tenants.has_keys)
+
+    def key_refusal(self, request: Request) -> Response | None:
+        """None when the request may pass (a valid static or tenant key, or none needed)."""
+        key = bearer_key(request.headers)
+        if key is not None and self.tenants is not None:
+            why = self.tenants.key_refusal(key)
+            if not why:
+                return None
+            if why == "expired":
+                REFUSED.labels("api_key_expired").inc()
+                return unauthorized("API key expired")
+        if not self.keys_required:
+            return None
+        if key is not None and self.keys is not None and self.keys.allows(key):
+            return None
+        REFUSED.labels("api_key").inc()
+        return unauthorized(KEY_MESSAGE)
+
+    def presented(self, request: Request) -> bool:
+        """Does the request carry a valid key (static or tenant)?"""
+        key = bearer_key(request.headers)
+        if key is None:
+            return False
+        if self.tenants is not None and not self.tenants.key_refusal(key):
+            return True
+        return self.keys is not None and self.keys.allows(key)
+
     def check(self, request: Request) -> Response | None:
-        if self.keys is not None and (
-            request.path.startswith("/v1/") or request.path in self.keyed
-        ):
-            refused = self.keys.refusal(request)
+        if request.path.startswith("/v1/") or request.path in self.keyed:
+            refused = self.key_refusal(request)
             if refused is not None:
                 return refused
         if self.gate is not None:
@@ -298,22 +340,25 @@ class ApiKeys:
         """401 unless the request carries one of the keys."""
         if not self.presented(request):
             REFUSED.labels("api_key").inc()
-            return openai_error(
-                401,
-                "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            return unauthorized(KEY_MESSAGE)
         return None
 
 
+KEY_MESSAGE = "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
+
+
+def unauthorized(message: str) -> Response:
+    return openai_error(401, message, headers={"WWW-Authenticate": "Bearer"})
+
+
 # ---------------------------------------------------------------------------- wiring
-def public_surface(st: Any) -> PublicSurface:
-    """The OpenAI port's surface: body limit, client API keys and connection limits from the
-    settings."""
+def public_surface(st: Any, tenants: TenantDirectory | None = None) -> PublicSurface:
+    """The OpenAI port's surface: body limit, client API keys (static, and the tenant keys of
+    ``tenants``) and connection limits from the settings."""
     max_body = int(getattr(st, "max_body_bytes", 4 * MIB))
     keys = ApiKeys(load_key_digests(getattr(st, "api_keys", ""), getattr(st, "api_keys_file", "")))
     keyed = (*KEYED_PATHS, *passthrough_paths(getattr(st, "passthrough_paths", "") or ""))
-    return PublicSurface(max_body, keys, ConnLimits.from_settings(st), keyed)
+    return PublicSurface(max_body, keys, ConnLimits.from_settings(st), keyed, tenants)
 
 
 def status_only_health(health: Handler, surface: PublicSurface) -> Handler:
@@ -323,8 +368,7 @@ def status_only_health(health: Handler, surface: PublicSurface) -> Handler:
 
     async def public_health(request: Request) -> Reply:
         reply = await health(request)
-        keys = surface.keys
-        if keys is not None and keys.presented(request):
+        if surface.presented(request):
             return reply
         status = "ok" if reply.status < 400 else "unavailable"
         if isinstance(reply, Response):

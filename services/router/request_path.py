@@ -36,6 +36,7 @@ from services.router.pd import PdSender
 from services.router.proxy import Ctx, WorkerFailed, error_response, reject, session_of
 from services.router.public_surface import check_prompt_size
 from services.router.send import Sender
+from services.router.tenant_identity import TenancyError
 from services.router.tokenize import BadRequest, RequestParser
 
 log = get_logger("router")
@@ -53,6 +54,19 @@ class RequestIds:
 
     def next(self) -> str:
         return f"{self.prefix}{next(self.seq):016x}"
+
+
+def isolate(body: dict, tenant_salt: str) -> None:
+    """Put the request in its tenant's private cache namespace: ``cache_salt`` is the tenant's
+    secret salt (joined with the client's own salt, if it sent one), so its block keys and the
+    engine's prefix cache share nothing with another tenant's (services.core.keys)."""
+    own = body.get("cache_salt")
+    body["cache_salt"] = f"{tenant_salt}:{own}" if isinstance(own, str) and own else tenant_salt
+
+
+def tenancy_refusal(exc: TenancyError) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return error_response(exc.status, exc.message, "invalid_request_error", headers, exc.param)
 
 
 class RequestPath:
@@ -80,16 +94,24 @@ class RequestPath:
         self.max_retries = max_retries
         self.max_prompt_chars = max_prompt_chars
         self.ids = RequestIds()
-        # who a request is for and its priority (the tenant directory sets this)
+        # who a request is for and its priority: the router's tenant directory
+        # (services.router.tenant_identity; may raise TenancyError: 401 / 400)
         self.tenancy_of: Callable[[Request], RequestTenancy] = lambda _request: NO_TENANT
 
     async def intake(
-        self, raw: bytes | None, headers: Mapping[str, str], path: str, chat: bool, t0: float
+        self,
+        raw: bytes | None,
+        headers: Mapping[str, str],
+        path: str,
+        chat: bool,
+        t0: float,
+        tenancy: RequestTenancy = NO_TENANT,
     ) -> Ctx | Response:
         """A request's body and headers as its :class:`Ctx` (parsed and tokenized, SLO
-        targets, session, canary arm), or the 400 to answer: the same for both front doors,
-        the router's HTTP port and the EPP (services/epp/picker.py). ``raw`` None: a request
-        without a body (the EPP's headers-only requests), parsed as an empty object."""
+        targets, session, canary arm, ``tenancy``), or the 400 to answer: the same for both
+        front doors, the router's HTTP port and the EPP (services/epp/picker.py). ``raw`` None:
+        a request without a body (the EPP's headers-only requests), parsed as an empty object.
+        A tenant with its own cache namespace gets its ``cache_salt`` in the parsed body."""
         try:
             if raw is None:
                 body: object = {}
@@ -99,6 +121,8 @@ class RequestPath:
                 # more characters of text (each takes one byte of JSON or more)
                 if len(raw) > self.max_prompt_chars:
                     check_prompt_size(body, self.max_prompt_chars)
+            if tenancy.cache_salt is not None and isinstance(body, dict):
+                isolate(body, tenancy.cache_salt)
             parsed = await self.parser.parse(body, chat, path)
         except msgspec.DecodeError as exc:
             return error_response(
@@ -114,6 +138,7 @@ class RequestPath:
         session_id = session_of(headers)
         ctx = Ctx(rid, parsed, self.policies.arm(rid, session_id), session_id, t0, path)
         ctx.slo = targets
+        ctx.tenancy = tenancy
         so = parsed.body.get("stream_options")
         ctx.client_wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
         return ctx
@@ -121,10 +146,15 @@ class RequestPath:
     async def handle(self, request: Request, chat: bool) -> Reply:
         t0 = time.perf_counter()
         raw = await request.read()  # BodyTooLarge / BodyTimeout: answered by the server
-        ctx = await self.intake(raw, request.headers, request.path, chat, t0)
+        try:
+            tenancy = self.tenancy_of(request)
+        except TenancyError as exc:  # an expired key, a bad band: 401 / 400
+            return tenancy_refusal(exc)
+        ctx = await self.intake(raw, request.headers, request.path, chat, t0, tenancy)
         if isinstance(ctx, Response):
             return ctx
-        ctx.tenancy = self.tenancy_of(request)
+        if tenancy.cache_salt is not None:  # forward the body with the tenant's salt
+            request.replace_body(msgspec.json.encode(ctx.parsed.body))
         M.INFLIGHT.inc()
         try:
             return await self._route_and_send(request, ctx)

@@ -217,6 +217,11 @@ class BusTrust:
             self.reject(type_name, reason, raw.subject, _describe(verdict.envelope))
         return not reason
 
+    def signed_ok(self, type_name: str, raw: Any) -> bool:
+        """Any other api message (e.g. ``tenants.updated``): signed as configured, fresh, new
+        and in order."""
+        return self._signed_ok(type_name, raw)
+
     def control_ok(self, ctl: WorkerControl, raw: Any) -> bool:
         reason = control_reason(self.subjects, raw.subject, ctl)
         if reason:

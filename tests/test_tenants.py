@@ -1,0 +1,266 @@
+"""Tenants: identity (tenant keys, trusted gateway header, priority), the admin API's tenants,
+keys and usage on a real Postgres, their hot reload into routers over a real NATS (signed),
+and per-tenant usage equal to what the engines reported.
+
+The directory tests at the top are pure (services.router.tenant_identity); the rest runs the
+admin API, a simulated worker and routers in this event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import msgspec
+import pytest
+
+from services.api.testing import start_api
+from services.common.schemas import TenantKeyRecord, TenantRecord, TenantsUpdated
+from services.common.signing import Signer, new_seed
+from services.common.tenancy import NO_TENANT, Priority
+from services.router.tenant_identity import TenancyError, TenantDirectory, key_digest
+from tests.test_router_e2e_sim import SimCluster
+from tests.test_router_support import RouterProc, wait_until
+
+
+# --------------------------------------------------------------------------- pure directory
+def _directory(trust_header: bool = False, now: float = 1000.0) -> TenantDirectory:
+    d = TenantDirectory(trust_header=trust_header, clock=lambda: now)
+    d.apply(
+        TenantsUpdated(
+            revision=3,
+            tenants=[
+                TenantRecord(tenant_id="alpha", weight=2.0, default_priority="critical"),
+                TenantRecord(
+                    tenant_id="beta",
+                    requests_per_min=60,
+                    cache_isolation=True,
+                    cache_salt="s3cret",
+                ),
+            ],
+            keys=[
+                TenantKeyRecord(key_id=1, tenant_id="alpha", digest=key_digest("ka").hex()),
+                TenantKeyRecord(
+                    key_id=2,
+                    tenant_id="beta",
+                    digest=key_digest("kb").hex(),
+                    allow_priority_header=True,
+                    expires_at=2000.0,
+                ),
+                TenantKeyRecord(
+                    key_id=3, tenant_id="beta", digest=key_digest("old").hex(), expires_at=999.0
+                ),
+                # a key of a tenant the message does not hold is no key
+                TenantKeyRecord(key_id=4, tenant_id="gone", digest=key_digest("kg").hex()),
+            ],
+        )
+    )
+    return d
+
+
+def test_key_resolves_to_its_tenant_with_its_defaults() -> None:
+    d = _directory()
+    t = d.request_tenancy({"x-kvgate-priority": "sheddable"}, "ka")
+    # alpha's key may not choose its band: the header is ignored, the tenant's default holds
+    assert (t.tenant_id, t.priority, t.weight, t.cache_salt) == (
+        "alpha",
+        Priority.CRITICAL,
+        2.0,
+        None,
+    )
+    b = d.request_tenancy({"x-kvgate-priority": "critical"}, "kb")
+    assert (b.tenant_id, b.priority, b.cache_salt) == ("beta", Priority.CRITICAL, "s3cret")
+    assert d.request_tenancy({}, "kb").priority is Priority.STANDARD
+    assert d.get("beta").quota.requests_per_min == 60
+    assert d.get("nobody") is None and d.tenant("nobody").weight == 1.0
+    assert d.resolve_key("kg") is None and d.key_refusal("kg") == "unknown"
+    with pytest.raises(TenancyError) as bad:
+        d.request_tenancy({"x-kvgate-priority": "urgent"}, "kb")
+    assert (bad.value.status, bad.value.param) == (400, "x-kvgate-priority")
+
+
+def test_expired_key_is_refused_at_its_expiry() -> None:
+    assert _directory(now=1000.0).key_refusal("old") == "expired"
+    assert _directory(now=1999.9).key_refusal("kb") == ""
+    late = _directory(now=2000.0)
+    assert late.key_refusal("kb") == "expired"
+    with pytest.raises(TenancyError) as exc:
+        late.request_tenancy({}, "kb")
+    assert exc.value.status == 401
+
+
+def test_tenant_header_is_trusted_only_when_configured() -> None:
+    headers = {"x-kvgate-tenant": "beta", "x-kvgate-priority": "sheddable"}
+    assert _directory(trust_header=False).request_tenancy(headers, None) == NO_TENANT
+    t = _directory(trust_header=True).request_tenancy(headers, None)
+    assert (t.tenant_id, t.priority, t.cache_salt) == ("beta", Priority.SHEDDABLE, "s3cret")
+    llmd = _directory(trust_header=True).request_tenancy(
+        {"x-gateway-inference-fairness-id": "team-x"}, None
+    )
+    assert (llmd.tenant_id, llmd.weight) == ("team-x", 1.0)  # unregistered: the defaults
+    # a key is stronger than a header, trusted or not
+    keyed = _directory(trust_header=True).request_tenancy(headers, "ka")
+    assert keyed.tenant_id == "alpha"
+
+
+def test_only_a_newer_directory_replaces_the_held_one() -> None:
+    d = _directory()
+    assert not d.apply(TenantsUpdated(revision=3))
+    assert d.resolve_key("ka") is not None
+    assert d.apply(TenantsUpdated(revision=4))  # every tenant deleted
+    assert d.resolve_key("ka") is None and not d.has_keys
+
+
+# --------------------------------------------------------------------------- live
+PROMPT = "You are a careful assistant. " * 40  # several full blocks
+
+
+async def _ask(s: aiohttp.ClientSession, url: str, key: str | None, **headers: str):
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 4}
+    async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
+        return r.status, msgspec.json.decode(await r.read())
+
+
+async def test_tenant_keys_reload_usage_and_isolation(
+    database_url: str, nats_url: str, subject_prefix: str, subjects, tmp_path
+) -> None:
+    seed = tmp_path / "api.nk"
+    seed.write_bytes(new_seed())
+    signer = Signer(seed.read_bytes())
+    api = await start_api(database_url, nats_url, subject_prefix, signing_seed=str(seed))
+    sims = await SimCluster(nats_url, subjects, 1).start()
+    router = await RouterProc(
+        nats_url, subjects, api_keys="static-key", trusted_signers=signer.public_key
+    ).start()
+    # behind a gateway: it trusts the gateway's header for the tenant, and the gateway
+    # authenticates to it with its own (static) key
+    gateway = await RouterProc(
+        nats_url,
+        subjects,
+        api_keys="gateway-key",
+        trust_tenant_header=True,
+        trusted_signers=signer.public_key,
+    ).start()
+    r = router.router
+    assert r is not None
+    try:
+        await router.wait_workers(1)
+        await gateway.wait_workers(1)
+        st, alpha = await api.call(
+            "POST",
+            "/api/v1/tenants",
+            {"tenant_id": "alpha", "spec": {"weight": 2, "quota": {"requests_per_min": 600}}},
+        )
+        assert st == 201 and alpha["version"] == 1 and alpha["published"], alpha
+        st, _ = await api.call(
+            "POST", "/api/v1/tenants", {"tenant_id": "beta", "spec": {"cache_isolation": True}}
+        )
+        assert st == 201
+        st, ka = await api.call("POST", "/api/v1/tenants/alpha/keys", {"name": "ci"})
+        assert st == 201 and ka["key"].startswith("kvt_")
+        st, kb = await api.call("POST", "/api/v1/tenants/beta/keys", {})
+        assert st == 201
+        await wait_until(lambda: r.tenants.revision >= kb["revision"], 5, "directory applied")
+        # the router holds the tenant's quota and weight
+        assert r.tenants.get("alpha").quota.requests_per_min == 600
+        assert r.tenants.get("alpha").weight == 2.0
+
+        # the secret is shown once: never listed, never audited
+        _, keys = await api.call("GET", "/api/v1/tenants/alpha/keys")
+        assert ka["key"] not in str(keys) and keys["keys"][0]["state"] == "active"
+        _, log = await api.call("GET", "/api/v1/audit?limit=50")
+        assert ka["key"] not in str(log)
+        assert {"tenant.create", "tenant_key.create"} <= {e["action"] for e in log["entries"]}
+
+        cached = {"alpha": 0, "beta": 0}
+        async with aiohttp.ClientSession() as s:
+            # keys: tenant keys and the static one pass; none, or a wrong one: 401
+            for _ in range(3):
+                status, body = await _ask(s, router.url, ka["key"])
+                assert status == 200, body
+                cached["alpha"] += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            # beta sends alpha's prompt: its own cache namespace, so nothing of alpha's is hit
+            status, body = await _ask(s, router.url, kb["key"])
+            assert status == 200
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            status, body = await _ask(s, router.url, kb["key"])
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its own prefix
+            cached["beta"] += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached["alpha"] > 0
+            assert (await _ask(s, router.url, "static-key"))[0] == 200
+            for key in (None, "kvt_wrong"):
+                status, body = await _ask(s, router.url, key)
+                assert status == 401 and body["error"]["type"] == "invalid_request_error"
+
+            # the gateway header names the tenant only where it is trusted, and never stands
+            # in for a key
+            status, _ = await _ask(s, router.url, None, **{"x-kvgate-tenant": "alpha"})
+            assert status == 401
+            status, _ = await _ask(s, gateway.url, None, **{"x-kvgate-tenant": "gw-team"})
+            assert status == 401
+            status, _ = await _ask(s, router.url, "static-key", **{"x-kvgate-tenant": "gw-x"})
+            assert status == 200  # tenant-less: the header is not believed here
+            status, _ = await _ask(s, gateway.url, "gateway-key", **{"x-kvgate-tenant": "gw-team"})
+            assert status == 200
+
+            # revocation reaches the router over the bus: 401 in OpenAI's shape
+            st, revoked = await api.call("DELETE", f"/api/v1/tenants/beta/keys/{kb['id']}")
+            assert st == 200 and revoked["state"] == "revoked"
+            await wait_until(lambda: r.tenants.revision >= revoked["revision"], 5, "revoked")
+            status, body = await _ask(s, router.url, kb["key"])
+            assert status == 401 and set(body["error"]) == {"message", "type", "param", "code"}
+
+            # expiry: a key with a lifetime, refused once the router's clock passes it
+            st, short = await api.call("POST", "/api/v1/tenants/alpha/keys", {"ttl_s": 3600})
+            await wait_until(lambda: r.tenants.revision >= short["revision"], 5, "key applied")
+            status, body = await _ask(s, router.url, short["key"])
+            assert status == 200
+            cached["alpha"] += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            r.tenants.clock = lambda: time.time() + 7200
+            status, body = await _ask(s, router.url, short["key"])
+            assert status == 401 and body["error"]["message"] == "API key expired"
+            r.tenants.clock = time.time
+
+        # usage: what the engines reported, per tenant, summed by the api from the outcomes
+        want = {"alpha": 4, "beta": 2, "gw-team": 1}
+
+        async def usage(t: str) -> dict:
+            _, u = await api.call("GET", f"/api/v1/tenants/{t}/usage")
+            return u
+
+        for tenant, n in want.items():
+            await wait_until_async(lambda t=tenant, n=n: _has(usage, t, n), 10, f"{tenant} usage")
+        ua = await usage("alpha")
+        ub = await usage("beta")
+        assert ub["cached_tokens"] == cached["beta"]
+        assert ua["cached_tokens"] == cached["alpha"]
+        assert ua["requests"] == 4 and ub["requests"] == 2
+        assert ua["prompt_tokens"] == ua["cached_tokens"] + ua["computed_prompt_tokens"]
+        # the router's per-tenant metric counts the same engine figure
+        from services.router.tenant_metrics import TENANT_CACHED_TOKENS
+
+        assert TENANT_CACHED_TOKENS.labels("beta")._value.get() >= cached["beta"]
+        # the untrusted header named no tenant; an unknown tenant has no usage
+        assert (await api.call("GET", "/api/v1/tenants/gw-x/usage"))[0] == 404
+    finally:
+        await gateway.stop()
+        await router.stop()
+        await sims.stop()
+        await api.close()
+
+
+async def _has(usage, tenant: str, n: int) -> bool:
+    u = await usage(tenant)
+    return isinstance(u, dict) and u.get("requests", 0) >= n
+
+
+async def wait_until_async(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await pred():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
