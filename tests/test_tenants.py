@@ -20,6 +20,7 @@ from services.common.schemas import TenantKeyRecord, TenantRecord, TenantsUpdate
 from services.common.signing import Signer, new_seed
 from services.common.tenancy import NO_TENANT, Priority
 from services.router.tenant_identity import TenancyError, TenantDirectory, key_digest
+from services.router.tenant_reload import TENANT_UPDATES
 from tests.test_router_e2e_sim import SimCluster
 from tests.test_router_support import RouterProc, wait_until
 
@@ -136,19 +137,19 @@ async def test_tenant_keys_reload_usage_and_isolation(
         nats_url, subjects, api_keys="static-key", trusted_signers=signer.public_key
     ).start()
     # behind a gateway: it trusts the gateway's header for the tenant, and the gateway
-    # authenticates to it with its own (static) key
-    gateway = await RouterProc(
+    # authenticates to it with its own (static) key; started once the directory exists, so it
+    # reads it from the TENANTS stream
+    gateway = RouterProc(
         nats_url,
         subjects,
         api_keys="gateway-key",
         trust_tenant_header=True,
         trusted_signers=signer.public_key,
-    ).start()
+    )
     r = router.router
     assert r is not None
     try:
         await router.wait_workers(1)
-        await gateway.wait_workers(1)
         st, alpha = await api.call(
             "POST",
             "/api/v1/tenants",
@@ -167,6 +168,26 @@ async def test_tenant_keys_reload_usage_and_isolation(
         # the router holds the tenant's quota and weight
         assert r.tenants.get("alpha").quota.requests_per_min == 600
         assert r.tenants.get("alpha").weight == 2.0
+        assert r.flow.quota_of("alpha").requests_per_min == 600  # what flow control reads
+        await gateway.start()
+        assert gateway.router is not None
+        assert gateway.router.tenants.revision == kb["revision"]  # read at start
+        await gateway.wait_workers(1)
+
+        # a directory the api did not sign (anyone who can publish on the bus) changes nothing
+        forged = TenantsUpdated(
+            revision=10**9,
+            tenants=[TenantRecord(tenant_id="alpha")],
+            keys=[TenantKeyRecord(key_id=9, tenant_id="alpha", digest=key_digest("evil").hex())],
+        )
+        before = TENANT_UPDATES.labels("rejected")._value.get()
+        await router.bus.publish(subjects.tenants_updated, forged)
+        await wait_until(
+            lambda: TENANT_UPDATES.labels("rejected")._value.get() >= before + 2,  # both routers
+            5,
+            "forged directory rejected",
+        )
+        assert r.tenants.revision == kb["revision"] and r.tenants.resolve_key("evil") is None
 
         # the secret is shown once: never listed, never audited
         _, keys = await api.call("GET", "/api/v1/tenants/alpha/keys")
@@ -246,7 +267,8 @@ async def test_tenant_keys_reload_usage_and_isolation(
         # the untrusted header named no tenant; an unknown tenant has no usage
         assert (await api.call("GET", "/api/v1/tenants/gw-x/usage"))[0] == 404
     finally:
-        await gateway.stop()
+        if gateway.router is not None:
+            await gateway.stop()
         await router.stop()
         await sims.stop()
         await api.close()
@@ -264,3 +286,55 @@ async def wait_until_async(pred, timeout: float, what: str) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_usage_counts_each_outcomes_message_once(database_url: str) -> None:
+    """A message redelivered (the api crashed between its commit and its ack) adds nothing;
+    failed requests count as requests and errors, not tokens; a prompt whose engine reported
+    no cache figure is neither cached nor computed."""
+    from sqlalchemy import select
+
+    from services.api.db import Database
+    from services.api.models import TenantUsage
+    from services.api.testing import migrate
+    from services.api.usage import UsageCollector, add_outcome, new_sums
+    from services.common.schemas import RouterOutcome
+
+    await migrate(database_url)
+    minute = 29_000_000  # a minute no other test writes
+    ts = minute * 60 + 5.0
+
+    def outcome(**kw) -> RouterOutcome:
+        return RouterOutcome(
+            request_id="r", router_id="r1", ts=ts, policy="p", tenant_id="once", **kw
+        )
+
+    sums = new_sums()
+    for o in (
+        outcome(prompt_tokens=100, completion_tokens=7, cached_tokens=64),
+        outcome(prompt_tokens=50, completion_tokens=3, cached_tokens=None),
+        outcome(status="error", http_status=502, prompt_tokens=80),
+        RouterOutcome(request_id="x", router_id="r1", ts=ts, policy="p", prompt_tokens=9),
+    ):
+        add_outcome(sums, o)
+    assert list(sums) == [("once", minute)]  # the tenant-less one is not recorded
+    db = Database(database_url)
+    try:
+        collector = UsageCollector(db, bus=None)  # type: ignore[arg-type]
+        assert await collector.write(7, 1234, sums)
+        assert not await collector.write(7, 1234, sums)  # redelivered: skipped
+        assert await collector.write(7, 9999, sums)  # a re-created stream's seq 7: counted
+        async with db.session() as s:
+            row = (
+                await s.execute(
+                    select(TenantUsage).where(
+                        TenantUsage.tenant_id == "once", TenantUsage.minute == minute
+                    )
+                )
+            ).scalar_one()
+        got = {f: getattr(row, f) for f in ("requests", "errors", "prompt_tokens")}
+        assert got == {"requests": 6, "errors": 2, "prompt_tokens": 300}
+        assert (row.cached_tokens, row.unreported_prompt_tokens) == (128, 100)
+        assert row.completion_tokens == 20
+    finally:
+        await db.close()
