@@ -27,6 +27,7 @@ METRIC_MODULES = (
     "services.common.bus",
     "services.common.service",
     "services.router.metrics",
+    "services.router.tenant_metrics",
     "services.telemetry.exporter",
     "services.api.alerting",
     "services.api.canary.runner",
@@ -152,6 +153,7 @@ def test_every_promql_expression_names_metrics_kvgate_exports() -> None:
         "kvgate_router_breaker_state",  # breakers
         "kvgate_telemetry_alerts_total",  # alerts
         "kvgate_gpu_sm_utilization_ratio",  # GPU
+        "kvgate_tenant_cached_tokens_total",  # tenants: cached vs computed
     ):
         assert needed in read, needed
 
