@@ -64,6 +64,21 @@ OPTIONS = (
     S.option(
         "workers", 4, "number of simulated workers to start (0: none)", env="KVGATE_UP_WORKERS"
     ),
+    S.option(
+        "prefill_workers",
+        0,
+        "disaggregated serving: simulated prefill-only workers (role prefill, ids prefill-<i>, "
+        "ports after the --workers ones); with P/D workers the router's default policy is "
+        "pd_slo",
+        env="KVGATE_UP_PREFILL_WORKERS",
+    ),
+    S.option(
+        "decode_workers",
+        0,
+        "disaggregated serving: simulated decode-only workers (role decode, ids decode-<i>, "
+        "ports after the prefill ones)",
+        env="KVGATE_UP_DECODE_WORKERS",
+    ),
     S.option("router_port", 8080, "router (OpenAI API) port", env="KVGATE_ROUTER_PORT"),
     S.option("api_port", 8081, "admin API port", env="KVGATE_API_PORT"),
     S.option(
@@ -261,10 +276,37 @@ class Stack:
             db_url = self.pg.sqlalchemy_url("kvgate")
         return nats_url, db_url
 
+    def sim_groups(self) -> list[tuple[str, str, int, int]]:
+        """The simulated worker processes: (child name, role, first port, count); colocated
+        workers first, then prefill, then decode workers on the ports after them."""
+        st = self.st
+        out = []
+        port = st.sim_port
+        for name, role, n in (
+            ("sim-workers", "both", st.workers),
+            ("sim-prefill", "prefill", st.prefill_workers),
+            ("sim-decode", "decode", st.decode_workers),
+        ):
+            if n > 0:
+                out.append((name, role, port, n))
+                port += n
+        return out
+
+    @property
+    def total_workers(self) -> int:
+        return sum(n for *_, n in self.sim_groups())
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.st.prefill_workers > 0 or self.st.decode_workers > 0
+
     def _worker_ids(self) -> list[str]:
         from services.worker_sim.app import worker_ids
 
-        return worker_ids("sim", self.st.workers) if self.st.workers > 0 else []
+        ids: list[str] = []
+        for _name, role, _port, n in self.sim_groups():
+            ids += worker_ids("sim" if role == "both" else role, n)
+        return ids
 
     def _nats_authorization(self) -> str:
         """One NATS user per role with a random password, kept (owner-only) in the state dir
@@ -362,15 +404,11 @@ class Stack:
         st, py = self.st, [sys.executable, "-m", "services.cli"]
         host = "127.0.0.1"
         kids: list[Child] = []
-        if st.workers > 0:
-            kids.append(
-                Child(
-                    "sim-workers",
-                    py + ["sim-worker", "--count", str(st.workers), "--port", str(st.sim_port)],
-                    f"http://{host}:{st.sim_port}/health",
-                    role="worker",
-                )
-            )
+        for name, role, port, n in self.sim_groups():
+            cmd = py + ["sim-worker", "--count", str(n), "--port", str(port)]
+            if role != "both":  # P/D: ids prefill-<i> / decode-<i>, the role in heartbeats
+                cmd += ["--worker-id", role, "--role", role]
+            kids.append(Child(name, cmd, f"http://{host}:{port}/health", role="worker"))
         kids += [
             Child(
                 name,
@@ -441,6 +479,12 @@ class Stack:
                 kid.env.update(self.api_secrets)
             elif kid.role == "router":
                 kid.env["KVGATE_TRUSTED_SIGNERS"] = signer.public_key
+            if kid.role == "router" and self.disaggregated:
+                # colocated policies route only to role "both" workers: a P/D fleet starts on
+                # kvgate's P/D policy (unless one is given)
+                kid.env.setdefault(
+                    "KVGATE_ROUTER_POLICY", os.environ.get("KVGATE_ROUTER_POLICY", "pd_slo")
+                )
             if kid.name == "router":  # its client API keys: the EPP serves no clients
                 kid.env["KVGATE_ROUTER_OPERATOR_PORT"] = str(self.st.router_operator_port)
                 kid.env.update(self.router_secrets)
@@ -469,11 +513,15 @@ class Stack:
 
     def check_ports(self) -> None:
         st = self.st
+        if st.prefill_workers > 0 and st.decode_workers == 0 and st.workers == 0:
+            raise SystemExit(
+                "kvgate up: --prefill-workers needs a decoder: --decode-workers (or --workers)"
+            )
         ports = [st.router_port, st.router_operator_port, st.api_port]
         ports += [*self.indexer_ports().values(), st.telemetry_port]
         ports += [st.bridge_port] if st.bridge else []
         ports += [st.epp_port, st.epp_operator_port] if st.epp_port else []
-        ports += [st.sim_port + i for i in range(st.workers)]
+        ports += [st.sim_port + i for i in range(self.total_workers)]
         busy = [p for p in ports if port_open("127.0.0.1", p, 0.2)]
         if busy:
             raise SystemExit(
@@ -501,10 +549,10 @@ class Stack:
         router = f"http://127.0.0.1:{self.st.router_operator_port}/health"
         while time.monotonic() < deadline and not self.stopping:
             h = _http_ok(router) or {}
-            if int(h.get("workers", 0)) >= self.st.workers:
+            if int(h.get("workers", 0)) >= self.total_workers:
                 return
             time.sleep(0.1)
-        self.log.warning("router has not seen every worker yet", expected=self.st.workers)
+        self.log.warning("router has not seen every worker yet", expected=self.total_workers)
 
     def supervise(self, env: dict[str, str]) -> None:
         """Restart a child that died (at most 5 times a minute, then give up on the stack)."""
@@ -572,8 +620,8 @@ class Stack:
         }
         ports |= self.indexer_ports()
         ports["telemetry"] = st.telemetry_port
-        if st.workers > 0:
-            ports["sim"] = st.sim_port
+        for name, role, port, _n in self.sim_groups():
+            ports["sim" if role == "both" else name] = port
         if st.epp_port:
             ports["epp-operator"] = st.epp_operator_port
         urls = {name: f"http://{host}:{port}" for name, port in ports.items()}
@@ -680,7 +728,7 @@ class Stack:
             + page_line
             + f"  NATS            : {redact_url(nats_url)}{self._nats_auth_note()}\n"
             f"  database        : {redact_url(db_url)}\n"
-            f"  workers         : {self.st.workers} simulated\n"
+            f"  workers         : {self._workers_line()}\n"
             "  metrics         : "
             f"router http://{host}:{self.st.router_operator_port}/metrics (and /debug/*), "
             f"api http://{host}:{self.st.api_port}/metrics,\n"
@@ -693,6 +741,15 @@ class Stack:
         )
         self.supervise(env)
         return 0
+
+    def _workers_line(self) -> str:
+        st = self.st
+        if not self.disaggregated:
+            return f"{st.workers} simulated"
+        return (
+            f"{st.workers} colocated, {st.prefill_workers} prefill, {st.decode_workers} decode "
+            "simulated (P/D policy pd_slo unless KVGATE_ROUTER_POLICY)"
+        )
 
     def _epp_line(self, host: str) -> str:
         if not self.st.epp_port:

@@ -214,3 +214,40 @@ def test_each_child_is_planned_with_its_own_credentials_only(
     provisioner = stack.nats_passwords["provisioner"]
     for kid in kids.values():
         assert provisioner not in str(kid.env), kid.name
+
+
+def test_plan_of_a_disaggregated_fleet(tmp_path, monkeypatch):
+    """`kvgate up --prefill-workers 2 --decode-workers 2`: two sim-worker processes with their
+    roles and ids on consecutive ports, each worker its own NATS user, the router on the P/D
+    policy; prefill workers without any decoder are refused."""
+    import argparse
+
+    import pytest
+
+    from services import up
+    from services.common import settings as S
+
+    def stack(*argv: str) -> up.Stack:
+        parser = argparse.ArgumentParser()
+        up.add_arguments(parser)
+        args = parser.parse_args(["--state-dir", str(tmp_path), *argv])
+        return up.Stack(S.resolve(args, up.OPTIONS, environ={}))
+
+    monkeypatch.delenv("KVGATE_ROUTER_POLICY", raising=False)
+    st = stack("--workers", "0", "--prefill-workers", "2", "--decode-workers", "2")
+    st._nats_authorization()
+    kids = {k.name: k for k in st.plan()}
+    assert "sim-workers" not in kids
+    base = st.st.sim_port
+    for name, role, port in (("sim-prefill", "prefill", base), ("sim-decode", "decode", base + 2)):
+        cmd = kids[name].argv
+        assert cmd[cmd.index("--port") + 1] == str(port)
+        assert cmd[cmd.index("--role") + 1] == role and cmd[cmd.index("--worker-id") + 1] == role
+        assert kids[name].health_url == f"http://127.0.0.1:{port}/health"
+    for wid in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        pair = f"{wid}={st.nats_passwords['worker-' + wid]}"
+        assert pair in kids["sim-prefill"].env["KVGATE_SIM_WORKER_PASSWORDS"].split(",")
+    assert kids["router"].env["KVGATE_ROUTER_POLICY"] == "pd_slo"
+    assert st.total_workers == 4
+    with pytest.raises(SystemExit, match="needs a decoder"):
+        stack("--workers", "0", "--prefill-workers", "1").check_ports()

@@ -71,9 +71,15 @@ class Dispatcher:
         else:
             ctx.lost_reason = "retry" if d.cached_tokens < ctx.available_cached else ""
         prompt_tokens, wall = len(ctx.parsed.token_ids), time.time()
-        ticket = self.lifecycle.dispatch(
-            ctx.request_id, wid, prompt_tokens, ctx.parsed.max_tokens, d.cached_tokens, wall
-        )
+        ctx.dispatched_at = time.monotonic()
+        if d.prefill_worker is not None:  # P/D: the decoder's claim and the prefiller's
+            ticket, ctx.pd_ticket = self.lifecycle.dispatch_pd(
+                ctx.request_id, d, prompt_tokens, ctx.parsed.max_tokens, wall
+            )
+        else:
+            ticket = self.lifecycle.dispatch(
+                ctx.request_id, wid, prompt_tokens, ctx.parsed.max_tokens, d.cached_tokens, wall
+            )
         replicas = self.lifecycle.replicas(ctx.request_id, d, prompt_tokens, ctx.overlaps, wall)
         self.load.mark_dirty()
         if len(replicas) < len(d.replicate_to):  # a replica's worker is gone
@@ -94,8 +100,35 @@ class Dispatcher:
             M.HOLD_SECONDS.observe(time.perf_counter() - t0)
 
     def first_token(self, ctx: Ctx, ticket: Ticket) -> None:
-        """The request's first token: its prefill is done, its followers may go."""
-        self.lifecycle.first_token(ctx.request_id, ticket, time.monotonic())
+        """The request's first token: its prefill is done, its followers may go. A P/D
+        policy's local prefill (no prefill worker) is timed for its prefill model."""
+        now = time.monotonic()
+        policy = ctx.arm.policy
+        if (
+            ticket.prefilling
+            and not ctx.migrated
+            and ctx.prefill_worker is None
+            and getattr(policy.impl, "disaggregated", False)
+        ):
+            self.lifecycle.prefill_observed(
+                policy, ctx.request_id, ticket.worker_id, now - ctx.dispatched_at
+            )
+        self.lifecycle.first_token(ctx.request_id, ticket, now)
+
+    def prefilled(self, ctx: Ctx, ticket: Ticket, ok: bool) -> None:
+        """A remote prefill ended: its claim on the prefill worker is released (once), and
+        when it succeeded the policy learns how long it took from dispatch."""
+        if ticket.released:
+            return
+        now = time.monotonic()
+        if ok:
+            self.lifecycle.prefilled(
+                ctx.arm.policy, ctx.request_id, ticket, now - ctx.dispatched_at, now
+            )
+        else:
+            self.state.release(ticket)
+        self.load.mark_dirty()
+        self.capacity.notify()
 
     def decoded(self, ctx: Ctx, ticket: Ticket, ended_at: float) -> None:
         """A stream ended well on ``ticket``'s worker at ``ended_at`` (perf_counter): its mean

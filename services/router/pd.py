@@ -127,22 +127,23 @@ class PdSender:
         kind = self.kind_for(pwid)
         ctx.prefill_worker = pwid
         ctx.pd_handshake = kind
-        prompt = len(ctx.parsed.token_ids)
-        cached = getattr(d, "prefill_cached_tokens", 0)
-        pticket: Ticket | None = self.dispatcher.reserve(pwid, prompt, 1, cached)
         ctx.pd_transfer_predicted = d.transfer_s
+        pticket, ctx.pd_ticket = ctx.pd_ticket, None  # taken by Dispatcher.dispatch
+        if pticket is None:  # (a dispatcher without the P/D claim: claim it here)
+            cached = d.prefill_cached_tokens
+            pticket = self.dispatcher.reserve(pwid, len(ctx.parsed.token_ids), 1, cached)
         try:
             if kind == "nixl":
+                ok = False
                 try:
                     params = await self._prefill(ctx, pwid, {}, nixl=True)
+                    ok = True
                 finally:
-                    self.dispatcher.release_ticket(pticket)
-                    pticket = None
+                    self.dispatcher.prefilled(ctx, pticket, ok)
                 ctx.pd_fields = {"kv_transfer_params": params}
                 M.child(M.PD_REQUESTS, kind, "prefilled").inc()
                 return await self.sender.send(request, ctx, ticket)
-            held, pticket = pticket, None  # released when its prefill ends (_bootstrap)
-            return await self._bootstrap(request, ctx, ticket, pwid, held)
+            return await self._bootstrap(request, ctx, ticket, pwid, pticket)
         except PrefillFailed:
             M.child(M.PD_REQUESTS, kind, "prefill_failed").inc()
             raise
@@ -150,8 +151,7 @@ class PdSender:
             ctx.status, ctx.http_status = "error", exc.response.status
             return exc.response
         finally:
-            if pticket is not None:
-                self.dispatcher.release_ticket(pticket)
+            self.dispatcher.prefilled(ctx, pticket, False)  # no-op once released
 
     async def _bootstrap(
         self, request: Request, ctx: Ctx, ticket: Ticket, pwid: str, pticket: Ticket
@@ -164,7 +164,11 @@ class PdSender:
         fields = bootstrap_fields(url, port)
         ctx.pd_fields = fields
         prefill = asyncio.ensure_future(self._prefill(ctx, pwid, fields, nixl=False))
-        prefill.add_done_callback(lambda _f: self.dispatcher.release_ticket(pticket))
+        prefill.add_done_callback(
+            lambda f: self.dispatcher.prefilled(
+                ctx, pticket, not f.cancelled() and f.exception() is None
+            )
+        )
         decode = asyncio.ensure_future(self.sender.send(request, ctx, ticket))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)

@@ -98,6 +98,8 @@ class Ctx(msgspec.Struct):
     pd_prefill_s: float | None = None
     pd_prefill_done: float | None = None
     pd_transfer_predicted: float = 0.0
+    pd_ticket: Ticket | None = None  # the prefill worker's claim (Dispatcher.dispatch)
+    dispatched_at: float = 0.0  # monotonic time of the current attempt's dispatch
     # who the request is for and its priority band (services.router.tenant_identity)
     tenancy: RequestTenancy = NO_TENANT
     flow_counted: bool = False  # charged to its tenant by flow control (once, at dispatch)
