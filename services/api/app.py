@@ -26,6 +26,7 @@ from services.api.tokens import TokenAuth
 from services.api.ui import add_static
 from services.api.usage import UsageCollector
 from services.api.workers import ControlRepublisher, WorkerRegistry
+from services.common import tracing
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus, NatsAuth
 from services.common.logging import RateLimiter, get_logger
@@ -124,6 +125,13 @@ class ApiService:
         self.controls.start()
         self._resync = asyncio.create_task(self._resync_loop(), name="policy-resync")
         app = web.Application(client_max_size=1024 * 1024)
+        tracer = tracing.tracer("kvgate.api")
+        if tracer is not None:  # a server span per handled request (not scrapes, probes, page)
+            app.middlewares.append(
+                tracing.aiohttp_middleware(
+                    tracer, "api", skip=("/metrics", "/api/v1/health", "/ui")
+                )
+            )
         throttle = AuthThrottle(
             cfg.auth_fail_limit, cfg.auth_fail_window_s, cfg.auth_tracked_addresses
         )

@@ -17,6 +17,7 @@ import sys
 
 from services.common import settings as S
 from services.common.redact import redact_text
+from services.common.tracing import OPTIONS as TRACING_OPTIONS
 
 ADMIN_TOKEN = S.option(
     "admin_token",
@@ -78,6 +79,7 @@ OPTIONS = S.COMMON + (
         env="KVGATE_API_REPUBLISH_S",
     ),
 )
+OPTIONS += TRACING_OPTIONS
 TOKEN_OPTIONS = (
     S.DATABASE_URL,
     S.DATABASE_PASSWORD_FILE,

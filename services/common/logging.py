@@ -1,7 +1,8 @@
 """Structured logging with structlog: JSON in containers, readable on a terminal.
 
 Bind request / worker ids with ``structlog.contextvars.bound_contextvars(request_id=...)``;
-every log line emitted inside carries them.
+every log line emitted inside carries them, and ``trace_id`` / ``span_id`` while an
+OpenTelemetry span is current (services.common.tracing).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import structlog
 
 from services.common.redact import redact_event, redact_text
+from services.common.tracing import add_trace_ids
 
 
 def configure_logging(service: str, level: str = "info", fmt: str = "auto") -> None:
@@ -27,6 +29,7 @@ def configure_logging(service: str, level: str = "info", fmt: str = "auto") -> N
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,  # trace_id / span_id while a span is current (tracing on)
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),

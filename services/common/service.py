@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.common import tracing
 from services.common.logging import configure_logging, get_logger
 
 ServeFn = Callable[[Any, asyncio.Event], Awaitable[None]]
@@ -24,6 +25,11 @@ def run_service(name: str, serve: ServeFn, settings: Any) -> int:
         name, getattr(settings, "log_level", "info"), getattr(settings, "log_format", "auto")
     )
     log = get_logger(name)
+    try:
+        tracing.setup(name, settings)
+    except tracing.TracingError as exc:
+        log.error("tracing not set up", error=str(exc))
+        return 2
     try:
         import uvloop
 

@@ -148,6 +148,7 @@ class FinishedRequest:
     finish_reason: str  # "length" | "abort"
     arrival_time: float = 0.0
     first_token_time: float | None = None  # engine time at the end of the first token's step
+    admitted_time: float | None = None  # engine time of the step that first admitted it
     finish_time: float = 0.0
 
 
@@ -183,6 +184,7 @@ class _Seq:
     num_registered: int = 0  # leading full blocks entered in the prefix cache
     generated: int = 0
     first_token_time: float | None = None
+    admitted_time: float | None = None  # engine time of the step that first admitted it
     prefill_target: int = (
         0  # tokens to compute before sampling (prompt; all tokens after a preemption)
     )
@@ -383,6 +385,7 @@ class Engine:
                 finish_reason="abort",
                 arrival_time=s.req.arrival_time,
                 first_token_time=s.first_token_time,
+                admitted_time=s.admitted_time,
             )
         )
 
@@ -508,6 +511,8 @@ class Engine:
                     transfers.append(s.req.request_id)
                     continue
                 running.append(s)
+                if s.admitted_time is None:
+                    s.admitted_time = now
                 left = s.prefill_target - s.num_computed
                 n = left if left < budget else budget
                 scheduled.append((s, n))
@@ -588,6 +593,7 @@ class Engine:
                         finish_reason="length",
                         arrival_time=s.req.arrival_time,
                         first_token_time=s.first_token_time,
+                        admitted_time=s.admitted_time,
                         finish_time=end,
                     )
                 )

@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from services.common import tracing
 from services.common.logging import get_logger
 from services.core.cluster import Ticket
 from services.router import metrics as RM
@@ -25,6 +26,7 @@ from services.router import slo
 from services.router.app import Router
 from services.router.http_server import Response
 from services.router.proxy import Ctx, error_response
+from services.router.trace import RequestTrace
 
 from . import endpoints
 from . import metrics as M
@@ -50,11 +52,42 @@ class Picker:
     def __init__(self, router: Router) -> None:
         self.router = router
         self.fallbacks = int(getattr(router.st, "fallback_endpoints", 0) or 0)
+        self.tracer = tracing.tracer("kvgate.epp")  # None: tracing off
 
     async def pick(
         self, headers: Mapping[str, str], body: bytes | None, subset: list[str] | None
     ) -> Pick | Response:
         """The pick for one request, or the response the data plane answers with at once."""
+        if self.tracer is None:
+            return await self._pick(headers, body, subset, None, None)
+        path = headers.get(":path", "").split("?", 1)[0]
+        start_ns = time.time_ns()
+        parent, forward = tracing.begin(headers)
+        if forward is not None:  # not sampled: no span; the engine is told so
+            return await self._pick(headers, body, subset, None, forward)
+        tr = RequestTrace(self.tracer, parent, path, start_ns, prefix="epp")
+        got: Pick | Response | None = None
+        try:
+            got = await self._pick(headers, body, subset, tr, None)
+            return got
+        finally:
+            if isinstance(got, Pick):  # the trace ends when the stream settles
+                tr.start_attempt(got.ticket.worker_id, got.endpoint, 0)
+            elif tr.ctx is not None:
+                tr.finish(tr.ctx)
+            else:
+                tr.refused(got.status if got is not None else 499)
+
+    async def _pick(
+        self,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        subset: list[str] | None,
+        tr: RequestTrace | None,
+        forward: str | None,
+    ) -> Pick | Response:
+        """``forward``: the ``traceparent`` the engine gets (tracing on, not sampled); with
+        tracing off Envoy forwards the client's own."""
         t0 = time.perf_counter()
         r = self.router
         path = headers.get(":path", "").split("?", 1)[0]
@@ -64,6 +97,8 @@ class Picker:
             NO_BODY_PATH if body is None else path,
             path == "/v1/chat/completions",
             t0,
+            tr=tr,
+            traceparent=forward,
         )
         if isinstance(got, Response):  # a 400: the router's answer to the same request
             M.PICKS.labels(str(got.status)).inc()
@@ -169,6 +204,9 @@ class Picker:
             finally:
                 RM.INFLIGHT.dec()
                 r.recorder.record(p.ctx)
+                if p.ctx.trace is not None:
+                    p.ctx.trace.end_attempt(p.ctx.status, streamed=finished)
+                    p.ctx.trace.finish(p.ctx)
         except Exception:
             log.exception("request bookkeeping failed", request_id=p.ctx.request_id)
 

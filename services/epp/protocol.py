@@ -120,12 +120,18 @@ def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def pick_response(
-    endpoint: str, body_len: int | None, echo: str | None = None
+    endpoint: str,
+    body_len: int | None,
+    echo: str | None = None,
+    extra: dict[str, str] | None = None,
 ) -> pb.ProcessingResponse:
     """The request-headers answer naming the pick (header + ``envoy.lb`` metadata). The
     client's own ``x-gateway-destination-endpoint`` is overwritten, never kept. ``echo``
-    (the conformance test EPP): the endpoint the suite's echo server is asked to report."""
+    (the conformance test EPP): the endpoint the suite's echo server is asked to report.
+    ``extra``: more request headers for the engine (``traceparent`` while tracing is on)."""
     sets = [_set(DESTINATION_HEADER, endpoint)]
+    if extra:
+        sets += [_set(k, v) for k, v in extra.items()]
     if echo is not None:
         sets.append(_set(ECHO_SET_HEADER, f"{CONFORMANCE_SERVED_HEADER}:{echo}"))
     if body_len is not None:  # the body is sent back as a mutation: Envoy wants its length

@@ -106,6 +106,8 @@ class EppStream:
             h = P.headers_of(req.response_headers)
             status = int(h.get(":status", "200") or 200)
             p.ctx.http_status = status
+            if p.ctx.trace is not None:
+                p.ctx.trace.connected()
             if status >= 400:
                 p.ctx.status = "error"
             streamed = "text/event-stream" in h.get("content-type", "")
@@ -127,7 +129,13 @@ class EppStream:
             return [self._immediate(got)]
         self.pick = got
         echo = got.endpoint if self.conformance else None
-        out = [P.pick_response(got.value, None if body is None else len(body), echo)]
+        extra: dict[str, str] | None = None
+        if got.ctx.trace is not None:  # the engine continues the EPP's trace
+            extra = {}
+            got.ctx.trace.headers_into(extra)
+        elif got.ctx.traceparent is not None:  # not sampled: the engine is told so
+            extra = {"traceparent": got.ctx.traceparent}
+        out = [P.pick_response(got.value, None if body is None else len(body), echo, extra)]
         if body is not None:
             out.append(P.request_body_response(body))
         return out

@@ -36,6 +36,7 @@ from aiohttp import web
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.common import tracing
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.kvdump import fetch_kvdump
@@ -44,6 +45,7 @@ from services.common.schemas import (
     IndexDelta,
     IndexOp,
     IndexVerifyRequest,
+    KvEventBatch,
     KvQuery,
     KvQueryReply,
     SchemaError,
@@ -137,6 +139,7 @@ class IndexerService:
         self.bus = bus
         self.ack_every = ack_every
         self._log = RateLimiter(60.0)
+        self.tracer = tracing.tracer("kvgate.indexer")  # None: tracing off
         self.core = IndexerCore(
             max_blocks=max_blocks,
             heartbeat_timeout_s=heartbeat_timeout_s,
@@ -314,16 +317,42 @@ class IndexerService:
         WORKERS.set(len(self.core.workers))
 
     def on_batch_bytes(self, data: bytes) -> None:
+        if self.tracer is None:
+            self._apply_batch(data)
+            return
+        # one span per batch (a root: sampled at the configured ratio), current while it
+        # applies: the log lines it causes carry its trace id
+        with self.tracer.start_as_current_span(
+            "indexer.apply_batch", attributes={"kvgate.batch_bytes": len(data)}
+        ) as span:
+            outcome, res = self._apply_batch(data)
+            if span.is_recording():
+                span.set_attribute("kvgate.outcome", outcome)
+                if res is not None:
+                    span.set_attributes(
+                        {
+                            "kvgate.worker": res.worker_id,
+                            "kvgate.seq": res.seq,
+                            "kvgate.events": len(res.events),
+                        }
+                    )
+
+    def _apply_batch(self, data: bytes) -> tuple[str, KvEventBatch | None]:
+        """Decode and apply one stored batch: ``applied``, ``resync`` (a gap: the worker's
+        KV is fetched again) or why it was dropped; and the batch when it decoded."""
         BATCHES.inc()
         res = decode_batch(data)
         if isinstance(res, tuple):
             reason, worker, detail = res
             self.core.bad(reason, worker, detail)
-            return
+            return reason, None
         try:
-            self._resync(self.core.batch(res))
+            gaps = self.core.batch(res)
+            self._resync(gaps)
         except Exception as exc:  # a bug must not stop ingest; count it loudly
             self.core.bad("handler_error", res.worker_id, repr(exc))
+            return "handler_error", res
+        return ("resync" if gaps else "applied"), res
 
     async def _consume(self) -> None:
         """Bind the durable push consumer (retrying until JetStream answers).

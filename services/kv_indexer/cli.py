@@ -8,6 +8,7 @@ import asyncio
 from services.common import settings as S
 from services.common.service import run_service, start_http
 from services.common.streams import LEASE_TTL
+from services.common.tracing import OPTIONS as TRACING_OPTIONS
 
 OPTIONS = S.COMMON + (
     S.HASH_SEED,
@@ -78,6 +79,7 @@ OPTIONS = S.COMMON + (
         env="KVGATE_INDEXER_VERIFY_ALERT_QUIET",
     ),
 )
+OPTIONS += TRACING_OPTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

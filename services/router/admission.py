@@ -84,6 +84,7 @@ class Admission:
         lane = fc.lane(ctx.parsed.model)
         me: _Waiter | None = None
         last: Decision | None = None  # its last decision (why it waits)
+        tr = ctx.trace  # services.router.trace (None: not traced)
         try:
             v = on_arrival(prio, lane) if lane else Verdict.DECIDE
             if v is Verdict.SHED:
@@ -101,6 +102,8 @@ class Admission:
                         refusal = fc.over_quota(ten, len(ctx.parsed.token_ids), time.monotonic())
                         if refusal is not None:
                             return self._refuse(ctx, refusal.message, refusal.retry_after_s)
+                    if tr is not None:
+                        ns = time.time_ns()
                     td = time.perf_counter()
                     d, ctx.overlaps = self.decider.decide_for(
                         ctx.parsed,
@@ -111,6 +114,8 @@ class Admission:
                         ctx.slo,
                     )
                     M.DECISION.observe(time.perf_counter() - td)
+                    if tr is not None:
+                        tr.decided(ns, time.time_ns(), ctx, d, ctx.overlaps)
                     last = d
                     if d.worker_id is not None:
                         if first:
@@ -159,7 +164,12 @@ class Admission:
         finally:
             if me is not None:
                 lane.leave(me)
-                WAIT.labels(prio.value).observe(time.monotonic() - me.since)
+                waited = time.monotonic() - me.since
+                WAIT.labels(prio.value).observe(waited)
+                if tr is not None:
+                    end = time.time_ns()
+                    attrs = {"kvgate.priority": prio.value, "kvgate.queue_length": len(lane)}
+                    tr.step("queue", end - int(waited * 1e9), end, attrs)
                 M.QUEUE_LEN.set(len(fc))
                 if lane:  # the next head decides now
                     self.capacity.notify()

@@ -9,6 +9,7 @@ from typing import Any
 
 from services.common import settings as S
 from services.common.service import run_service
+from services.common.tracing import OPTIONS as TRACING_OPTIONS
 from services.router.breaker import OPTIONS as BREAKER_OPTIONS
 from services.router.outlier import OPTIONS as OUTLIER_OPTIONS
 from services.router.public_surface import OPTIONS as PUBLIC_SURFACE_OPTIONS
@@ -160,6 +161,7 @@ OPTIONS += BREAKER_OPTIONS
 OPTIONS += OUTLIER_OPTIONS
 OPTIONS += READINESS_OPTIONS
 OPTIONS += STALL_OPTIONS
+OPTIONS += TRACING_OPTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -102,6 +102,8 @@ class Dispatcher:
     def first_token(self, ctx: Ctx, ticket: Ticket) -> None:
         """The request's first token: its prefill is done, its followers may go. A P/D
         policy's local prefill (no prefill worker) is timed for its prefill model."""
+        if ctx.trace is not None:
+            ctx.trace.first_token()
         now = time.monotonic()
         policy = ctx.arm.policy
         if (

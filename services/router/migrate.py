@@ -52,6 +52,13 @@ class Migrator:
 
     async def migrate(self, request: Request, ctx: Ctx, exc: StreamBroken) -> None:
         """Continue the client's stream on another worker from prompt + generated text."""
+        try:
+            await self._continue(request, ctx, exc)
+        finally:
+            if ctx.trace is not None:  # the last continuation's spans end with the stream
+                ctx.trace.end_migration(ctx.status)
+
+    async def _continue(self, request: Request, ctx: Ctx, exc: StreamBroken) -> None:
         broken = exc
         while True:
             self.circuits.failure(broken.worker_id, broken.reason, ctx.sent_at)
@@ -67,6 +74,9 @@ class Migrator:
             gen_tokens = len(self.tokenizer.encode(ctx.generated)) if ctx.generated else 0
             ctx.completion_tokens = ctx.carried_tokens = gen_tokens
             remaining = ctx.parsed.max_tokens - gen_tokens
+            tr = ctx.trace
+            if tr is not None:
+                tr.start_migration(broken.worker_id, broken.reason, gen_tokens)
             log.info(
                 "migrating stream",
                 request_id=ctx.request_id,
@@ -105,6 +115,8 @@ class Migrator:
             ctx.worker_id = wid
             ticket = self.dispatcher.reserve(wid, len(cont.token_ids), remaining, d.cached_tokens)
             self.circuits.sent(wid)  # a half-open circuit counts its trials
+            if tr is not None:
+                tr.start_attempt(wid, self.sender.url_of(wid), ctx.retries + ctx.migrated)
             try:
                 body = upstream_body(ctx, migrate=True, max_tokens=remaining)
                 ctx.sent_at = time.monotonic()

@@ -38,7 +38,7 @@ from services.core.policy import Decision
 from services.router import metrics as M
 from services.router.dispatch import Dispatcher
 from services.router.http_server import Reply, Request, Response
-from services.router.proxy import Ctx, WorkerFailed, worker_headers
+from services.router.proxy import Ctx, WorkerFailed, upstream_headers, worker_headers
 from services.router.send import Sender
 from services.router.upstream import FastClient, UpstreamError
 
@@ -196,7 +196,7 @@ class PdSender:
         if s is None:
             raise PrefillFailed(pwid, "prefill worker gone")
         body = prefill_body(ctx.parsed.body, fields, nixl)
-        headers = {"x-request-id": ctx.request_id}
+        headers = upstream_headers(ctx)  # the trace context too (services.router.trace)
         t0 = time.perf_counter()
         try:
             status, data, ctype = await self._post(s.url, ctx.path, body, headers)

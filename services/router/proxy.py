@@ -103,6 +103,11 @@ class Ctx(msgspec.Struct):
     # who the request is for and its priority band (services.router.tenant_identity)
     tenancy: RequestTenancy = NO_TENANT
     flow_counted: bool = False  # charged to its tenant by flow control (once, at dispatch)
+    # tracing (services.router.trace): the request's trace while tracing is on; off, the
+    # client's own W3C trace context, passed to the engine untouched
+    trace: Any = None
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @property
     def generated(self) -> str:
@@ -226,6 +231,19 @@ def reject(
     """End ``ctx`` with ``outcome`` / ``status`` and the client's error response."""
     ctx.status, ctx.http_status = outcome, status
     return error_response(status, message, etype, headers)
+
+
+def upstream_headers(ctx: Ctx) -> dict[str, str]:
+    """Request headers for the engine: the request id and the W3C trace context (this
+    attempt's span while tracing is on; else the client's ``traceparent``, if it sent one)."""
+    h = {"x-request-id": ctx.request_id}
+    if ctx.trace is not None:
+        ctx.trace.headers_into(h)
+    elif ctx.traceparent is not None:
+        h["traceparent"] = ctx.traceparent
+        if ctx.tracestate is not None:
+            h["tracestate"] = ctx.tracestate
+    return h
 
 
 def worker_headers(ctx: Ctx, wid: str) -> dict[str, str]:

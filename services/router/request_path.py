@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
+from services.common import tracing
 from services.common.logging import get_logger
 from services.common.tenancy import NO_TENANT, RequestTenancy
 from services.router import metrics as M
@@ -38,6 +39,7 @@ from services.router.public_surface import check_prompt_size
 from services.router.send import Sender
 from services.router.tenant_identity import TenancyError
 from services.router.tokenize import BadRequest, RequestParser
+from services.router.trace import RequestTrace
 
 log = get_logger("router")
 _json_decode = msgspec.json.decode
@@ -97,6 +99,7 @@ class RequestPath:
         # who a request is for and its priority: the router's tenant directory
         # (services.router.tenant_identity; may raise TenancyError: 401 / 400)
         self.tenancy_of: Callable[[Request], RequestTenancy] = lambda _request: NO_TENANT
+        self.tracer = tracing.tracer("kvgate.router")  # None: tracing off
 
     async def intake(
         self,
@@ -106,12 +109,17 @@ class RequestPath:
         chat: bool,
         t0: float,
         tenancy: RequestTenancy = NO_TENANT,
+        tr: RequestTrace | None = None,
+        traceparent: str | None = None,
     ) -> Ctx | Response:
         """A request's body and headers as its :class:`Ctx` (parsed and tokenized, SLO
         targets, session, canary arm, ``tenancy``), or the 400 to answer: the same for both
         front doors, the router's HTTP port and the EPP (services/epp/picker.py). ``raw`` None:
         a request without a body (the EPP's headers-only requests), parsed as an empty object.
-        A tenant with its own cache namespace gets its ``cache_salt`` in the parsed body."""
+        A tenant with its own cache namespace gets its ``cache_salt`` in the parsed body.
+        Traced (``tr``): its parse and tokenize steps recorded, the trace bound to the
+        request; else ``traceparent`` is what the engine gets (the client's, when tracing is
+        off; a not-sampled one of the router's, when it is on)."""
         try:
             if raw is None:
                 body: object = {}
@@ -123,7 +131,14 @@ class RequestPath:
                     check_prompt_size(body, self.max_prompt_chars)
             if tenancy.cache_salt is not None and isinstance(body, dict):
                 isolate(body, tenancy.cache_salt)
+            if tr is not None:
+                t_read = time.time_ns()
             parsed = await self.parser.parse(body, chat, path)
+            if tr is not None:
+                size = {"kvgate.body_bytes": len(raw or b"")}
+                tr.step("parse", tr.start_ns, t_read, size)
+                tokens = {"kvgate.prompt_tokens": len(parsed.token_ids)}
+                tr.step("tokenize", t_read, time.time_ns(), tokens)
         except msgspec.DecodeError as exc:
             return error_response(
                 400, f"request body is not valid JSON: {exc}", "invalid_request_error"
@@ -141,16 +156,51 @@ class RequestPath:
         ctx.tenancy = tenancy
         so = parsed.body.get("stream_options")
         ctx.client_wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
+        if tr is not None:
+            ctx.trace = tr.bind(ctx)
+            if tr.recording and tenancy.tenant_id is not None:
+                tr.root.set_attribute("kvgate.tenant", tenancy.tenant_id)
+                tr.root.set_attribute("kvgate.priority", str(tenancy.priority.value))
+        elif traceparent is not None:
+            ctx.traceparent, ctx.tracestate = traceparent, headers.get("tracestate")
         return ctx
 
     async def handle(self, request: Request, chat: bool) -> Reply:
+        if self.tracer is None:  # tracing off: a client's trace context passes through
+            return await self._handle(request, chat, None, request.headers.get("traceparent"))
+        return await self._handle_traced(request, chat)
+
+    async def _handle_traced(self, request: Request, chat: bool) -> Reply:
+        """:meth:`_handle` under its trace (current while it runs: log lines carry its ids)."""
+        from opentelemetry import context
+
+        start_ns = time.time_ns()
+        parent, forward = tracing.begin(request.headers)
+        if forward is not None:  # not sampled: no span; the engine is told so
+            return await self._handle(request, chat, None, forward)
+        tr = RequestTrace(self.tracer, parent, request.path, start_ns)
+        token = context.attach(tr.root_ctx)
+        reply: Reply | None = None
+        try:
+            reply = await self._handle(request, chat, tr, None)
+            return reply
+        finally:
+            context.detach(token)
+            if tr.ctx is None:  # refused before routing (bad body): no outcome to wait for
+                tr.refused(reply.status if reply is not None else 499)
+
+    async def _handle(
+        self, request: Request, chat: bool, tr: RequestTrace | None, traceparent: str | None
+    ) -> Reply:
         t0 = time.perf_counter()
         raw = await request.read()  # BodyTooLarge / BodyTimeout: answered by the server
         try:
             tenancy = self.tenancy_of(request)
         except TenancyError as exc:  # an expired key, a bad band: 401 / 400
             return tenancy_refusal(exc)
-        ctx = await self.intake(raw, request.headers, request.path, chat, t0, tenancy)
+        ctx = await self.intake(
+            raw, request.headers, request.path, chat, t0, tenancy, tr, traceparent
+        )
         if isinstance(ctx, Response):
             return ctx
         if tenancy.cache_salt is not None:  # forward the body with the tenant's salt
@@ -175,6 +225,8 @@ class RequestPath:
                 self.admission.ended(ctx)
             finally:
                 self.outcomes.record(ctx)
+                if ctx.trace is not None:
+                    ctx.trace.finish(ctx)
         except Exception:
             log.exception("request bookkeeping failed", request_id=ctx.request_id)
 
@@ -185,17 +237,30 @@ class RequestPath:
                 return d
             ticket = self.dispatcher.dispatch(ctx, d)
             self.circuits.sent(ticket.worker_id)  # a half-open circuit counts its trials
+            tr = ctx.trace
             try:
-                await self.dispatcher.hold(d)
+                if tr is not None and d.after is not None:
+                    held = time.time_ns()
+                    await self.dispatcher.hold(d)
+                    tr.step("hold", held, time.time_ns(), {"kvgate.after": d.after})
+                else:
+                    await self.dispatcher.hold(d)
                 ctx.sent_at = time.monotonic()  # the breaker weighs only evidence sent after
+                if tr is not None:
+                    url = self.sender.url_of(ticket.worker_id)
+                    tr.start_attempt(ticket.worker_id, url, ctx.retries)
                 if d.prefill_worker is not None and self.pd is not None:
                     reply = await self.pd.send(request, ctx, ticket, d)
                 else:
                     ctx.prefill_worker = ctx.pd_fields = None  # a retry may be colocated
                     reply = await self.sender.send(request, ctx, ticket)
                 ctx.answered = ticket  # released once the reply is out (_settle)
+                if tr is not None:
+                    tr.end_attempt(ctx.status, streamed=ctx.parsed.stream)
                 return reply
             except WorkerFailed as exc:
+                if tr is not None:
+                    tr.end_attempt("worker_failed", exc.reason)
                 ctx.last_failure = exc
                 self.circuits.failure(exc.worker_id, exc.reason, ctx.sent_at)
                 ctx.excluded.add(exc.worker_id)

@@ -37,6 +37,7 @@ from services.router.proxy import (
     error_response,
     read_error,
     upstream_body,
+    upstream_headers,
     worker_headers,
     write,
 )
@@ -92,6 +93,10 @@ class Sender:
         self.keep_text = getattr(st, "max_migrations", 1) > 0
         self.stall = StallBound.from_settings(st)
 
+    def url_of(self, wid: str) -> str:
+        s = self.state.states.get(wid)
+        return s.url if s is not None else ""
+
     async def send(self, request: Request, ctx: Ctx, ticket: Ticket) -> Reply:
         wid = ticket.worker_id
         raw = await request.read()  # aiohttp keeps the bytes it read: no second read
@@ -127,13 +132,15 @@ class Sender:
             resp = await self.session.post(
                 url,
                 data=body or raw,
-                headers={"Content-Type": "application/json", "x-request-id": ctx.request_id},
+                headers={"Content-Type": "application/json", **upstream_headers(ctx)},
                 timeout=timeout,
             )
         except TimeoutError as exc:
             raise WorkerFailed(wid, "timeout before response", timeout=True) from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise WorkerFailed(wid, f"connect failed: {type(exc).__name__}") from exc
+        if ctx.trace is not None:
+            ctx.trace.connected()
         if resp.status >= 500:
             await self._refuse_5xx(ctx, wid, resp)
         return resp
@@ -152,10 +159,12 @@ class Sender:
         """A stream over plain http (upstream.FastClient): errors as :meth:`post`'s."""
         try:
             resp = await self.fast.open_stream(
-                base, path, body, {"x-request-id": ctx.request_id}, self.stream_idle_s
+                base, path, body, upstream_headers(ctx), self.stream_idle_s
             )
         except UpstreamError as exc:
             raise _worker_failed(wid, exc) from exc
+        if ctx.trace is not None:
+            ctx.trace.connected()
         if resp.status >= 500:
             await self._refuse_5xx(ctx, wid, resp)
         return resp
@@ -167,11 +176,13 @@ class Sender:
                 self.state.states[wid].url,
                 ctx.path,
                 body,
-                {"x-request-id": ctx.request_id},
+                upstream_headers(ctx),
                 self.request_timeout_s,
             )
         except UpstreamError as exc:
             raise _worker_failed(wid, exc) from exc
+        if ctx.trace is not None:
+            ctx.trace.connected()
         status = resp.status
         if status == 503:
             raise WorkerFailed(

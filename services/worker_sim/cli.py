@@ -6,6 +6,7 @@ import argparse
 
 from services.common import settings as S
 from services.common.service import run_service
+from services.common.tracing import OPTIONS as TRACING_OPTIONS
 from services.core.engine import ADMISSION_MODES, EngineConfig
 from services.core.pd.transfer import DEFAULT_LINK, LINK_PROFILES
 from services.worker_sim.pd import ROLES
@@ -247,6 +248,7 @@ OPTIONS = S.COMMON + (
         env="KVGATE_SIM_FAULT_RESTART_AFTER",
     ),
 )
+OPTIONS += TRACING_OPTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

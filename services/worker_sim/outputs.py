@@ -51,6 +51,9 @@ class Output:
     stop_reason: int | str | None = None
     cached_tokens: int | None = None
     engine_done: bool = False
+    # tracing: wall time (ns) its first tokens reached the handler; engine time it was admitted
+    first_ns: int = 0
+    admitted_time: float | None = None
 
     @property
     def done(self) -> bool:

@@ -34,6 +34,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.common import tracing
 from services.common.aio import cancel_and_wait
 from services.common.bus import Bus
 from services.common.kvdump import KvDumpServer
@@ -145,6 +146,7 @@ class SimWorker:
         self._lora_ids = {name: i + 1 for i, name in enumerate(settings.loras)}
         self._http: Any = None  # aiohttp session of the decoder's KV pulls (lazy)
         self.pd_recomputed = 0  # decode requests whose KV pull failed (NIXL: prefilled here)
+        self.tracer = tracing.tracer("kvgate.worker_sim")  # None: tracing off
         self._new_instance()
 
     # ------------------------------------------------------------------ lifecycle
@@ -495,6 +497,10 @@ class SimWorker:
     # ------------------------------------------------------------------ HTTP
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
+        if self.tracer is not None:  # the generation routes continue the router's trace
+            app.middlewares.append(
+                tracing.aiohttp_middleware(self.tracer, "worker", skip=_UNTRACED)
+            )
 
         async def add_header(_req: web.Request, resp: web.StreamResponse) -> None:
             resp.headers[SERVED_BY] = self.worker_id
@@ -810,6 +816,7 @@ class SimWorker:
                 now,
             )
         self._wake.set()
+        arrival_ns = time.time_ns()
         done = False
         try:
             if kv_in is not None and pd is not None and pd.kind == "bootstrap":
@@ -844,6 +851,41 @@ class SimWorker:
                 self._streams.pop(o.request_id, None)
                 if not done or not o.engine_done:
                     self.engine.abort(o.request_id)
+            if self.tracer is not None:
+                self._trace_steps(rid, outs, arrival_ns, now)
+
+    def _trace_steps(self, rid: str, outs: list[Output], arrival_ns: int, arrival: float) -> None:
+        """The request's engine steps under its server span: ``worker.queue`` (arrival until
+        the engine admitted it), ``worker.prefill`` (until its first tokens reached the
+        handler), ``worker.decode`` (until now); the first choice stands for all."""
+        from opentelemetry import trace
+
+        span = trace.get_current_span()
+        if not span.is_recording() or not outs:
+            return
+        o = outs[0]
+        end = time.time_ns()
+        span.set_attributes(
+            {
+                "kvgate.worker": self.worker_id,
+                "kvgate.request_id": rid,
+                "kvgate.prompt_tokens": len(o.prompt.token_ids),
+                "kvgate.cached_tokens": o.cached_tokens or 0,
+                "kvgate.completion_tokens": sum(x.num_tokens for x in outs),
+                "kvgate.choices": len(outs),
+            }
+        )
+        if o.admitted_time is None:
+            return  # never admitted (aborted while waiting)
+        admitted = arrival_ns + int((o.admitted_time - arrival) / self.settings.speedup * 1e9)
+        admitted = min(max(admitted, arrival_ns), end)
+        first = o.first_ns or end
+        steps = [("worker.queue", arrival_ns, admitted), ("worker.prefill", admitted, first)]
+        if o.first_ns:
+            steps.append(("worker.decode", first, end))
+        parent = trace.set_span_in_context(span)
+        for name, s, e in steps:
+            self.tracer.start_span(name, context=parent, start_time=s).end(max(s, e))
 
     def _observe_ttft(self, t0: float) -> None:
         self.metrics.ttft.observe(time.monotonic() - t0)
@@ -856,12 +898,15 @@ class SimWorker:
         output's engine request at once (its KV blocks free up, like vLLM)."""
         kind, sub, val = await q.get()
         o = by_id.get(sub)
+        if kind == "tokens" and o is not None and not o.first_ns and self.tracer is not None:
+            o.first_ns = time.time_ns()
         if kind == "tokens" and o is not None and o.feed(val):
             self.engine.abort(o.request_id)
             self._wake.set()
         elif kind == "done" and o is not None:
             fin: FinishedRequest = val
             o.finish(fin.cached_tokens, fin.finish_reason)
+            o.admitted_time = fin.admitted_time
         return kind, o, val
 
     @staticmethod
@@ -1003,6 +1048,8 @@ class SimWorker:
 
 
 EMBEDDING_DIMS = 64
+# probes, scrapes and admin: no spans (the generation routes and the rest are traced)
+_UNTRACED = ("/health", "/metrics", "/ping", "/admin/", "/v1/models", "/version")
 
 
 def synthetic_embedding(ids: list[int], dims: int) -> list[float]:

@@ -1,0 +1,291 @@
+"""What OpenTelemetry tracing adds to a request through ``kvgate router`` (services/common/
+tracing.py), end to end, with the proxy bench's parts (``bench.bench_router``: its
+instant-answer worker, its request, its latency and load loops, its CPU accounting).
+
+Targets, each its own router process on its own subject prefix of one embedded NATS, all in
+front of the same worker:
+
+- ``base``: the router of a tree without tracing (``--base-tree DIR``, e.g. the commit before
+  it unpacked with ``git archive``); without it the bench compares against ``off`` only;
+- ``off``: this tree, tracing off (the default);
+- ``1%`` / ``100%``: ``--otel true --otel-sample-ratio 0.01 / 1``, spans exported over OTLP/HTTP
+  (batched, ``OTEL_BSP_*`` defaults) to a sink in its own process that answers 200 and counts
+  what it got, as a collector would.
+
+Interleaved pairs: every round each target in turn (a new random order each round) answers
+``--requests`` sequential requests (p50 latency at one connection) and ``--seconds`` of load at
+``--conns`` connections (the router's CPU per request, from /proc: user + system). Each
+round's figures are compared with the same round's reference (``base``, else ``off``), so a
+difference is not that of two minutes of a noisy machine; the median of the rounds' differences
+is reported, with their range.
+
+    python -m bench.tracing_overhead --base-tree /tmp/kvgate-base --rounds 6
+    python -m bench.tracing_overhead --modes whole,stream --rounds 4 --seconds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.bench_router import (
+    MODES,
+    _free_port,
+    _latency,
+    _spawn,
+    _throughput_run,
+    _tree_cpu_s,
+    _wait_http,
+    pct,
+)
+
+RESULTS = Path(__file__).parent / "results" / "tracing"
+
+
+def serve_sink(port: int) -> None:
+    """An OTLP/HTTP trace receiver that keeps nothing: 200 to every export, bytes and spans
+    counted (``GET /count``)."""
+    from aiohttp import web
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    seen = {"exports": 0, "spans": 0, "bytes": 0}
+
+    async def export(r: web.Request) -> web.Response:
+        data = await r.read()
+        req = ExportTraceServiceRequest()
+        req.ParseFromString(data)
+        seen["exports"] += 1
+        seen["bytes"] += len(data)
+        seen["spans"] += sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def count(_r: web.Request) -> web.Response:
+        return web.json_response(seen)
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", export)
+    app.router.add_get("/count", count)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+TARGETS = {  # name -> (extra router flags, traced)
+    "off": ([], False),
+    "1%": (["--otel", "true", "--otel-sample-ratio", "0.01"], True),
+    "100%": (["--otel", "true", "--otel-sample-ratio", "1"], True),
+}
+
+
+async def run(
+    base_tree: Path | None,
+    modes: tuple[str, ...],
+    rounds: int,
+    requests: int,
+    seconds: float,
+    conns: int,
+    seed: int,
+) -> dict[str, Any]:
+    from services.common.bus import Bus
+    from services.common.embedded import EmbeddedNats
+    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
+    from services.common.subjects import Subjects
+
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost"}
+    for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        env.pop(v, None)
+    for v in [k for k in env if k.startswith("OTEL_")]:
+        env.pop(v)  # the targets' tracing is what the bench sets, nothing inherited
+    state = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvgate-bench-tracing-{os.getpid()}"
+    nats = EmbeddedNats(state / "nats")
+    nats.start()
+    procs: list[subprocess.Popen] = []
+    beat_task = None
+    bus = None
+    try:
+        wport, sport = _free_port(), _free_port()
+        me = [sys.executable, "-m"]
+        procs.append(_spawn([*me, "bench.bench_router", "worker", "--port", str(wport)], env))
+        procs.append(_spawn([*me, "bench.tracing_overhead", "sink", "--port", str(sport)], env))
+        wurl, sink = f"http://127.0.0.1:{wport}", f"http://127.0.0.1:{sport}"
+        await _wait_http(wurl + "/health", 20)
+        await _wait_http(sink + "/count", 20)
+        prefixes: list[Subjects] = []
+        bus = Bus(nats.url, "bench", Subjects("benchtracing"))
+        await bus.connect(max_wait_s=10)
+        hb = WorkerHeartbeat(
+            worker_id="bench-w0",
+            instance_id="i0",
+            url=wurl,
+            model="m",
+            capacity=WorkerCapacity(
+                block_size=16, num_gpu_blocks=1_000_000, max_num_seqs=4096, max_model_len=8192
+            ),
+        )
+
+        async def beats() -> None:
+            while True:
+                hb.ts = time.time()
+                for subjects in prefixes:
+                    await bus.publish(subjects.heartbeat(hb.worker_id), hb)
+                await asyncio.sleep(0.5)
+
+        beat_task = asyncio.create_task(beats())
+        targets: dict[str, tuple[list[str], bool, Path | None]] = {}
+        if base_tree is not None:
+            targets["base"] = ([], False, base_tree)
+        for name, (flags, traced) in TARGETS.items():
+            targets[name] = (flags, traced, None)
+        urls: dict[str, str] = {}
+        pids: dict[str, int] = {}
+        for name, (flags, traced, tree) in targets.items():
+            rport = _free_port()
+            prefix = f"benchtracing-{len(prefixes)}"
+            prefixes.append(Subjects(prefix))
+            renv = dict(env)
+            if tree is not None:  # the other tree's code first on the path, run from there
+                renv["PYTHONPATH"] = str(tree)
+            if traced:
+                renv["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink
+            argv = [*me, "services.cli", "router", "--port", str(rport), "--nats-url", nats.url]
+            argv += ["--subject-prefix", prefix, "--log-level", "warning", *flags]
+            procs.append(_spawn(argv, renv, cwd=str(tree) if tree is not None else None))
+            url = f"http://127.0.0.1:{rport}"
+            await _wait_http(url + "/health", 30, lambda j: j.get("workers", 0) >= 1)
+            urls[name], pids[name] = url + "/v1/completions", procs[-1].pid
+        ref = "base" if "base" in targets else "off"
+        rng = random.Random(seed)
+        results: dict[str, Any] = {"reference": ref, "rounds": rounds, "modes": {}}
+        for mode in modes:
+            body = MODES[mode]
+            per: dict[str, dict[str, list[float]]] = {
+                n: {"p50_us": [], "cpu_us": []} for n in targets
+            }
+            for _ in range(rounds):
+                order = list(targets)
+                rng.shuffle(order)
+                for name in order:
+                    lat = await _latency(urls[name], requests, body)
+                    cpu0 = _tree_cpu_s(pids[name])
+                    done, _el, errs = await _throughput_run(urls[name], conns, seconds, body)
+                    assert errs == 0, (name, errs)
+                    per[name]["p50_us"].append(pct(lat, 50) * 1e6)
+                    per[name]["cpu_us"].append((_tree_cpu_s(pids[name]) - cpu0) / done * 1e6)
+            results["modes"][mode] = _summarise(per, ref)
+            _print(mode, results["modes"][mode], ref)
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s, s.get(sink + "/count") as r:
+            results["sink"] = await r.json()
+        print(f"OTLP sink received: {results['sink']}")
+        with contextlib.suppress(OSError):
+            results["load_average"] = os.getloadavg()
+            print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        return results
+    finally:
+        if beat_task is not None:
+            beat_task.cancel()
+            with contextlib.suppress(BaseException):
+                await beat_task
+        if bus is not None:
+            with contextlib.suppress(Exception):
+                await bus.close()
+        for p in reversed(procs):  # the routers first: they flush their spans to the sink
+            p.terminate()
+            with contextlib.suppress(Exception):
+                p.wait(10)
+        nats.stop()
+
+
+def _summarise(per: dict[str, dict[str, list[float]]], ref: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, xs in per.items():
+        row: dict[str, Any] = {
+            "p50_us": statistics.median(xs["p50_us"]),
+            "cpu_us_per_request": statistics.median(xs["cpu_us"]),
+        }
+        if name != ref:
+            for k, key in (("p50_us", "added_p50_us"), ("cpu_us", "added_cpu_us")):
+                d = [a - b for a, b in zip(xs[k], per[ref][k], strict=True)]
+                row[key] = statistics.median(d)
+                row[key + "_range"] = [min(d), max(d)]
+        row["rounds"] = xs
+        out[name] = row
+    return out
+
+
+def _print(mode: str, res: dict[str, Any], ref: str) -> None:
+    print(f"\n[{mode}] median of the rounds; added = median of (target - {ref}) per round [range]")
+    print(f"{'target':8s} {'1-conn p50':>11s} {'added':>24s} {'CPU/request':>12s} {'added':>24s}")
+    for name, r in res.items():
+        if name == ref:
+            added_p50 = added_cpu = "(reference)"
+        else:
+            lo, hi = r["added_p50_us_range"]
+            added_p50 = f"{r['added_p50_us']:+7.1f} [{lo:+.1f}, {hi:+.1f}]"
+            lo, hi = r["added_cpu_us_range"]
+            added_cpu = f"{r['added_cpu_us']:+7.1f} [{lo:+.1f}, {hi:+.1f}]"
+        print(
+            f"{name:8s} {r['p50_us']:9.1f}us {added_p50:>24s} "
+            f"{r['cpu_us_per_request']:10.1f}us {added_cpu:>24s}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.tracing_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="cmd")
+    sk = sub.add_parser("sink", help="(internal) the OTLP/HTTP sink process")
+    sk.add_argument("--port", type=int, required=True)
+    ap.add_argument("--base-tree", type=Path, help="a kvgate tree without tracing (reference)")
+    ap.add_argument("--modes", default="whole", help="comma-separated: whole, stream")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
+    ap.add_argument(
+        "--requests", type=int, default=1000, help="sequential requests per target per round"
+    )
+    ap.add_argument("--seconds", type=float, default=3.0, help="load per target per round")
+    ap.add_argument("--conns", type=int, default=16, help="connections of the load")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the rounds' orders")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.cmd == "sink":
+        serve_sink(args.port)
+        return 0
+    if args.base_tree is not None and not (args.base_tree / "services" / "cli.py").exists():
+        ap.error(f"--base-tree {args.base_tree}: no services/cli.py there")
+    modes = tuple(m for m in args.modes.split(",") if m)
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"--modes: unknown mode {m!r} (whole, stream)")
+    res = asyncio.run(
+        run(
+            args.base_tree,
+            modes,
+            args.rounds,
+            args.requests,
+            args.seconds,
+            args.conns,
+            args.seed,
+        )
+    )
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
