@@ -28,6 +28,15 @@ multipliers 0.5-4.0, 5 steps, seeds 0 and 1::
     python -m bench.goodput --quick                            # 1 seed, 80 sessions, 3 steps
     python -m bench.goodput -w generated-shared-prefix --rate 40 --profile default \\
         --ttft 2 --max-rate 4 --policies slo_aware,kv_aware,sglang_cache_aware
+
+Disaggregated fleets: ``--pd P:D`` runs the P/D policies (``pd_slo``, ``pd_dynamo``,
+``pd_llmd``, ``pd_sglang``, ``pd_round_robin``) on P prefill + D decode engines and the colocated
+ones on P + D colocated engines; ``--pd-peers`` names the P/D peer rules the ``÷ best P/D peer``
+column divides by. Each point also records the ITL p99 (the table shows it at each policy's
+goodput)::
+
+    python -m bench.goodput --pd 2:6 \\
+        --policies slo_aware,kv_aware,dynamo_kv,pd_slo,pd_dynamo,pd_llmd,pd_sglang
 """
 
 from __future__ import annotations
@@ -58,7 +67,14 @@ from bench.goodput_search import (
 )
 from bench.latency_bound import _number
 from bench.metrics import ERROR, REJECTED, TIMEOUT
-from bench.simcore import SimOptions, make_engine_config, request_keys, simulate
+from bench.simcore import (
+    SimOptions,
+    for_policy,
+    make_engine_config,
+    parse_split,
+    request_keys,
+    simulate,
+)
 from bench.workloads import WORKLOADS, parse_params
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -81,6 +97,7 @@ CONVERSATION_ENGINE = {"max_model_len": 32768}
 QUICK = {"sessions": 80}
 PEERS = "sglang_cache_aware,dynamo_kv,llmd_default,llmd_kv_util"
 POLICIES = f"slo_aware,kv_aware,{PEERS},round_robin"
+PD_PEERS = "pd_dynamo,pd_llmd,pd_sglang,pd_round_robin"
 
 _SHARED: dict[str, Any] = {}  # what forked search processes read
 
@@ -117,6 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--list-workloads", action="store_true", help="list workloads, then exit")
     e = ap.add_argument_group("engines and policies")
     e.add_argument("--workers", "-n", type=int, default=8, help="engines (default 8)")
+    e.add_argument(
+        "--pd",
+        default="",
+        metavar="P:D",
+        help="disaggregated fleet for the P/D policies: P prefill + D decode engines; the "
+        "colocated policies get P + D colocated engines (--workers is then P + D)",
+    )
+    e.add_argument(
+        "--pd-peers",
+        default=PD_PEERS,
+        help=f"which of the policies are the P/D peer rules (default: {PD_PEERS})",
+    )
     e.add_argument(
         "--profile",
         choices=sorted(PROFILES),
@@ -217,6 +246,9 @@ def resolve(a: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("need 0 < --min-rate < --max-rate")
     if not 0 <= steps <= 30:
         raise ValueError("--steps must be in 0..30")
+    split = parse_split(a.pd) if a.pd else (0, 0)
+    if a.pd:
+        a.workers = split[0] + split[1]
     if not 1 <= a.workers <= 4096:
         raise ValueError("--workers must be between 1 and 4096")
     policies = parse_policies(a.policies)
@@ -229,8 +261,10 @@ def resolve(a: argparse.Namespace) -> dict[str, Any]:
         "engine": engine,
         "profile": a.profile,
         "workers": a.workers,
+        "pd": list(split),
         "policies": policies,
         "peers": peers,
+        "pd_peers": [p.strip() for p in a.pd_peers.split(",") if p.strip()],
         "seeds": seeds,
         "steps": steps,
         "ttft_s": a.ttft,
@@ -249,19 +283,24 @@ def evaluate_point(
 ) -> dict[str, Any]:
     """One simulated run of the workload at multiplier ``m``: its attainment and misses."""
     wl = workload_at(conf["workload"], {**conf["params"], "seed": seed}, m)
+    pre, dec = conf.get("pd") or (0, 0)
     opts = SimOptions(
         num_workers=conf["workers"],
         engine=conf["engine"],
         queue_timeout_s=conf["queue_timeout_s"],
         request_timeout_s=conf["request_timeout_s"],
+        prefill_workers=pre,
+        decode_workers=dec,
     )
-    run = simulate(wl.requests, spec, opts)
+    run = simulate(wl.requests, spec, for_policy(opts, spec))
     res = run.results
+    itl = sorted(g for r in res for g in r.itl_s)
     return {
         "multiplier": m,
         "req_s": offered_rate(wl.requests),
         "requests": len(res),
         "attainment": attainment(res, conf["ttft_s"], conf["tpot_s"]),
+        "itl_p99_s": itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else None,
         "rejected": sum(r.status == REJECTED for r in res),
         "timeouts": sum(r.status == TIMEOUT for r in res),
         "errors": sum(r.status == ERROR for r in res),
@@ -428,6 +467,58 @@ def table(conf: dict[str, Any], searches: list[dict], ceils: list[dict]) -> str:
     return "\n".join(lines + notes)
 
 
+def _itl_at_goodput(r: dict) -> float | None:
+    """ITL p99 of the point at this search's goodput (None below --min-rate)."""
+    for p in r["points"]:
+        if p["multiplier"] == r["goodput_multiplier"]:
+            return p.get("itl_p99_s")
+    return None
+
+
+def pd_table(conf: dict[str, Any], searches: list[dict]) -> str:
+    """Colocated and P/D fleets of the same engine count: each policy's median goodput, its
+    ITL p99 there, and the ratios to the best colocated policy and the best P/D peer rule."""
+    from services.core.policy.base import REGISTRY  # noqa: PLC0415
+
+    pre, dec = conf["pd"]
+    med = policy_medians(searches)
+    names = {lbl: spec["name"] for lbl, spec in conf["policies"]}
+    colo = [lbl for lbl in med if not REGISTRY[names[lbl]].disaggregated]
+    pdp = [lbl for lbl in med if lbl in conf["pd_peers"] or names[lbl] in conf["pd_peers"]]
+    best_colo = max(colo, key=lambda x: med[x][0], default=None)
+    best_pdp = max(pdp, key=lambda x: med[x][0], default=None)
+    itl = {}
+    for lbl in med:
+        vals = [v for r in searches if r["label"] == lbl if (v := _itl_at_goodput(r)) is not None]
+        itl[lbl] = statistics.median(vals) if vals else None
+    lines = [
+        "| policy | fleet | median goodput req/s | ITL p99 at its goodput | ÷ best colocated "
+        "| ITL p99 ÷ best colocated's | ÷ best P/D peer |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for lbl, _spec in conf["policies"]:
+        g = med[lbl][0]
+        fleet = f"{conf['workers']} colocated" if lbl in colo else f"{pre}P{dec}D"
+
+        def ratio(base: str | None, g: float = g) -> str:
+            return f"{g / med[base][0]:.2f}x" if base and med[base][0] > 0 else "–"
+
+        i = itl[lbl]
+        ib = itl.get(best_colo) if best_colo else None
+        irat = f"{i / ib:.2f}x" if i is not None and ib else "–"
+        its = f"{1000 * i:.0f} ms" if i is not None else "–"
+        lines.append(
+            f"| `{lbl}` | {fleet} | {g:.3f} | {its} | {ratio(best_colo)} | {irat} "
+            f"| {ratio(best_pdp)} |"
+        )
+    lines.append("")
+    lines.append(
+        f"best colocated: {best_colo or '–'}; best P/D peer: {best_pdp or '–'} "
+        f"(same {conf['workers']} engines; ITL p99 is each policy's at its own goodput)."
+    )
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------ files
 def write_csv(path: Path, searches: list[dict]) -> None:
     with path.open("w", newline="") as fh:
@@ -515,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     ceils = ceilings(conf)
     wall = time.perf_counter() - t0
     text = table(conf, searches, ceils)
+    if any(conf["pd"]):
+        text += "\n\n" + pd_table(conf, searches)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
         "kind": "goodput",

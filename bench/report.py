@@ -72,22 +72,29 @@ def _fmt(x: Any, scale: float = 1.0, digits: int = 1, pct: bool = False) -> str:
 def terminal_table(report: dict[str, Any]) -> str:
     """The few columns that matter, narrow enough for an 80-column terminal (the full table
     is in results.md, and ``--wide`` prints it)."""
-    head = ("run", "ok", "fail", "TTFT p50", "TTFT p99", "ITL p50", "req/s", "hit")
+    head: tuple[str, ...] = ("run", "ok", "fail", "TTFT p50", "TTFT p99", "ITL p50", "req/s", "hit")
+    runs = report.get("runs", [])
+    # a P/D comparison (kvgate simulate --pd): which fleet each ran on, and the ITL tail
+    pd = any("pd" in run["summary"] for run in runs)
+    if pd:
+        head += ("ITL p99", "fleet")
     rows = []
-    for run in report.get("runs", []):
+    for run in runs:
         s = run["summary"]
-        rows.append(
-            (
-                run["label"][:22],
-                str(s["completed"]),
-                str(s["errors"] + s["timeouts"] + s["rejected"]),
-                _fmt(_get(s, "ttft_s", "p50"), 1000) + " ms",
-                _fmt(_get(s, "ttft_s", "p99"), 1000) + " ms",
-                _fmt(_get(s, "itl_s", "p50"), 1000, 2) + " ms",
-                _fmt(s["request_throughput"], 1, 1),
-                _fmt(s.get("hit_rate"), pct=True),
-            )
+        row: tuple[str, ...] = (
+            run["label"][:22],
+            str(s["completed"]),
+            str(s["errors"] + s["timeouts"] + s["rejected"]),
+            _fmt(_get(s, "ttft_s", "p50"), 1000) + " ms",
+            _fmt(_get(s, "ttft_s", "p99"), 1000) + " ms",
+            _fmt(_get(s, "itl_s", "p50"), 1000, 2) + " ms",
+            _fmt(s["request_throughput"], 1, 1),
+            _fmt(s.get("hit_rate"), pct=True),
         )
+        if pd:
+            fleet = s["pd"]["fleet"] if "pd" in s else f"{len(s.get('per_worker') or {})} colo"
+            row += (_fmt(_get(s, "itl_s", "p99"), 1000, 1) + " ms", fleet)
+        rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
 
     def line(cells: tuple[str, ...]) -> str:

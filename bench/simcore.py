@@ -148,6 +148,31 @@ class _Live:
     waited: bool = False  # joined the queue (its quota is checked again when dispatched)
 
 
+def for_policy(opts: SimOptions, spec: dict[str, Any]) -> SimOptions:
+    """The fleet ``spec``'s policy runs on: a P/D policy the xPyD fleet of ``opts``, a
+    colocated policy that many colocated engines (the same engine count), so one comparison
+    puts every policy on the same hardware."""
+    from services.core.policy.base import REGISTRY  # noqa: PLC0415
+
+    cls = REGISTRY.get(spec.get("name", ""))
+    pd_fleet = bool(opts.prefill_workers or opts.decode_workers)
+    if pd_fleet and cls is not None and not cls.disaggregated:
+        n = opts.prefill_workers + opts.decode_workers
+        return replace(opts, num_workers=n, prefill_workers=0, decode_workers=0)
+    return opts
+
+
+def parse_split(text: str) -> tuple[int, int]:
+    """``"P:D"`` -> (prefill engines, decode engines); ValueError unless P >= 0, D >= 1."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"a P:D split is two integers like 2:6, got {text!r}") from None
+    if p < 0 or d < 1:
+        raise ValueError(f"a P:D split needs P >= 0 and D >= 1, got {text!r}")
+    return p, d
+
+
 def make_engine_config(overrides: dict[str, Any]):
     cfg = eng_mod.EngineConfig()
     unknown = set(overrides) - set(cfg.__dataclass_fields__)

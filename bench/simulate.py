@@ -7,6 +7,10 @@ every chosen policy, on the same workloads as ``kvgate bench``, and writes the s
 
 Policies run in parallel worker processes (``--jobs``); the workload and its block keys are
 built once, before forking.
+
+``--pd P:D``: a disaggregated fleet of P prefill and D decode engines for the P/D policies
+(``pd_slo``, ``pd_dynamo``, ...), while the colocated policies in the same run get P + D
+colocated engines: colocated and P/D fleets of the same engine count, side by side.
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from bench.common import (
 )
 from bench.metrics import summarize
 from bench.report import markdown, new_report, terminal_table, write_report
-from bench.simcore import SimOptions, make_engine_config, request_keys, simulate
+from bench.simcore import (
+    SimOptions,
+    for_policy,
+    make_engine_config,
+    parse_split,
+    request_keys,
+    simulate,
+)
 from bench.workloads import infinite_cache_hit_rate, parse_params
 
 # what forked run processes read (set before the pool starts)
@@ -43,6 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_policy_arguments(parser)
     parser.add_argument(
         "--workers", "-n", type=int, default=8, help="simulated engines, 1..4096 (default: 8)"
+    )
+    parser.add_argument(
+        "--pd",
+        default="",
+        metavar="P:D",
+        help="disaggregated fleet for the P/D policies: P prefill + D decode engines (the "
+        "colocated policies then get P + D colocated engines; --workers is ignored)",
+    )
+    parser.add_argument(
+        "--link",
+        default="rdma",
+        choices=["nvlink", "rdma"],
+        help="KV transfer link between prefill and decode engines (default rdma)",
     )
     parser.add_argument(
         "--wide",
@@ -100,10 +124,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_one(label: str, spec: dict[str, Any], progress=None) -> dict[str, Any]:
     wl, opts, keys = _SHARED["workload"], _SHARED["opts"], _SHARED["keys"]
+    opts = for_policy(opts, spec)
     t0 = time.perf_counter()
     run = simulate(wl.requests, spec, opts, keys=keys, progress=progress)
     wall = time.perf_counter() - t0
     summary = summarize(run.results, run.workers, run.cache, duration_s=run.duration_s)
+    if opts.prefill_workers or opts.decode_workers:
+        summary["pd"] = {
+            "fleet": f"{opts.prefill_workers}P{opts.decode_workers}D",
+            "transfers": run.transfers,
+            "local_prefills": run.local_prefills,
+            "mean_transfer_ms": 1000 * run.transfer_s / run.transfers if run.transfers else 0.0,
+        }
     return {
         "label": label,
         "router": "kvgate",
@@ -181,7 +213,13 @@ def main(args: argparse.Namespace) -> int:
         engine = {k: _num(v) for k, v in parse_params(args.engine).items()}
         if not 1 <= args.workers <= 4096:
             raise ValueError("--workers must be between 1 and 4096")
+        pre, dec = parse_split(args.pd) if args.pd else (0, 0)
+        if args.pd:
+            args.workers = pre + dec
         opts = SimOptions(
+            prefill_workers=pre,
+            decode_workers=dec,
+            link=args.link,
             num_workers=args.workers,
             engine=engine,
             telemetry_interval_s=args.telemetry_interval,
@@ -208,6 +246,7 @@ def main(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     config = {
         "workers": args.workers,
+        "pd": args.pd or None,
         "engine": engine,
         "concurrency": args.concurrency,
         "speedup": args.speedup,

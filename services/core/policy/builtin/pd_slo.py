@@ -38,16 +38,27 @@ long uncached part sends the prefill away: the same model decides both.
 
 Calibration: one :class:`~services.core.latency.LatencyModel` per worker, from the prior
 (``prior``, the engine model's defaults); each first token of a prefill this policy placed
-(:meth:`observe_prefill`, from ``RequestLifecycle.prefilled``) fits the TTFT terms of that
-worker with the load it was sent with; each streamed answer's mean inter-token gap
-(:meth:`observe_decode`) fits the decoder's step terms. Pure; state in ``PolicyState.extra``.
+(:meth:`observe_prefill`, from ``RequestLifecycle.prefilled``) fits that worker's per-token
+prefill cost, the term that differs most between deployments (a TTFT alone cannot tell the
+step terms apart). The step terms stay at ``prior``: fitting them from streamed answers' mean
+gaps (as ``slo_aware`` does) let a few decoders' prefill stalls inflate their per-sequence cost
+tenfold, so every decoder looked unable to meet the TPOT target and the policy sent prompts to
+prefillers predicted 10-20 s late (simulator, conversations, 2P6D). Pure; state in
+``PolicyState.extra``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from services.core.latency import LatencyModel, StepCoefficients, WorkerLoad, predict_fast
+from services.core.latency import (
+    PREFILL_TOKEN,
+    LatencyModel,
+    StepCoefficients,
+    WorkerLoad,
+    predict_fast,
+    ttft_features,
+)
 from services.core.pd.pools import pd_decision, pools
 from services.core.pd.transfer import LINK_PROFILES, ModelShape, transfer_seconds
 from services.core.policy.base import PolicyImpl, PolicyState, register
@@ -155,19 +166,16 @@ class PdSlo(PolicyImpl):
         self, request_id: str, worker_id: str, ttft_s: float, state: PolicyState
     ) -> None:
         """A prefill this policy placed had its first token ``ttft_s`` after dispatch: fit
-        that worker's model with the load it was sent with."""
+        that worker's per-token prefill cost with the load it was sent with (the queue ahead
+        of it and its own uncached tokens; the step terms keep their values: a duration alone
+        cannot tell them apart)."""
         sent = state.extra.get("pd_sent")
         rec = sent.pop(request_id, None) if sent else None
         if rec is None or rec[0] != worker_id:
             return
         _, load, uncached, prompt = rec
-        self.model(state, worker_id).observe_first_token(load, uncached, prompt, ttft_s)
-
-    def observe_decode(
-        self, worker_id: str, gap_s: float, decoding: int, state: PolicyState
-    ) -> None:
-        ctx = state.extra.get("pd_ctx") or 0.0
-        self.model(state, worker_id).observe_step(gap_s, decoding, decoding * ctx)
+        m = self.model(state, worker_id)
+        m.observe(ttft_features(load, uncached, prompt), ttft_s, only=(PREFILL_TOKEN,))
 
     def prune(self, state: PolicyState, live: dict[str, WorkerState]) -> None:
         drop_departed(state.extra.get("pd_models", {}), live)
