@@ -28,6 +28,7 @@ METRIC_MODULES = (
     "services.common.service",
     "services.router.metrics",
     "services.router.tenant_metrics",
+    "services.router.tenant_cache",
     "services.telemetry.exporter",
     "services.api.alerting",
     "services.api.canary.runner",
@@ -154,6 +155,7 @@ def test_every_promql_expression_names_metrics_kvgate_exports() -> None:
         "kvgate_telemetry_alerts_total",  # alerts
         "kvgate_gpu_sm_utilization_ratio",  # GPU
         "kvgate_tenant_cached_tokens_total",  # tenants: cached vs computed
+        "kvgate_tenant_cache_evictions_caused_total",  # tenants: who evicts whom
     ):
         assert needed in read, needed
 

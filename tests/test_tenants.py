@@ -16,9 +16,17 @@ import msgspec
 import pytest
 
 from services.api.testing import start_api
-from services.common.schemas import TenantKeyRecord, TenantRecord, TenantsUpdated
+from services.common.schemas import (
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    TenantKeyRecord,
+    TenantRecord,
+    TenantsUpdated,
+)
 from services.common.signing import Signer, new_seed
 from services.common.tenancy import NO_TENANT, Priority
+from services.router.tenant_cache import TenantCacheLedger
 from services.router.tenant_identity import TenancyError, TenantDirectory, key_digest
 from services.router.tenant_reload import TENANT_UPDATES
 from tests.test_router_e2e_sim import SimCluster
@@ -111,6 +119,50 @@ def test_only_a_newer_directory_replaces_the_held_one() -> None:
     assert d.resolve_key("ka") is not None
     assert d.apply(TenantsUpdated(revision=4))  # every tenant deleted
     assert d.resolve_key("ka") is None and not d.has_keys
+
+
+# --------------------------------------------------------------------------- cache ledger
+def _batch(seq: int, *events, instance: str = "i1") -> KvEventBatch:
+    return KvEventBatch(worker_id="w", instance_id=instance, seq=seq, ts=0.0, events=list(events))
+
+
+def test_cache_ledger_owner_held_evicted_and_who_caused_it() -> None:
+    led = TenantCacheLedger()
+    led.claim("w", "a", [1, 2, 3])  # claimed before the engine reports them
+    led.apply(_batch(1, BlockStored(keys=[1, 2, 3], block_size=16)))
+    assert led.held == {"a": 3}
+    # b reuses a's prefix (served from cache: not charged) and computes block 4; storing it
+    # made the engine evict a's block 3
+    led.claim("w", "b", [4])
+    led.apply(_batch(2, BlockRemoved(keys=[3]), BlockStored(keys=[4], block_size=16)))
+    assert (led.held["a"], led.held["b"]) == (2, 1)
+    assert (led.evicted["a"], led.caused["b"], led.caused["a"]) == (1, 1, 0)
+    # reported stored before claimed (claims come after the reply): owned once claimed, and
+    # the eviction that batch made is charged then
+    led.apply(_batch(3, BlockStored(keys=[5, 6], block_size=16), BlockRemoved(keys=[1])))
+    assert led.held["b"] == 1 and led.caused["b"] == 1
+    led.claim("w", "b", [5, 6])
+    assert (led.held["b"], led.caused["b"], led.evicted["a"]) == (3, 2, 2)
+    # a evicting its own block is no eviction caused to another tenant
+    led.claim("w", "a", [7])
+    led.apply(_batch(4, BlockStored(keys=[7], block_size=16), BlockRemoved(keys=[2])))
+    assert (led.evicted["a"], led.caused["a"]) == (3, 0)
+    # never claimed (another router's request) and offload tiers count for nobody
+    led.apply(
+        _batch(
+            5,
+            BlockStored(keys=[9], block_size=16),
+            BlockStored(keys=[5], block_size=16, tier="cpu"),
+        )
+    )
+    assert sum(led.held.values()) == 4
+    # a restarted worker's blocks are gone, not evicted
+    led.apply(_batch(1, BlockStored(keys=[], block_size=16), instance="i2"))
+    assert sum(led.held.values()) == 0 and led.evicted["a"] == 3
+    # bounded: the older generation of waiting claims is dropped whole
+    small = TenantCacheLedger(max_recent=4)
+    small.claim("w", "a", range(10))
+    assert len(small.pending["w"]) <= 8
 
 
 # --------------------------------------------------------------------------- live
@@ -211,6 +263,16 @@ async def test_tenant_keys_reload_usage_and_isolation(
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its own prefix
             cached["beta"] += body["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached["alpha"] > 0
+            # the cache ledger: each tenant holds the prompt's full blocks it had computed
+            # (beta's are its own, in its namespace), from the worker's KV events
+            bs = next(iter(r.state.block_sizes))
+            blocks = body["usage"]["prompt_tokens"] // bs
+            led = r.tenant_cache.ledger
+            await wait_until(
+                lambda: led.held["alpha"] == blocks and led.held["beta"] == blocks,
+                5,
+                f"{blocks} blocks held by each tenant, got {dict(led.held)}",
+            )
             assert (await _ask(s, router.url, "static-key"))[0] == 200
             for key in (None, "kvt_wrong"):
                 status, body = await _ask(s, router.url, key)

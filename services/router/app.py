@@ -86,6 +86,7 @@ from services.router.request_path import RequestPath
 from services.router.send import Sender
 from services.router.signals import CapacitySignal, Spawner
 from services.router.sweeper import Sweeper
+from services.router.tenant_cache import TenantCacheFeed
 from services.router.tenant_identity import TenantDirectory
 from services.router.tenant_reload import TenantReload
 from services.router.tokenize import RequestParser
@@ -228,6 +229,10 @@ class Router:
         # identity on the request path, quotas in flow control: both read the directory
         self.path.tenancy_of = self.tenants.tenancy_of
         self.flow.quota_of = self.tenants.quota_of
+        # per-tenant cache ledger: fed once the router knows a tenant
+        self.tenant_cache = TenantCacheFeed(bus)
+        self.tenant_reload.on_applied = self._tenants_known
+        self.path.cache_claim = self._claim_cache
         # start-up (cluster not known yet: 503, never 404) and drain state; /ready
         self.readiness = Readiness(st.worker_timeout, self.index_source)
         self.admission.starting = self.readiness.starting_refusal
@@ -291,6 +296,8 @@ class Router:
         self.readiness.heartbeats_subscribed()
         await self.reload.load_latest(functools.partial(self.trust.stored_policy_ok, self.bus))
         await self.tenant_reload.load_latest()
+        if self.tenants.trust_header:  # a gateway may name tenants the directory lacks
+            await self.tenant_cache.start()
         await self.index_source.start()
         self.readiness.index_started = True
         self.outcomes.start()
@@ -307,12 +314,29 @@ class Router:
         with contextlib.suppress(Exception):
             await require_outcomes_stream(self.bus)
 
+    def _tenants_known(self) -> None:
+        if not self.tenant_cache.active and len(self.tenants):
+            self.spawner.spawn(self.tenant_cache.start())
+
+    def _claim_cache(self, ctx: Any, wid: str) -> None:
+        """The prompt's blocks past the worker's overlap: the worker computes them for the
+        request's tenant (services.router.tenant_cache)."""
+        if not self.tenant_cache.active:
+            return
+        st = self.state.states.get(wid)
+        if st is None or not ctx.tenancy.tenant_id:
+            return
+        keys = self.parser.keys(ctx.parsed, st.capacity.block_size)
+        tenant = self.recorder.tenants.label(ctx.tenancy.flow)
+        self.tenant_cache.ledger.claim(wid, tenant, keys[ctx.overlaps.get(wid, 0) :])
+
     async def _on_heartbeat(self, hb: WorkerHeartbeat, raw: Any) -> None:
         self.readiness.heard(hb.worker_id)
         await self.feed.on_heartbeat(hb, raw)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
+        await self.tenant_cache.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -100,6 +100,9 @@ class RequestPath:
         # (services.router.tenant_identity; may raise TenancyError: 401 / 400)
         self.tenancy_of: Callable[[Request], RequestTenancy] = lambda _request: NO_TENANT
         self.tracer = tracing.tracer("kvgate.router")  # None: tracing off
+        # the blocks a tenant's request had its worker compute (services.router.tenant_cache),
+        # told after the reply
+        self.cache_claim: Callable[[Ctx, str], None] | None = None
 
     async def intake(
         self,
@@ -227,6 +230,8 @@ class RequestPath:
                 self.outcomes.record(ctx)
                 if ctx.trace is not None:
                     ctx.trace.finish(ctx)
+            if self.cache_claim is not None and ctx.tenancy.tenant_id and ctx.worker_id:
+                self.cache_claim(ctx, ctx.worker_id)
         except Exception:
             log.exception("request bookkeeping failed", request_id=ctx.request_id)
 

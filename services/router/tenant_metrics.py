@@ -46,6 +46,10 @@ class TenantMetrics:
         self._children: dict[tuple[str, str, str], Any] = {}
         self._tokens: dict[str, tuple[Any, Any, Any]] = {}
 
+    def label(self, flow: str) -> str:
+        """``flow`` as a ``tenant`` label value (bounded: module invariant)."""
+        return self._label(flow)
+
     def _label(self, flow: str) -> str:
         if flow in self._tokens or len(self._tokens) < self.max_labels:
             return flow

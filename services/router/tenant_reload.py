@@ -13,7 +13,7 @@ Invariants: a rejected or stale notice changes nothing; the directory is replace
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -43,6 +43,7 @@ class TenantReload:
         self.directory = directory
         self.trust = trust
         self.applied = asyncio.Event()  # set on each applied directory (tests wait on it)
+        self.on_applied: Callable[[], None] | None = None
 
     async def on_tenants(self, msg: TenantsUpdated, raw: Any) -> None:
         if not self.trust.signed_ok("TenantsUpdated", raw):
@@ -63,6 +64,8 @@ class TenantReload:
             tenants=len(msg.tenants),
             keys=len(msg.keys),
         )
+        if self.on_applied is not None:
+            self.on_applied()
         self.applied.set()
         self.applied = asyncio.Event()
         return True
