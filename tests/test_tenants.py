@@ -9,6 +9,7 @@ admin API, a simulated worker and routers in this event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -401,3 +402,52 @@ async def test_usage_counts_each_outcomes_message_once(database_url: str) -> Non
         assert row.completion_tokens == 20
     finally:
         await db.close()
+
+
+async def test_epp_takes_the_tenant_from_its_directory(nats_url, subjects, bus) -> None:
+    """The EPP holds the same directory (hot-reloaded from the bus): behind the gateway it
+    takes the tenant from the client's key or, trusted, the gateway's header; an expired key
+    is refused; the outcome names the tenant."""
+    from services.common.schemas import RouterOutcome
+    from tests.test_epp import Beats, EppProc, FakeWorker, immediate, pick_once, picked
+    from tests.test_epp import shutdown as epp_shutdown
+
+    w0 = await FakeWorker("w0").start(bus)
+    beats = Beats(bus, [w0]).start()
+    outcomes: asyncio.Queue[RouterOutcome] = asyncio.Queue()
+
+    async def on_outcome(o: RouterOutcome, _raw) -> None:
+        await outcomes.put(o)
+
+    sub = await bus.subscribe(bus.subjects.router_outcomes, RouterOutcome, on_outcome)
+    epp = await EppProc(nats_url, subjects, trust_tenant_header=True).start()
+    try:
+        await epp.wait_workers(1)
+        r = epp.router
+        assert r is not None
+        await bus.publish(
+            bus.subjects.tenants_updated,
+            TenantsUpdated(
+                revision=1,
+                tenants=[TenantRecord(tenant_id="team", default_priority="critical")],
+                keys=[
+                    TenantKeyRecord(key_id=1, tenant_id="team", digest=key_digest("k").hex()),
+                    TenantKeyRecord(
+                        key_id=2, tenant_id="team", digest=key_digest("old").hex(), expires_at=1.0
+                    ),
+                ],
+            ),
+        )
+        await wait_until(lambda: r.tenants.revision == 1, 5, "directory applied")
+        body = {"model": "m", "prompt": "hello " * 20, "max_tokens": 2}
+        for headers in ({"authorization": "Bearer k"}, {"x-kvgate-tenant": "team"}):
+            first = await pick_once(epp, body, extra=headers)
+            picked(first, len(json.dumps(body)))
+        status, err = immediate(await pick_once(epp, body, extra={"authorization": "Bearer old"}))
+        assert status == 401 and err["error"]["message"] == "API key expired"
+        seen = [await asyncio.wait_for(outcomes.get(), 5) for _ in range(2)]
+        assert {(o.tenant_id, o.priority) for o in seen} == {("team", "critical")}
+    finally:
+        await sub.unsubscribe()
+        await epp_shutdown(("epp", epp.stop()), ("beats", beats.stop()))
+        await w0.stop()

@@ -14,6 +14,7 @@ excludes every worker whose endpoint is outside it, so the pick is inside it or 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from services.router import slo
 from services.router.app import Router
 from services.router.http_server import Response
 from services.router.proxy import Ctx, error_response
+from services.router.tenant_identity import TenancyError, bearer_key
 from services.router.trace import RequestTrace
 
 from . import endpoints
@@ -91,12 +93,21 @@ class Picker:
         t0 = time.perf_counter()
         r = self.router
         path = headers.get(":path", "").split("?", 1)[0]
+        try:  # the gateway authenticates; the tenant is the client key's, or its header's
+            tenancy = r.tenants.request_tenancy(headers, bearer_key(headers))
+        except TenancyError as exc:  # an expired tenant key, a bad band
+            return self._refused(exc.status, exc.message, "invalid_request_error", exc.param)
+        if tenancy.cache_salt is not None:
+            # the gateway forwards the client's body as it is: the engine sees no salt, so
+            # neither may the block keys (a tenant's cache isolation needs the router's port)
+            tenancy = dataclasses.replace(tenancy, cache_salt=None)
         got = await r.path.intake(
             body,
             _with_aliases(headers),
             NO_BODY_PATH if body is None else path,
             path == "/v1/chat/completions",
             t0,
+            tenancy,
             tr=tr,
             traceparent=forward,
         )

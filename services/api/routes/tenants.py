@@ -277,7 +277,7 @@ def routes(ctx: ApiContext) -> list[Route]:
     key_p = {**id_p, "key_id": Annotated[int, Meta(ge=1, le=2_000_000_000)]}
     epoch = Annotated[float, Meta(ge=0.0, le=1e11, description="unix seconds")]
     return [
-        Route("GET", f"{V1}/tenants", list_tenants, "list tenants", "tenants", role="admin"),
+        Route("GET", f"{V1}/tenants", list_tenants, "list tenants", "tenants"),
         Route(
             "POST",
             f"{V1}/tenants",
@@ -297,7 +297,6 @@ def routes(ctx: ApiContext) -> list[Route]:
             get_tenant,
             "a tenant with all versions",
             "tenants",
-            role="admin",
             path_params=id_p,
         ),
         Route(
