@@ -49,6 +49,23 @@ def _complete(router_port: int, auth: dict[str, str], prompt: str, session: str 
         return resp.headers["x-kvgate-worker"]
 
 
+def _complete_when_known(router_port: int, auth: dict[str, str]) -> None:
+    """A completion with a key just issued: refused (401) until the router has the api's
+    directory (within a second)."""
+    import time
+    import urllib.error
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            _complete(router_port, auth, "tenant traffic")
+            return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 401 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def _admin(api: str, token: str, method: str, path: str, body: dict | None = None) -> dict:
     req = urllib.request.Request(
         api + path,
@@ -209,6 +226,13 @@ def test_operator_page_in_headless_chromium(tmp_path: Path) -> None:
                 steps = {round(b - a, 9) for a, b in zip(yticks, yticks[1:], strict=False)}
                 assert len(steps) == 1 and str(steps.pop()).lstrip("0.")[0] in "125", yticks
                 expect(page.locator("#policy")).to_contain_text("policy ctl@1, canary cand@1")
+                # a tenant and its usage: a request with its key, counted on the page
+                _admin(api, token, "POST", "/api/v1/tenants", {"tenant_id": "page-team"})
+                key = _admin(api, token, "POST", "/api/v1/tenants/page-team/keys", {})["key"]
+                _complete_when_known(up.ports["router"], {"Authorization": f"Bearer {key}"})
+                team = page.locator('#tenants tr[data-tenant="page-team"] td')
+                expect(team.nth(4)).to_have_text("1", timeout=20_000)  # requests
+                expect(team.nth(6)).to_have_text(re.compile(r"^\d+\.\d%$"))  # served from cache
                 # the open alert is listed and can be acknowledged from the page
                 alert = page.locator("#alerts tbody tr", has_text="page-test")
                 expect(alert).to_have_count(1, timeout=15_000)

@@ -328,6 +328,22 @@ async function renderAlerts() {
   document.getElementById("alerts-history-none").hidden = resolved.length > 0;
 }
 
+const MAX_TENANTS = 20; // usage is asked per tenant: the page shows the first ones
+
+async function renderTenants() {
+  const tenants = (await api("/tenants")).tenants.slice(0, MAX_TENANTS);
+  const since = Math.floor(Date.now() / 1000) - 3600;
+  const usage = await Promise.all(tenants.map((t) => api(`/tenants/${encodeURIComponent(t.tenant_id)}/usage?since=${since}`)));
+  document.querySelector("#tenants tbody").replaceChildren(...tenants.map((t, i) => {
+    const u = usage[i];
+    return el("tr", { "data-tenant": t.tenant_id },
+      el("td", {}, t.tenant_id), el("td", {}, t.spec.weight), el("td", {}, t.spec.default_priority),
+      el("td", {}, t.keys), el("td", {}, u.requests), el("td", {}, u.errors),
+      el("td", {}, pct(u.cache_hit_ratio)), el("td", {}, u.prompt_tokens), el("td", {}, u.completion_tokens));
+  }));
+  document.getElementById("tenants-none").hidden = tenants.length > 0;
+}
+
 async function renderPolicy() {
   const p = await api("/active-policy");
   const text = p.name ? `policy ${p.name}@${p.version}` : "no managed policy (router default)";
@@ -352,7 +368,7 @@ async function refresh() {
   const workers = (await api("/workers")).workers;
   renderWorkers(workers);
   renderDecisions();
-  await Promise.all([renderAlerts(), renderCanaries(), renderPolicy()]);
+  await Promise.all([renderAlerts(), renderCanaries(), renderPolicy(), renderTenants()]);
   setStatus(`updated ${new Date().toLocaleTimeString()}`);
   document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
 }
