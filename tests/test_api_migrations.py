@@ -56,6 +56,8 @@ def test_policy_state_row_exists_after_upgrade(fresh_database_url: str) -> None:
     async def row() -> tuple:
         conn = await asyncpg.connect(asyncpg_dsn(fresh_database_url))
         try:
+            tenants = tuple(await conn.fetchrow("SELECT id, revision FROM tenant_state"))
+            assert tenants == (1, 0), tenants
             return tuple(await conn.fetchrow("SELECT id, revision FROM policy_state"))
         finally:
             await conn.close()

@@ -110,7 +110,8 @@ def tenant_record(row: TenantRow) -> TenantRecord:
         concurrent_requests=quota.get("concurrent_requests"),
         cache_budget_blocks=quota.get("cache_budget_blocks"),
         cache_isolation=bool(spec.get("cache_isolation", False)),
-        cache_salt=row.cache_salt,
+        # the secret leaves the api only for a tenant that uses it
+        cache_salt=row.cache_salt if spec.get("cache_isolation") else "",
         version=row.version,
     )
 
