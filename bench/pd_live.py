@@ -103,7 +103,8 @@ async def load(args: argparse.Namespace, ports: dict[str, int], key: str) -> dic
     done = 0
     killed_at: int | None = None
     kill_after = int(args.requests * args.kill_at)
-    victim = "prefill-0"
+    victim = ""
+    prefill_used: Counter[str] = Counter()  # requests each prefill worker served so far
     errors: list[str] = []
     errors_after_kill = 0
     pairs: Counter[str] = Counter()
@@ -111,9 +112,14 @@ async def load(args: argparse.Namespace, ports: dict[str, int], key: str) -> dic
     rng = random.Random(args.seed)
 
     async def kill() -> None:
-        nonlocal killed_at
+        """Crash the prefill worker that served the most requests so far (the one the
+        policy leans on: killing an idle one would test nothing)."""
+        nonlocal killed_at, victim
         killed_at = done
-        url = f"http://127.0.0.1:{ports['sim']}/admin/faults"  # prefill-0: the first sim port
+        victim = max(sorted(prefill_used), key=lambda w: prefill_used[w]) if prefill_used else ""
+        victim = victim or "prefill-0"
+        index = int(victim.rsplit("-", 1)[1]) if "-" in victim else 0
+        url = f"http://127.0.0.1:{ports['sim'] + index}/admin/faults"
         await asyncio.to_thread(
             urllib.request.urlopen,
             urllib.request.Request(
@@ -171,6 +177,8 @@ async def load(args: argparse.Namespace, ports: dict[str, int], key: str) -> dic
                     raise RuntimeError("empty answer")
                 pre = headers.get("x-kvgate-prefill-worker")
                 pairs[f"{pre or 'local'}->{headers.get('x-kvgate-worker')}"] += 1
+                if pre:
+                    prefill_used[pre] += 1
                 if after_kill:
                     by_prefill_after[pre or "local"] += 1
             except Exception as exc:  # every failure counts: the figure is zero of them

@@ -330,7 +330,7 @@ def test_nats_authorization_is_on_by_default_and_generated_from_the_code(compose
     expected |= {"api": "api", "bus-provision": "provisioner"}
     for name, svc in kvgate_services(compose).items():
         env = environment_of(svc)
-        if "KVGATE_NATS_URL" not in env or name == "sim":
+        if "KVGATE_NATS_URL" not in env or name.startswith("sim"):
             continue
         assert env.get("KVGATE_NATS_USER") == expected[name], name
         assert env["KVGATE_NATS_USER"] in users, name
@@ -480,3 +480,36 @@ def test_nats_config_worker_add_and_rotate_keep_the_password_in_the_env_file(
     assert after["NATS_PASSWORD_WORKER_GPU_A"] != first["NATS_PASSWORD_WORKER_GPU_A"]
     assert after["NATS_PASSWORD_WORKER_GPU_A"] not in rotated.stdout + rotated.stderr
     assert step("rotate", "gpu-c").returncode == 1  # no such worker yet
+
+
+def test_the_pd_profile_runs_prefill_and_decode_workers_beside_the_sim_ones(compose: dict) -> None:
+    """Profile ``pd``: two prefill-only and two decode-only simulated workers with ids that are
+    not the ``sim`` profile's default ones (sim-0..3), each logging in as its own worker user,
+    announcing its container's name (decoders read the prompt's KV there); the router's policy
+    is settable from .env (KVGATE_ROUTER_POLICY=pd_slo pairs them)."""
+    from services.worker_sim.app import worker_ids
+
+    services = compose["services"]
+    nats_env = environment_of(services["nats-1"])
+    seen: set[str] = set()
+    for name, role in (("sim-prefill", "prefill"), ("sim-decode", "decode")):
+        svc = services[name]
+        env = environment_of(svc)
+        assert svc["profiles"] == ["pd"] and command_of(svc) == ["sim-worker"]
+        assert env["KVGATE_SIM_ROLE"] == role
+        assert env["KVGATE_SIM_HOST"] == "0.0.0.0"
+        assert env["KVGATE_SIM_ADVERTISE_HOST"] == svc["hostname"] == name
+        assert health_url(svc)[1:] == (int(env["KVGATE_SIM_PORT"]), "/health")
+        ids = worker_ids("sim", int(env["KVGATE_SIM_COUNT"]), int(env["KVGATE_SIM_FIRST_INDEX"]))
+        pairs = dict(p.split("=", 1) for p in env["KVGATE_SIM_WORKER_PASSWORDS"].split(","))
+        assert sorted(pairs) == ids
+        for wid, password in pairs.items():
+            assert password == nats_env[f"NATS_PASSWORD_WORKER_{wid.upper().replace('-', '_')}"]
+        seen |= set(ids)
+        for dep in ("bus-provision", *NATS_NODES):
+            assert dep in svc["depends_on"], name
+    assert len(seen) == 4
+    assert not seen & set(worker_ids("sim", int(S.ALL_OPTIONS["KVGATE_SIM_COUNT"].default or 4)))
+    assert not seen & {f"sim-{i}" for i in range(4)}  # the sim profile's default SIM_WORKERS
+    router = environment_of(services["router"])
+    assert router["KVGATE_ROUTER_POLICY"] == "slo_aware"  # .env may say pd_slo

@@ -196,3 +196,41 @@ async def test_decoder_dying_mid_stream_migrates(nats_url, subjects, bus: Bus) -
         assert M.MIGRATIONS.labels("completed").value == before + 1
     finally:
         await shutdown(("router", router.stop()), ("fleet", fleet.stop()), each_s=10)
+
+
+def test_operator_views_show_pairs_and_roles():
+    """The admin API's decision feed keeps a P/D request's pair and timings (the operator
+    page draws ``prefill → decode``), and its worker view says each worker's role."""
+    from services.api.ui import DecisionFeed
+    from services.api.workers import WorkerRegistry
+    from services.common.schemas import RouterOutcome, WorkerCapacity, WorkerHeartbeat
+
+    feed = DecisionFeed()
+    feed.add(
+        RouterOutcome(
+            request_id="r1",
+            router_id="rt",
+            ts=1.0,
+            policy="pd_slo",
+            worker_id="decode-0",
+            prefill_worker="prefill-1",
+            prefill_s=0.12,
+            handoff_s=0.03,
+        )
+    )
+    item = feed.items[-1][1]
+    assert (item["prefill_worker"], item["worker_id"]) == ("prefill-1", "decode-0")
+    assert (item["prefill_s"], item["handoff_s"]) == (0.12, 0.03)
+    reg = WorkerRegistry()
+    hb = WorkerHeartbeat(
+        worker_id="prefill-1",
+        instance_id="i",
+        url="http://x:1",
+        model="m",
+        capacity=WorkerCapacity(
+            block_size=16, num_gpu_blocks=64, max_num_seqs=8, max_model_len=512
+        ),
+        role="prefill",
+    )
+    reg.on_heartbeat(hb, now=0.0)
+    assert reg.view("prefill-1", None, False, now=0.5)["role"] == "prefill"

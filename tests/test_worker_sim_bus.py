@@ -300,6 +300,8 @@ def test_advertised_url_and_worker_ids():
     assert advertise_host("0.0.0.0", "sim.internal") == "sim.internal"
     assert worker_ids("sim", 1) == ["sim"]
     assert worker_ids("sim", 3) == ["sim-0", "sim-1", "sim-2"]
+    assert worker_ids("sim", 1, first=6) == ["sim-6"]
+    assert worker_ids("sim", 2, first=4) == ["sim-4", "sim-5"]
     with pytest.raises(ValueError):
         worker_ids("bad.id", 2)
 

@@ -104,6 +104,7 @@ class WorkerRegistry:
             "url": redact_url(hb.url) if hb else None,
             "model": hb.model if hb else None,
             "engine": hb.engine if hb else None,
+            "role": hb.role if hb else None,  # both | prefill | decode (disaggregated serving)
             "capacity": to_builtins(hb.capacity) if hb else None,
             "last_heartbeat_age_s": round(now - seen.heartbeat_at, 3) if hb else None,
             "load": {

@@ -90,9 +90,12 @@ def advertise_host(host: str, advertise: str) -> str:
     return host
 
 
-def worker_ids(base: str, count: int) -> list[str]:
+def worker_ids(base: str, count: int, first: int = 0) -> list[str]:
+    """``<base>-<first>`` .. (just ``<base>`` for one worker numbered from 0)."""
     check_token(base, "worker id")
-    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+    if count == 1 and first == 0:
+        return [base]
+    return [f"{base}-{first + i}" for i in range(count)]
 
 
 def _selected(spec: str, i: int, wid: str) -> bool:
@@ -179,7 +182,7 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     config = engine_config_from(st, tokenizer)
     patch = fault_patch_from(st)
     loras = tuple(x.strip() for x in st.lora_modules.split(",") if x.strip())
-    ids = worker_ids(st.worker_id, st.count)
+    ids = worker_ids(st.worker_id, st.count, getattr(st, "first_index", 0))
     buses = _buses(st, ids)
     workers: list[SimWorker] = []
     pd = PdSettings(

@@ -39,6 +39,14 @@ OPTIONS = S.COMMON + (
         "worker id (with --count > 1: prefix, '-<i>' appended)",
         env="KVGATE_SIM_WORKER_ID",
     ),
+    S.option(
+        "first_index",
+        0,
+        "index of the first worker: ids <worker-id>-<first-index> .. (several processes of "
+        "one id space: compose's P/D profile runs sim-4, sim-5 as prefill, sim-6, sim-7 as "
+        "decode workers)",
+        env="KVGATE_SIM_FIRST_INDEX",
+    ),
     S.option("model", "sim-llama-8b", "model name served", env="KVGATE_SIM_MODEL"),
     S.option(
         "lora_modules",

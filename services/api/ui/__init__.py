@@ -76,6 +76,10 @@ class DecisionFeed:
                     "e2e_s": o.e2e_s,
                     "retries": o.retries,
                     "migrated": o.migrated,
+                    # disaggregated serving: the worker that prefilled (worker_id decoded)
+                    "prefill_worker": o.prefill_worker,
+                    "prefill_s": o.prefill_s,
+                    "handoff_s": o.handoff_s,
                 },
             )
         )

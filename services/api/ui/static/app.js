@@ -152,19 +152,31 @@ async function api(path, opts = {}) {
 function renderWorkers(workers) {
   const body = document.querySelector("#workers tbody");
   const routed = {};
-  for (const d of state.decisions) if (d.worker_id) routed[d.worker_id] = (routed[d.worker_id] || 0) + 1;
+  for (const d of state.decisions) {
+    if (d.worker_id) routed[d.worker_id] = (routed[d.worker_id] || 0) + 1;
+    if (d.prefill_worker) routed[d.prefill_worker] = (routed[d.prefill_worker] || 0) + 1;
+  }
   body.replaceChildren(...workers.map((w) => {
     const load = w.load || {};
     const health = el("td", { class: w.health === "healthy" ? "ok" : "bad" }, w.health);
     const circuit = el("td", { class: w.breaker === "open" ? "bad" : "" }, w.breaker);
     const rw = load.running == null ? "–" : `${load.running} / ${load.waiting ?? 0}` + (load.max_batch ? ` of ${load.max_batch}` : "");
     return el("tr", { "data-worker": w.worker_id },
-      el("td", {}, w.worker_id), health, el("td", {}, w.admin_state), circuit,
+      el("td", {}, w.role && w.role !== "both" ? `${w.worker_id} (${w.role})` : w.worker_id),
+      health, el("td", {}, w.admin_state), circuit,
       el("td", {}, rw), el("td", {}, ratioBar(w.kv?.usage)),
       el("td", {}, ratioBar(load.cache_hit_rate)), el("td", {}, ratioBar(load.gpu_sm_util, 60)),
       el("td", { class: "routed" }, String(routed[w.worker_id] || 0)));
   }));
   document.getElementById("workers-count").textContent = `(${workers.length})`;
+}
+
+// the worker that answered; a disaggregated request shows its pair: prefill → decode, and the
+// prefill time and the handoff (prefill answer to the decoder's first token) on hover
+function workerCell(d) {
+  if (!d.prefill_worker) return el("td", {}, d.worker_id || "–");
+  const title = `prefill ${ms(d.prefill_s)} ms, handoff (KV transfer + first step) ${ms(d.handoff_s)} ms`;
+  return el("td", { class: "pd-pair", title }, `${d.prefill_worker} → ${d.worker_id || "–"}`);
 }
 
 function renderDecisions() {
@@ -175,7 +187,7 @@ function renderDecisions() {
     el("td", { class: "rid", title: d.request_id }, shortId(d.request_id)),
     el("td", {}, d.policy_version ? `${d.policy} v${d.policy_version}` : `${d.policy} (default)`),
     el("td", {}, d.arm),
-    el("td", {}, d.worker_id || "–"),
+    workerCell(d),
     el("td", { class: d.status === "ok" ? "ok" : "bad" }, d.status),
     reuseCell(d),
     ttftCell(d),
