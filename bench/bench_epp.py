@@ -249,7 +249,6 @@ def serve_null(port: int) -> None:
     from services.epp import protocol as P
 
     pick = P.pick_response("127.0.0.1:1", None)
-    headers_pass = P.response_headers_pass()
 
     class Null(pb_grpc.ExternalProcessorServicer):
         async def Process(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
@@ -259,7 +258,7 @@ def serve_null(port: int) -> None:
                     yield pick
                     yield P.request_body_response(req.request_body.body)
                 elif kind == "response_headers":
-                    yield headers_pass
+                    yield P.RESPONSE_HEADERS_PASS
                 elif kind == "response_body":
                     b = req.response_body
                     yield P.response_body_pass(b.body, b.end_of_stream)

@@ -16,6 +16,7 @@ PROTOCOL_ERRORS = Counter(
     "ext_proc streams the EPP could not follow, by reason (the stream ends with a gRPC error)",
     ["reason"],
 )
+PICKED = PICKS.labels("picked")
 SERVED_ELSEWHERE = Counter(
     "kvgate_epp_served_elsewhere_total",
     "responses whose served endpoint (x-gateway-destination-endpoint-served) was not the pick",

@@ -150,7 +150,7 @@ class Picker:
             raise
         ctx.sent_at = time.monotonic()
         RM.INFLIGHT.inc()
-        M.PICKS.labels("picked").inc()
+        M.PICKED.inc()
         M.PICK_SECONDS.observe(time.perf_counter() - t0)
         return Pick(ctx, ticket, endpoint, self._with_fallbacks(endpoint, ctx, d.scores))
 

@@ -164,21 +164,15 @@ def request_body_response(body: bytes) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_body=_streamed(body, True))
 
 
-def response_headers_pass() -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+# the answers that carry nothing of the request: one object each (never changed)
+RESPONSE_HEADERS_PASS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+REQUEST_TRAILERS_PASS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+RESPONSE_TRAILERS_PASS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 def response_body_pass(chunk: bytes, end: bool) -> pb.ProcessingResponse:
     """FULL_DUPLEX_STREAMED: each response chunk goes back as it came."""
     return pb.ProcessingResponse(response_body=_streamed(chunk, end))
-
-
-def request_trailers_pass() -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-
-
-def response_trailers_pass() -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 def immediate(

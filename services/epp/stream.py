@@ -80,8 +80,8 @@ class EppStream:
             # trailers end a body whose last chunk did not say so: decide on what came
             if self.pick is None and self.headers is not None:
                 decided = await self._decide(bytes(self.body))
-                return decided if self.done else [*decided, P.request_trailers_pass()]
-            return [P.request_trailers_pass()]
+                return decided if self.done else [*decided, P.REQUEST_TRAILERS_PASS]
+            return [P.REQUEST_TRAILERS_PASS]
         if kind == "response_headers":
             return self._on_response_headers(req)
         if kind == "response_body":
@@ -96,7 +96,7 @@ class EppStream:
             return [P.response_body_pass(chunk, end)]
         if kind == "response_trailers":
             self.finished = True
-            return [P.response_trailers_pass()]
+            return [P.RESPONSE_TRAILERS_PASS]
         raise ProtocolError("unknown_message", f"unexpected ext_proc message {kind!r}")
 
     def _on_response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -119,7 +119,7 @@ class EppStream:
                 self.finished = True
         if self.conformance:
             return [P.conformance_served(req)]
-        return [P.response_headers_pass()]
+        return [P.RESPONSE_HEADERS_PASS]
 
     async def _decide(self, body: bytes | None) -> list[pb.ProcessingResponse]:
         assert self.headers is not None
