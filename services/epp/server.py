@@ -140,7 +140,7 @@ class EppServer:
 async def serve(st: Any, stop: asyncio.Event) -> None:
     from services.common.bus import Bus, NatsAuth
     from services.common.subjects import Subjects
-    from services.router.app import Router
+    from services.router.app import Router, freeze_startup_heap
     from services.router.public_surface import start_operator_http
 
     # outcomes, load reports and the NATS connection name this process as an EPP (epp-<hex>
@@ -165,6 +165,7 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     epp = EppServer(router, int(st.max_body_bytes), conformance)
     port = await epp.start(st.host, st.port)
     operator = await start_operator_http(st, router.operator_routes())
+    freeze_startup_heap()  # as the router does
     log.info(
         "epp listening",
         host=st.host,

@@ -100,6 +100,15 @@ from services.router.upstream import FastClient
 # garbage, so collecting it rarely costs only memory (docs/benchmarks.md, proxy).
 GC_YOUNG_OBJECTS = 10_000
 
+
+def freeze_startup_heap() -> None:
+    """Once started (the router, the EPP): what start-up built lives as long as the process,
+    so the collector stops rescanning it (halved the router's garbage-collection CPU under
+    load, docs/benchmarks.md), and young collections come every GC_YOUNG_OBJECTS objects."""
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])
+
+
 log = get_logger("router")
 _json_decode = msgspec.json.decode
 
@@ -416,10 +425,7 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
         router, st.host, st.port, reuse_port=getattr(st, "reuse_port", False), ssl_context=tls
     )
     operator = await start_operator_http(st, router.operator_routes())
-    # what start-up built lives as long as the process: the collector stops rescanning it
-    # (halved the router's garbage-collection CPU under load, docs/benchmarks.md)
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])
+    freeze_startup_heap()
     log.info(
         "router listening",
         host=st.host,
