@@ -25,7 +25,8 @@ Per mode and run, side by side, each target in its own process on the same 2 cor
   decision, no state): what the protocol itself costs a Python gRPC server per request;
 
 and the ratio EPP CPU / router CPU per request (target ≤ 1/3) and the pick's p50 (target
-≤ 0.3 ms).
+≤ 0.3 ms), also as the part over the do-nothing server's p50 (this client's own time and the
+protocol's floor taken out).
 
     python -m bench.bench_epp                          # whole + stream, 3 runs
     python -m bench.bench_epp --modes whole --runs 5 --seconds 6
@@ -443,21 +444,23 @@ def _summary(res: dict[str, Any], modes: tuple[str, ...], conns: int) -> None:
     print()
     print(
         f"{'mode':6s} {'run':>3s} {'router CPU':>10s} {'router +p50':>11s} | "
-        f"{'EPP CPU':>8s} {'÷router':>7s} {'pick p50':>8s} {'picks/s@1':>9s} "
+        f"{'EPP CPU':>8s} {'÷router':>7s} {'pick p50':>8s} {'-floor':>7s} {'picks/s@1':>9s} "
         f"{f'picks/s@{conns}':>10s} | {'nobody CPU':>10s} {'÷router':>7s} | {'floor CPU':>9s} "
         f"{'÷router':>7s}"
     )
     for mode in modes:
-        ratios = []
-        p50s = []
+        ratios, p50s, over, floors = [], [], [], []
         for i, r in enumerate(res[mode]):
             ro, e, nb, fl = r["router"], r["epp"], r["epp-nobody"], r["grpc-floor"]
             ratios.append(e["cpu_ratio"])
             p50s.append(e["pick_p50_ms"])
+            over.append(e["pick_p50_ms"] - fl["pick_p50_ms"])
+            floors.append(fl["cpu_ratio"])
             print(
                 f"{mode:6s} {i + 1:3d} {ro['cpu_us_per_request']:8.0f}us "
                 f"{ro['added_p50_ms']:9.3f}ms | {e['cpu_us_per_request']:6.0f}us "
-                f"{e['cpu_ratio']:7.2f} {e['pick_p50_ms']:6.3f}ms {e['picks_per_s_1']:9,.0f} "
+                f"{e['cpu_ratio']:7.2f} {e['pick_p50_ms']:6.3f}ms "
+                f"{e['pick_p50_ms'] - fl['pick_p50_ms']:5.3f}ms {e['picks_per_s_1']:9,.0f} "
                 f"{e['picks_per_s']:10,.0f} | {nb['cpu_us_per_request']:8.0f}us "
                 f"{nb['cpu_ratio']:7.2f} | {fl['cpu_us_per_request']:7.0f}us {fl['cpu_ratio']:7.2f}"
             )
@@ -467,7 +470,9 @@ def _summary(res: dict[str, Any], modes: tuple[str, ...], conns: int) -> None:
             f"{mode}: EPP CPU ÷ router CPU per request, median {statistics.median(ratios):.2f} "
             f"(target <= {TARGET_CPU_RATIO:.2f}: {'PASS' if cpu_ok else 'FAIL'}); pick p50 "
             f"median {statistics.median(p50s):.3f} ms (target <= {TARGET_PICK_P50_MS} ms: "
-            f"{'PASS' if p50_ok else 'FAIL'})"
+            f"{'PASS' if p50_ok else 'FAIL'}), {statistics.median(over):.3f} ms over the "
+            f"do-nothing server's; the do-nothing server alone costs "
+            f"{statistics.median(floors):.2f}x the router's CPU per request"
         )
     print(
         f"machine: CPython runs sum((1,2,3)) in {res['machine_ns']:.0f} ns (best of 5; ~45 on a "
