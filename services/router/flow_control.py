@@ -83,7 +83,7 @@ class FlowControl:
         """A request is dispatched for the first time: charged and counted."""
         self.counters.dispatched(tenancy.flow, tenancy.weight, prompt_tokens)
         tenant = tenancy.tenant_id
-        if tenant is not None and self.quota_of(tenant) != UNLIMITED:
+        if tenant is not None and limited(self.quota_of(tenant)):
             self.quotas.admitted(tenant, prompt_tokens, now)
         self._dispatches += 1
         if self._dispatches % 4096 == 0 and len(self.counters.counters) > 1024:
@@ -93,7 +93,7 @@ class FlowControl:
         """A dispatched request ended having generated ``completion_tokens``."""
         self.counters.completed(tenancy.flow, tenancy.weight, completion_tokens)
         tenant = tenancy.tenant_id
-        if tenant is not None and self.quota_of(tenant) != UNLIMITED:
+        if tenant is not None and limited(self.quota_of(tenant)):
             self.quotas.ended(tenant, completion_tokens, now)
 
     def _forget(self) -> None:
@@ -108,6 +108,16 @@ class FlowControl:
         self.counters.forget(min(floors) if floors else None, backlogged)
         for model in [m for m, q in self.lanes.items() if not q]:
             del self.lanes[model]
+
+
+def limited(q: TenantQuota) -> bool:
+    """Does ``q`` limit anything the quota book counts?"""
+    return not (
+        q.requests_per_min is None
+        and q.input_tokens_per_min is None
+        and q.output_tokens_per_min is None
+        and q.concurrent_requests is None
+    )
 
 
 def shed(priority: Priority, reason: str) -> None:
