@@ -140,8 +140,8 @@ def test_quota_limits_summed_over_replicas() -> None:
     b.admitted("t", 400, 10.0)
     r = b.check("t", q, 300, 20.0)  # 800 + 300 > 1000
     assert r is not None and r.limit == "input_tokens_per_min"
-    # 100 over of 800 used: the first bucket (400 at t=0) frees it at t=60 -> 40 s
-    assert r.retry_after_s == 40
+    # 100 over of 800 used: the first bucket ([0, 1) s, 400) is forgotten at 61 s -> 41 s
+    assert r.retry_after_s == 41
     assert b.check("t", q, 200, 20.0) is None
     # another router reports 150 input tokens and 1 in flight for t
     b.on_peer("r2", {"t": [1, 150, 0, 1]}, 21.0)
@@ -149,15 +149,37 @@ def test_quota_limits_summed_over_replicas() -> None:
     r = b.check("t", q, 10, 21.0)
     assert r is not None and r.limit == "concurrent_requests" and r.retry_after_s == 1
     b.ended("t", 7, 22.0)
-    assert b.check("t", q, 50, 22.0) is None and b.check("t", q, 51, 22.0).limit == (
+    assert b.check("t", q, 51, 22.0).limit == "input_tokens_per_min"  # 950 + 51 > 1000
+    b.admitted("t", 25, 22.0)
+    b.on_peer("r2", {"t": [1, 150, 0, 0]}, 22.5)  # heard again: 975 known
+    b.ended("t", 0, 23.0)
+    assert b.report(23.0) == {"t": [3, 825, 7, 1]}
+    # the first request's bucket ages out at 60 s; a silent peer is forgotten after its ttl
+    assert b.usage("t", 32.5).input_tokens == 825 + 150
+    assert b.usage("t", 33.0).input_tokens == 825  # r2 last heard at 22.5, ttl 10 s: gone
+    assert b.usage("t", 60.5).input_tokens == 825  # kept until its last instant is 60 s old
+    assert b.usage("t", 61.0).input_tokens == 425
+    assert b.check("x", TenantQuota(), 10**9, 0.0) is None  # unlimited
+
+
+def test_quota_headroom_is_split_until_the_others_are_heard() -> None:
+    b = QuotaBook()
+    q = TenantQuota(input_tokens_per_min=1000)
+    b.on_peer("r2", {"t": [1, 400, 0, 0]}, 0.0)
+    b.on_peer("r3", {"t": [1, 300, 0, 0]}, 0.0)
+    # 300 left, 3 routers: this one's first request may take it all (nothing admitted since
+    # it heard the others) ...
+    assert b.check("t", q, 300, 1.0) is None
+    b.admitted("t", 60, 1.0)
+    # ... after that, at most 1/3 of the 300 it knew of until it hears one of them again
+    assert b.check("t", q, 40, 1.0) is None  # 60 + 40 <= 100
+    r = b.check("t", q, 41, 1.0)
+    assert r is not None and r.retry_after_s == 1 and "1/3 of the 300 left" in r.message
+    # r2 took 80 meanwhile: 60 + 480 + 300 = 840 known, 160 left
+    b.on_peer("r2", {"t": [2, 480, 0, 0]}, 1.5)
+    assert b.check("t", q, 160, 1.5) is None and b.check("t", q, 161, 1.5).limit == (
         "input_tokens_per_min"
     )
-    assert b.report(22.0) == {"t": [2, 800, 7, 1]}
-    # the first request's bucket ages out at 60 s; a silent peer is forgotten after its ttl
-    assert b.usage("t", 31.0).input_tokens == 800 + 150
-    assert b.usage("t", 31.5).input_tokens == 800  # r2 heard at 21, ttl 10 s: gone
-    assert b.usage("t", 60.5).input_tokens == 400
-    assert b.check("x", TenantQuota(), 10**9, 0.0) is None  # unlimited
 
 
 def test_quota_output_admits_while_under() -> None:

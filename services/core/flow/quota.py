@@ -13,12 +13,18 @@ request is admitted when, with it, the tenant's known usage stays within every l
   overshoot is at most what the requests in flight when the limit is reached generate);
 - concurrent: known in-flight requests + 1 <= limit.
 
-Over-admission across replicas: a router does not see what the others admitted during the
-last report's delay d (the coalescing 5 ms + the bus), so a replica set admits at most the
-limit + what the *other* routers admit for that tenant within d. For a tenant sending at r
-tokens/s spread over n routers that is about r x d x (n - 1) / n; a burst that lands on
-every router within d can take up to n x the remaining headroom (bench/bench_quota.py
-measures it).
+Between reports, each router takes at most 1/n of the headroom it last knew of (n: itself +
+the routers heard within ``peer_ttl_s``), and always one request (so a headroom smaller than
+one request per router is not stranded); hearing any other router starts a new share.
+
+Over-admission across replicas: a router does not see what the others admitted since their
+last report (the coalescing 5 ms + the bus). With the split, routers that all start from the
+same headroom H admit at most H together before they hear each other, plus at most one
+request each beyond their share; a staler view (one router heard, another not) adds a
+fraction of what that one took. Without reports (NATS down, or partitioned) each router
+enforces the quota on its own usage and what it last heard: up to n x the quota. Windows are
+1 s buckets kept until their last instant is ``span_s`` old (never forgotten early).
+bench/bench_quota.py measures it.
 
 No I/O, no clock: ``now`` is an argument (monotonic seconds).
 """
@@ -67,9 +73,12 @@ class _Window:
     input_tokens: int = 0
     output_tokens: int = 0
 
-    def advance(self, now: float, span_s: float) -> None:
+    def advance(self, now: float, span_s: float, bucket_s: float) -> None:
+        """Forget the buckets wholly older than ``span_s`` (a bucket is kept until its last
+        instant is ``span_s`` old: the window never forgets early, it may remember up to one
+        bucket longer)."""
         b = self.buckets
-        while b and b[0][0] <= now - span_s:
+        while b and b[0][0] + bucket_s <= now - span_s:
             _, r, i, o = b.popleft()
             self.requests -= int(r)
             self.input_tokens -= int(i)
@@ -88,7 +97,9 @@ class _Window:
         self.input_tokens += i
         self.output_tokens += o
 
-    def frees_by(self, col: int, fraction: float, now: float, span_s: float) -> float:
+    def frees_by(
+        self, col: int, fraction: float, now: float, span_s: float, bucket_s: float
+    ) -> float:
         """Seconds until ``fraction`` of this window's column ``col`` has aged out."""
         total = sum(b[col] for b in self.buckets)
         if total <= 0:
@@ -97,7 +108,7 @@ class _Window:
         for b in self.buckets:
             gone += b[col]
             if gone >= need:
-                return max(0.0, b[0] + span_s - now)
+                return max(0.0, b[0] + bucket_s + span_s - now)
         return span_s
 
 
@@ -109,6 +120,8 @@ class QuotaBook:
         self._own: dict[str, _Window] = {}
         self._inflight: dict[str, int] = {}
         self._peers: dict[str, tuple[float, dict[str, Usage]]] = {}  # peer -> (heard, usage)
+        # per tenant: [requests, input tokens] this router admitted since it last heard another
+        self._unsynced: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ this router's usage
     def admitted(self, tenant: str, input_tokens: int, now: float) -> None:
@@ -118,6 +131,13 @@ class QuotaBook:
             w = self._own[tenant] = _Window()
         w.add(now, self.bucket_s, 1, input_tokens, 0)
         self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
+        if self._peers:
+            u = self._unsynced.get(tenant)
+            if u is None:
+                self._unsynced[tenant] = [1, input_tokens]
+            else:
+                u[0] += 1
+                u[1] += input_tokens
 
     def ended(self, tenant: str, output_tokens: int, now: float) -> None:
         """An admitted request of ``tenant`` ended having generated ``output_tokens``."""
@@ -136,7 +156,7 @@ class QuotaBook:
         out = {}
         for t in list(self._own):
             w = self._own[t]
-            w.advance(now, self.span_s)
+            w.advance(now, self.span_s, self.bucket_s)
             c = self._inflight.get(t, 0)
             if not w.buckets and not c:
                 del self._own[t]
@@ -150,13 +170,14 @@ class QuotaBook:
     # ------------------------------------------------------------------ the others' usage
     def on_peer(self, peer: str, report: dict[str, list[int]], now: float) -> None:
         self._peers[peer] = (now, {t: Usage.from_list(v) for t, v in report.items()})
+        self._unsynced.clear()
 
     def usage(self, tenant: str, now: float) -> Usage:
         """The tenant's usage as this router knows it: its own + the others' last reports."""
         u = Usage(concurrent=self._inflight.get(tenant, 0))
         w = self._own.get(tenant)
         if w is not None:
-            w.advance(now, self.span_s)
+            w.advance(now, self.span_s, self.bucket_s)
             u.requests, u.input_tokens, u.output_tokens = (
                 w.requests,
                 w.input_tokens,
@@ -195,18 +216,34 @@ class QuotaBook:
                 1,
                 f"tenant {tenant!r} has {u.concurrent} of {q} concurrent requests in flight",
             )
-        for limit, col, used, want in (
-            ("requests_per_min", 1, u.requests, 1),
-            ("input_tokens_per_min", 2, u.input_tokens, input_tokens),
-            ("output_tokens_per_min", 3, u.output_tokens, 1),
+        routers = 1 + len(self._peers)  # usage() dropped the silent ones
+        unsynced = self._unsynced.get(tenant) or (0, 0)
+        for limit, col, used, want, mine in (
+            ("requests_per_min", 1, u.requests, 1, unsynced[0]),
+            ("input_tokens_per_min", 2, u.input_tokens, input_tokens, unsynced[1]),
+            ("output_tokens_per_min", 3, u.output_tokens, 1, 0),
         ):
             q = getattr(quota, limit)
-            if q is None or used + want <= q:
+            if q is None:
                 continue
+            if used + want <= q:
+                # the others may be admitting too: until it hears one of them again, this
+                # router takes at most its 1/routers of the headroom it knew then (and always
+                # one request: a headroom smaller than one per router is not stranded)
+                if routers == 1 or not mine or mine + want <= (q - (used - mine)) / routers:
+                    continue
+                what = limit.replace("_per_min", "").replace("_", " ")
+                return Refusal(
+                    limit,
+                    1,
+                    f"tenant {tenant!r} is near its quota of {q} {what} per minute, shared by "
+                    f"{routers} routers: this one takes at most 1/{routers} of the "
+                    f"{q - (used - mine)} left until it hears the others again",
+                )
             excess = used + want - q
             w = self._own.get(tenant)
             after = (
-                w.frees_by(col, min(1.0, excess / used), now, self.span_s)
+                w.frees_by(col, min(1.0, excess / used), now, self.span_s, self.bucket_s)
                 if w is not None and used > 0 and want <= q
                 else self.span_s
             )
