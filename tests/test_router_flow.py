@@ -10,22 +10,16 @@ import json
 import aiohttp
 
 from services.common.bus import Bus
-from services.common.tenancy import Priority, RequestTenancy, TenantQuota
-from services.router.http_server import Request
+from services.common.schemas import TenantRecord, TenantsUpdated
 from tests.test_router_support import Beats, FakeWorker, RouterProc, post, wait_until
 
 ONE_AT_A_TIME = dict(block_size=16, num_gpu_blocks=1000, max_num_seqs=1, max_model_len=8192)
-WEIGHTS = {"a": 1.0, "b": 1.0}
 
 
-def tenancy_from_headers(request: Request) -> RequestTenancy:
-    """The tenant directory's job (services/router/tenant_identity.py), done here from two
-    headers: which tenant and which band."""
-    h = request.headers
-    tenant = h.get("x-kvgate-tenant")
-    return RequestTenancy(
-        tenant, Priority(h.get("x-kvgate-priority", "standard")), WEIGHTS.get(tenant or "", 1.0)
-    )
+def trust_tenant_headers(rp: RouterProc) -> None:
+    """The router behind a trusted gateway (``--trust-tenant-header``): x-kvgate-tenant names
+    the tenant, x-kvgate-priority its band (services/router/tenant_identity.py)."""
+    rp.router.tenants.trust_header = True
 
 
 async def one_worker_router(bus: Bus, nats_url, subjects, **kw):
@@ -35,7 +29,7 @@ async def one_worker_router(bus: Bus, nats_url, subjects, **kw):
     w = await FakeWorker("w0", hold=hold, capacity=WorkerCapacity(**ONE_AT_A_TIME)).start(bus)
     beats = Beats(bus, [w]).start()
     router = await RouterProc(nats_url, subjects, **kw).start()
-    router.router.path.tenancy_of = tenancy_from_headers
+    trust_tenant_headers(router)
     await router.wait_workers(1)
     return w, hold, beats, router
 
@@ -188,10 +182,14 @@ async def test_quota_refused_across_three_routers(nats_url, subjects, bus) -> No
     w = await FakeWorker("w0").start(bus)
     beats = Beats(bus, [w]).start()
     routers = [await RouterProc(nats_url, subjects, load_interval=0.2).start() for _ in range(3)]
-    quota = TenantQuota(requests_per_min=3, input_tokens_per_min=10_000)
+    # the admin API's directory (as services.router.tenant_reload applies it off the bus)
+    directory = TenantsUpdated(
+        revision=1,
+        tenants=[TenantRecord(tenant_id="t", requests_per_min=3, input_tokens_per_min=10_000)],
+    )
     for rp in routers:
-        rp.router.path.tenancy_of = tenancy_from_headers
-        rp.router.flow.quota_of = lambda t: quota if t == "t" else TenantQuota()
+        trust_tenant_headers(rp)
+        assert rp.router.tenants.apply(directory)
     try:
         for rp in routers:
             await rp.wait_workers(1)
