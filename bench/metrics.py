@@ -27,6 +27,7 @@ class RequestResult:
     status: str = OK
     worker: str | None = None
     send_s: float = 0.0
+    dispatch_s: float | None = None  # when the router sent it to a worker (simulator only)
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)

@@ -448,7 +448,7 @@ def simulate(
         if quotas is not None and req.tenant is not None:
             quotas.admitted(req.tenant, req.prompt_tokens, t)
         dispatched_at[lv.rid] = t
-        lv.dispatched = t
+        lv.dispatched = lv.result.dispatch_s = t
         if policy.impl.disaggregated:
             return dispatch_pd(lv, d, t)
         hold = life.must_hold(d)

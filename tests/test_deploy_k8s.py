@@ -40,7 +40,7 @@ from tests.test_deploy_helpers import (
 
 K8S = ROOT / "deploy" / "k8s"
 BASE = K8S / "base"
-OVERLAYS = ("cloudnativepg", "gateway-example")
+OVERLAYS = ("cloudnativepg", "gateway-example", "autoscaling-keda", "autoscaling-hpa")
 KUBERNETES_VERSIONS = ("1.31.0", kubernetes_validate.latest_version())
 CLUSTER_SCOPED = {"Namespace"}
 CRDS = {
@@ -48,6 +48,7 @@ CRDS = {
     ("gateway.networking.k8s.io/v1", "Gateway"),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
     ("postgresql.cnpg.io/v1", "Cluster"),
+    ("keda.sh/v1alpha1", "ScaledObject"),  # tests/test_scaling_signal.py checks its fields
 }
 KVGATE_IMAGE = "kvgate:latest"
 SECRET_ENV = re.compile(r"PASSWORD|TOKEN|SECRET|API_KEYS|SIGNING_SEED|DATABASE_URL")
@@ -783,3 +784,33 @@ def test_strategic_merge_follows_kubernetes_rules() -> None:
         ]
     }
     assert strategic_merge({"args": ["a", "b"]}, {"args": ["c"]}) == {"args": ["c"]}
+
+
+def test_keda_and_hpa_examples_scale_the_engines_on_the_signal(builds: dict) -> None:
+    """The autoscaling overlays scale the engines' Deployment to the routers' summed
+    kvgate_fleet_engines_needed (docs/deploy.md, "Scaling the engines")."""
+    from tests.test_dashboards import exported_metric_names, metric_names_in
+
+    exported = exported_metric_names()
+    keda = builds["autoscaling-keda"]
+    so = find(keda, "ScaledObject", "vllm-llama3-8b")
+    assert so["apiVersion"] == "keda.sh/v1alpha1"
+    spec = so["spec"]
+    assert spec["scaleTargetRef"]["name"] == "vllm-llama3-8b"
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    meta = trigger["metadata"]
+    assert set(meta) >= {"serverAddress", "query", "threshold"}
+    assert metric_names_in(meta["query"]) == {"kvgate_fleet_engines_needed"} <= exported
+    assert meta["query"].startswith("sum(") and float(meta["threshold"]) == 1.0
+    hpa_build = builds["autoscaling-hpa"]
+    hpa = find(hpa_build, "HorizontalPodAutoscaler", "vllm-llama3-8b")
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"]["name"] == "kvgate_fleet_engines_needed"
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "vllm-llama3-8b"
+    # the prometheus-adapter rule the HPA example needs is the one docs/deploy.md shows
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    assert 'seriesQuery: "kvgate_fleet_engines_needed"' in docs

@@ -2,7 +2,8 @@
 router: per answered request available >= captured >= delivered; the router's counters add up
 (available = delivered + every token lost, by reason) and its delivered total equals the
 cached prompt tokens the workers' engines counted (``vllm:prefix_cache_hits_total``); a
-holder whose circuit is open is reported as lost to ``breaker``."""
+holder whose circuit is open is reported as lost to ``breaker``. The scaling signal is fed by
+the same requests."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import asyncio
 import re
 
 import aiohttp
+import pytest
+from prometheus_client import generate_latest
 
 from services.common.bus import Bus
 from services.common.schemas import RouterOutcome
@@ -120,6 +123,13 @@ async def test_attribution_adds_up_against_the_workers_reports(
         lost = {k: v for k, v in lost.items() if v}
         assert d["available"] == d["delivered"] + sum(lost.values()) - d["unpredicted"]
         assert lost.get(("breaker", "control"), 0) > 0, lost
+        # the scaling signal saw the arrivals and the answers (services/router/scaling.py)
+        need = r.scaling.need()
+        assert need.reachable and need.work_s > 0 and need.engines > 0
+        text = generate_latest().decode()
+        exported = re.search(r"^kvgate_fleet_engines_needed (\S+)$", text, re.M)
+        assert exported and float(exported.group(1)) == pytest.approx(need.engines, rel=0.2)
+        assert M.ARRIVAL_RATE.value > 0
     finally:
         await sub.unsubscribe()
         await shutdown(

@@ -83,6 +83,7 @@ from services.router.public_surface import (
 )
 from services.router.readiness import DEFAULT_DRAIN_TIMEOUT_S, Readiness, model_list_gate
 from services.router.request_path import RequestPath
+from services.router.scaling import ScalingSignal
 from services.router.send import Sender
 from services.router.signals import CapacitySignal, Spawner
 from services.router.sweeper import Sweeper
@@ -203,6 +204,15 @@ class Router:
             max_prompt_chars=getattr(st, "max_prompt_chars", 0),
             pd=self.pd,
         )
+        # the scaling signal (kvgate_fleet_engines_needed), fed by the request path
+        self.scaling = ScalingSignal(
+            self.policies,
+            self.state,
+            self.capacity,
+            getattr(st, "scaling_window", 30.0),
+            getattr(st, "scaling_margin", 0.4),
+        )
+        self.path.scaling = self.dispatcher.scaling = self.recorder.scaling = self.scaling
         self.handlers = Handlers(
             self.router_id,
             self.path,

@@ -135,6 +135,20 @@ OPTIONS = S.COMMON + (
         env="KVGATE_ROUTER_PASSTHROUGH_PATHS",
     ),
     S.option(
+        "scaling_window",
+        30.0,
+        "seconds the scaling signal (kvgate_fleet_engines_needed) averages arrivals and "
+        "requests over",
+        env="KVGATE_ROUTER_SCALING_WINDOW",
+    ),
+    S.option(
+        "scaling_margin",
+        0.4,
+        "the scaling signal counts the engines that keep a mean request's predicted TTFT and "
+        "TPOT within this fraction of the SLO targets, 0-1 (docs/deploy.md, scaling)",
+        env="KVGATE_ROUTER_SCALING_MARGIN",
+    ),
+    S.option(
         "outcome_buffer",
         10000,
         "outcome messages buffered while NATS is slow or down (then dropped, counted)",
@@ -218,6 +232,10 @@ def main(args: argparse.Namespace) -> int:
     check_option("circuit breaker option", breaker_config, st)
     check_option("stall detection option", StallBound.from_settings, st)
     check_option("--worker-url-allow", parse_allowlist, st.worker_url_allow)
+    if not st.scaling_window > 0:
+        raise SystemExit("invalid --scaling-window: must be > 0")
+    if not 0 < st.scaling_margin <= 1:
+        raise SystemExit("invalid --scaling-margin: must be in (0, 1]")
     if not st.drain_timeout_s >= 0:
         raise SystemExit("invalid --drain-timeout-s: must be >= 0")
     if st.worker_pin_keep_s < 0:

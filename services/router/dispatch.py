@@ -28,6 +28,7 @@ from services.router import metrics as M
 from services.router.holds import FirstTokenWaits
 from services.router.load_share import LoadSharing
 from services.router.proxy import Ctx, replica_body
+from services.router.scaling import ScalingSignal
 from services.router.signals import CapacitySignal, Spawner
 from services.router.upstream import FastClient, UpstreamError
 
@@ -57,6 +58,7 @@ class Dispatcher:
             total=st.request_timeout, sock_connect=st.connect_timeout, sock_read=st.request_timeout
         )
         self.session: aiohttp.ClientSession | None = None  # set by the router at start
+        self.scaling: ScalingSignal | None = None  # set by the router
 
     def dispatch(self, ctx: Ctx, d: Decision) -> Ticket:
         """Claim ``d.worker_id`` for ``ctx`` and send the decision's replicas."""
@@ -64,6 +66,8 @@ class Dispatcher:
         assert wid is not None
         ctx.worker_id = wid
         ctx.predicted_cached = d.cached_tokens
+        if self.scaling is not None:
+            self.scaling.sent(wid)
         # reuse attribution: a retry's decision no longer sees the workers that failed it; the
         # first decision's best holder still counts as available (lost to the retry)
         if d.available_tokens >= ctx.available_cached:

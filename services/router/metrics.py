@@ -74,6 +74,15 @@ PREFIX_LOST = LoopCounter(
     "retry, engine) and canary arm",
     ["reason", "arm"],
 )
+ENGINES_NEEDED = LoopGauge(
+    "kvgate_fleet_engines_needed",
+    "Engines the fleet needs to meet its SLOs at the arrival rate this router sees (sum over "
+    "routers), from the latency model and the queue (services/core/scaling.py)",
+)
+ARRIVAL_RATE = LoopGauge(
+    "kvgate_router_arrival_rate",
+    "Requests arriving per second at this router (double-smoothed over --scaling-window)",
+)
 TIMEOUTS = LoopCounter("kvgate_router_timeouts_total", "Requests that timed out at the router")
 TIMEOUTS_ALIAS = LoopCounter(  # alias (first release's name)
     "request_timeout_total", "Alias of kvgate_router_timeouts_total"

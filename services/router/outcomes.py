@@ -151,6 +151,7 @@ class OutcomeRecorder:
         self.hit_reported = M.HitRate("reported")
         self.outliers: Any = None  # services.router.ejection.RouterOutliers, set by the router
         self.tenants = TenantMetrics()
+        self.scaling: Any = None  # services.router.scaling.ScalingSignal, set by the router
         # per (policy, arm, worker, status): the labelled metric children a request of that
         # kind updates, found in one lookup (six label lookups were a µs per request)
         self._children: dict[tuple[str, str, str, str], tuple[Any, ...]] = {}
@@ -206,6 +207,13 @@ class OutcomeRecorder:
             if ctx.cached_reported is not None:
                 self.hit_reported.add(ctx.cached_reported, prompt)
             self.attribute(ctx)
+            if self.scaling is not None:
+                cached = ctx.cached_reported
+                self.scaling.answered(
+                    prompt,
+                    cached if cached is not None else ctx.predicted_cached,
+                    ctx.completion_tokens,
+                )
         elif ctx.status == "timeout":
             M.TIMEOUTS.inc()
             M.TIMEOUTS_ALIAS.inc()

@@ -36,6 +36,7 @@ from services.router.outcomes import OutcomeRecorder
 from services.router.pd import PdSender
 from services.router.proxy import Ctx, WorkerFailed, error_response, reject, session_of
 from services.router.public_surface import check_prompt_size
+from services.router.scaling import ScalingSignal
 from services.router.send import Sender
 from services.router.tenant_identity import TenancyError
 from services.router.tokenize import BadRequest, RequestParser
@@ -103,6 +104,7 @@ class RequestPath:
         # the blocks a tenant's request had its worker compute (services.router.tenant_cache),
         # told after the reply
         self.cache_claim: Callable[[Ctx, str], None] | None = None
+        self.scaling: ScalingSignal | None = None  # set by the router
 
     async def intake(
         self,
@@ -155,6 +157,8 @@ class RequestPath:
         rid = headers.get("x-request-id") or self.ids.next()
         session_id = session_of(headers)
         ctx = Ctx(rid, parsed, self.policies.arm(rid, session_id), session_id, t0, path)
+        if self.scaling is not None:
+            self.scaling.arrived()
         ctx.slo = targets
         ctx.tenancy = tenancy
         so = parsed.body.get("stream_options")
