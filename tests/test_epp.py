@@ -466,6 +466,25 @@ async def test_outcomes_name_the_served_endpoint(nats_url, subjects, bus: Bus) -
             assert (o.worker_id, o.status, o.http_status) == (wid_at[served], "ok", 200)
             assert o.ttft_s is not None and o.ttft_s > 0
             assert (o.completion_tokens, o.cached_tokens, o.stream) == (7, 16, True)
+        # response_body_mode NONE: the response headers, then the data plane closes its side
+        # (the request is over); a body that stops half way and a closed side: the client left
+        for rid, chunks, want in (
+            ("rid-nobody", [], ("ok", 200)),
+            ("rid-half-body", [b'data: {"choices":[{"text":"x"}]}\n\n'], ("cancelled", 499)),
+        ):
+            e = epp.envoy()
+            await e.send(request_headers(extra={"x-request-id": rid}))
+            await e.send(body_chunk(body, True))
+            endpoint = picked(await e.recv(), len(body))
+            await e.recv()
+            await e.send(response_headers(200, endpoint))
+            await e.recv()
+            for chunk in chunks:
+                await e.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk)))
+                await e.recv()
+            await e.close()
+            o = await asyncio.wait_for(outcomes.get(), STEP_S)
+            assert (o.request_id, o.status, o.http_status) == (rid, *want)
         # the data plane drops the stream after the pick: the request was cancelled
         e = epp.envoy()
         await e.send(request_headers(extra={"x-request-id": "rid-dropped"}))

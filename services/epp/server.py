@@ -53,6 +53,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             while not s.done:
                 req = await context.read()
                 if req is grpc.aio.EOF:
+                    s.data_plane_closed()
                     return
                 for resp in await s.on(req):
                     await context.write(resp)

@@ -44,6 +44,7 @@ class EppStream:
         self.done = False  # an ImmediateResponse went out: nothing more to answer
         self.response_started = False
         self.finished = False  # the response's last chunk was seen
+        self.body_seen = False  # a response body message came
         self.watch: ResponseWatch | None = None
 
     async def on(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -85,6 +86,7 @@ class EppStream:
         if kind == "response_headers":
             return self._on_response_headers(req)
         if kind == "response_body":
+            self.body_seen = True
             chunk, end = req.response_body.body, req.response_body.end_of_stream
             if self.pick is not None:
                 if chunk and self.pick.ctx.ttft is None:
@@ -144,6 +146,14 @@ class EppStream:
     def _immediate(r: Response) -> pb.ProcessingResponse:
         headers = {k: v for k, v in r.headers.items() if k.lower() != "content-length"}
         return P.immediate(r.status, r.body, headers)
+
+    def data_plane_closed(self) -> None:
+        """The data plane closed its side of the stream (Envoy does when the request is over).
+        A response whose headers came and whose body it does not send (``response_body_mode:
+        NONE``) ended there, as far as the EPP can tell; one whose body was coming did not
+        (the client left mid-body: cancelled)."""
+        if self.response_started and not self.body_seen:
+            self.finished = True
 
     def close(self) -> None:
         if self.pick is not None:
