@@ -21,7 +21,7 @@ from services.common.bus import Bus
 from services.core.policy import Decision
 from services.router import metrics as M
 from tests.test_router_e2e_sim import SimCluster
-from tests.test_router_support import RouterProc, shutdown
+from tests.test_router_support import RouterProc, shutdown, wait_until
 
 PROMPT = "Prefill here, decode there: the KV cache moves between engines. " * 8
 
@@ -88,6 +88,8 @@ async def test_openai_client_streams_through_both_handshakes(
         await router.wait_workers(4, timeout=20)
         install_pairing(router)
         before = M.PD_REQUESTS.labels(handshake, "prefilled").value
+        prefills = sum(M.PD_PREFILL._only.counts)
+        handoffs = sum(M.PD_HANDOFF._only.counts)
         pairs = set()
         async with client.chat.completions.with_streaming_response.create(
             model="m",
@@ -113,6 +115,11 @@ async def test_openai_client_streams_through_both_handshakes(
         assert raw.parse().usage.completion_tokens == 5
         assert all(p.startswith("pre-") and d.startswith("dec-") for p, d in pairs), pairs
         assert M.PD_REQUESTS.labels(handshake, "prefilled").value == before + 3
+        if handshake == "nixl":  # sequential: every prefill answered, then its decoder
+            assert sum(M.PD_PREFILL._only.counts) == prefills + 3
+            await wait_until(
+                lambda: sum(M.PD_HANDOFF._only.counts) == handoffs + 2, what="outcomes recorded"
+            )
         # every decoder read its prompt's KV from the prefill worker (none recomputed it)
         assert await _pd_stats(fleet) == (3, 0)
     finally:

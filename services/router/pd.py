@@ -109,6 +109,9 @@ class PdSender:
         self.sender = sender
         self.fast = fast
         self.handshake = getattr(st, "pd_handshake", "auto")
+        # how long a failed bootstrap decode waits for its prefill's outcome (to tell whose
+        # failure it was): the time a dead prefill worker takes to refuse a connection
+        self.blame_wait_s = st.connect_timeout
         self.request_timeout_s = st.request_timeout
         self.timeout = aiohttp.ClientTimeout(
             total=st.request_timeout, sock_connect=st.connect_timeout, sock_read=st.request_timeout
@@ -177,7 +180,17 @@ class PdSender:
                 with contextlib.suppress(BaseException):
                     await decode
                 prefill.result()  # raises PrefillFailed / PrefillRefused
-            reply = await decode
+            try:
+                reply = await decode
+            except WorkerFailed:
+                # the decoder's failure is usually its transfer's: when the prefill failed
+                # too (it may answer a moment later), the prefill worker is the one to blame
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(prefill), self.blame_wait_s)
+                if prefill.done() and not prefill.cancelled():
+                    if isinstance(prefill.exception(), PrefillFailed):
+                        prefill.result()
+                raise
             M.child(M.PD_REQUESTS, "bootstrap", "prefilled").inc()
             return reply
         finally:
