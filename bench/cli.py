@@ -34,7 +34,7 @@ from bench.common import (
 from bench.loadgen import run_load
 from bench.metrics import summarize
 from bench.report import markdown, new_report, write_report
-from bench.scrape import delta, router_actions, scrape_all, scrape_router
+from bench.scrape import delta, router_actions, router_reuse, scrape_all, scrape_router
 from bench.stack import EXTERNAL_ROUTERS, BenchStack, external_available, http_json
 from bench.workloads import Workload, infinite_cache_hit_rate
 
@@ -190,7 +190,10 @@ def measure(
         after = asyncio.run(scrape_all(worker_urls))
         cache = delta(before, after)
     summary = summarize(results, list(worker_urls), cache, duration_s=duration)
-    actions = router_actions(router_before, asyncio.run(scrape_router(base)))
+    router_after = asyncio.run(scrape_router(base))
+    actions = router_actions(router_before, router_after)
+    if summary.get("reuse") is None:  # a live run: the router's own attribution counters
+        summary["reuse"] = router_reuse(router_before, router_after)
     return {
         "summary": summary,
         "requests": [r.to_dict() for r in results],

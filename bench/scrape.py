@@ -8,6 +8,7 @@ router believed.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,22 +37,80 @@ REPLICAS = "kvgate_router_replicas"
 HOLDS = "kvgate_router_follower_holds"
 
 
+# reuse attribution (services/router/outcomes.py): prompt tokens by kind, lost by reason
+PROMPT = "kvgate_router_prompt_tokens"
+PREFIX = "kvgate_router_prefix_tokens"
+LOST = "kvgate_router_prefix_tokens_lost"
+
+
+def parse_reuse(text: str) -> dict[str, float]:
+    """The router's reuse counters in a metrics page: ``reuse:<kind>`` and
+    ``reuse:lost:<reason>`` (summed over arms), and ``reuse:prompt``."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == PREFIX + "_total":
+                key = f"reuse:{s.labels.get('kind', '')}"
+            elif s.name == LOST + "_total":
+                key = f"reuse:lost:{s.labels.get('reason', '')}"
+            elif s.name == PROMPT + "_total":
+                key = "reuse:prompt"
+            else:
+                continue
+            out[key] = out.get(key, 0.0) + float(s.value)
+    return out
+
+
 async def scrape(
-    session: aiohttp.ClientSession, url: str, names: tuple[str, ...] = (QUERIES, HITS)
+    session: aiohttp.ClientSession,
+    url: str,
+    names: tuple[str, ...] = (QUERIES, HITS),
+    reuse: bool = False,
 ) -> dict[str, float] | None:
     try:
         async with session.get(url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(5)) as r:
             if r.status != 200:
                 return None
-            return parse_counters(await r.text(), names)
+            text = await r.text()
+            out = parse_counters(text, names)
+            if reuse:
+                out.update(parse_reuse(text))
+            return out
     except (aiohttp.ClientError, OSError, TimeoutError):
         return None
 
 
 async def scrape_router(url: str) -> dict[str, float] | None:
-    """The router's replica and hold counters (None when it serves no such metrics page)."""
+    """The router's replica, hold and reuse counters (None when it serves no such metrics
+    page)."""
     async with aiohttp.ClientSession() as s:
-        return await scrape(s, url, (REPLICAS, HOLDS))
+        return await scrape(s, url, (REPLICAS, HOLDS), reuse=True)
+
+
+def router_reuse(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, Any] | None:
+    """A run's reuse attribution from the router's counters (:func:`scrape_router` before and
+    after), in :func:`bench.metrics.reuse`'s shape; None without them (another router)."""
+    if before is None or after is None:
+        return None
+    d = {k: v - before.get(k, 0.0) for k, v in after.items() if k.startswith("reuse:")}
+    prompt = d.get("reuse:prompt", 0.0)
+    if prompt <= 0 or "reuse:available" not in d:
+        return None
+    lost = {
+        k.removeprefix("reuse:lost:"): v / prompt
+        for k, v in d.items()
+        if k.startswith("reuse:lost:") and v > 0
+    }
+    return {
+        "prompt_tokens": int(prompt),
+        "available": d.get("reuse:available", 0.0) / prompt,
+        "captured": d.get("reuse:captured", 0.0) / prompt,
+        "delivered": d.get("reuse:delivered", 0.0) / prompt,
+        "unpredicted": d.get("reuse:unpredicted", 0.0) / prompt,
+        "lost": dict(sorted(lost.items(), key=lambda kv: -kv[1])),
+    }
 
 
 def router_actions(

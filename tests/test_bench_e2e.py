@@ -61,6 +61,12 @@ def test_bench_two_workers_two_policies(tmp_path, nats_url, capsys):
         assert 0 < s["hit_rate"] <= bound + 1e-9
         assert s["hit_rate"] == pytest.approx(s["hit_rate_reported"], abs=1e-9)
         assert len(s["per_worker"]) == 2 and s["unattributed"] == 0
+        # reuse attribution from the router's own counters (available >= captured; delivered
+        # is the engines' report over the router's prompt tokens)
+        u = s["reuse"]
+        assert u is not None and u["prompt_tokens"] > 0
+        assert u["available"] >= u["captured"] > 0
+        assert u["delivered"] == pytest.approx(s["hit_rate_reported"], abs=0.02)
     rr = [v["requests"] for v in runs["round_robin"]["per_worker"].values()]
     assert sorted(rr) == [8, 8]
     px = [v["requests"] for v in runs["prefix"]["per_worker"].values()]

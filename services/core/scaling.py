@@ -104,6 +104,8 @@ class DemandWindow:
         if window_s <= 0:
             raise ValueError("window_s must be > 0")
         self.window_s = window_s
+        self._inv_w = 1.0 / window_s
+        self._rescale_after = self.RESCALE * window_s
         self._start: float | None = None
         self._ref = 0.0  # t_ref
         self._last = 0.0  # the last event's time (for S2)
@@ -119,15 +121,15 @@ class DemandWindow:
         """The weight of an event at ``now`` (and S2's catch-up to it)."""
         if self._start is None:
             self._start = self._ref = self._last = now
-        elif (now - self._ref) / self.window_s > self.RESCALE:
-            self._rescale(now)
         dt = now - self._last
         if dt > 0:
             # S2 follows S1: dS2/dt = (S1 - S2) / window; scaled, S1 stays put between events
             # and S2 gains S1 x dt / window
-            self._smoothed += self._arrivals * dt / self.window_s
+            self._smoothed += self._arrivals * dt * self._inv_w
             self._last = now
-        return math.exp((now - self._ref) / self.window_s)
+            if now - self._ref > self._rescale_after:
+                self._rescale(now)
+        return math.exp((now - self._ref) * self._inv_w)
 
     def _rescale(self, now: float) -> None:
         k = math.exp(-(now - self._ref) / self.window_s)
