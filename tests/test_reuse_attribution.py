@@ -58,7 +58,8 @@ def test_a_holder_the_request_cannot_run_on_offers_nothing() -> None:
     ws = fleet()
     ws["w1"].model = "other"  # another model's worker: not eligible
     ws["w0"].capacity = Capacity(max_model_len=100)  # the request never fits there
-    d = one("kv_aware", ws, {"w1": 20, "w0": 20, "w2": 4})
+    ws["w3"] = WorkerState("w3", model="m", role="prefill")  # P/D: not a colocated worker
+    d = one("kv_aware", ws, {"w1": 20, "w0": 20, "w3": 20, "w2": 4})
     assert d.worker_id == "w2"
     assert (d.available_tokens, d.cached_tokens, d.lost_reason) == (64, 64, "")
 
@@ -108,6 +109,7 @@ def test_verdicts_map_to_reasons() -> None:
     assert verdict_reason("at cap: 3 in flight >= 3") == "capacity"
     assert verdict_reason("KV full: needs 9 blocks, 2 free") == "capacity"
     assert verdict_reason("serves 'x'") is None
+    assert verdict_reason("role prefill") is None  # a colocated policy never routes there
     assert verdict_reason("needs 900 KV blocks > 10 total") is None
     assert verdict_reason("9000 tokens > max_model_len 8192") is None
     assert verdict_reason("something new") == "filtered"

@@ -2,9 +2,9 @@
 (*available*), how many the chosen worker holds (*captured*: ``Decision.cached_tokens``), and,
 when the chosen worker holds fewer, why the best holder was not taken.
 
-*Eligible*: a worker of the snapshot that serves the request's model and could ever hold the
-request (KV blocks, ``max_model_len``); a holder the request could never run on had no reuse
-to offer. The engine's own report (*delivered*) comes later, from the response's usage, and is
+*Eligible*: a worker of the snapshot that serves the request's model, has a role the policy
+routes to (a colocated policy: ``both``) and could ever hold the request (KV blocks,
+``max_model_len``); a holder the request could never run on had no reuse to offer. The engine's own report (*delivered*) comes later, from the response's usage, and is
 the caller's to add (:data:`DELIVERY_REASONS`).
 
 Reasons (:data:`LOST_REASONS`), for the holder with the most tokens:
@@ -69,13 +69,13 @@ _VERDICTS = {
 
 def verdict_reason(verdict: str) -> str | None:
     """A filter verdict (:mod:`services.core.policy.filters`) as a lost reason; None for a
-    worker that was not eligible (another model, the request can never fit there)."""
+    worker that was not eligible (another model or role, the request can never fit there)."""
     r = _VERDICTS.get(verdict)
     if r is not None:
         return r
     if verdict.startswith(("at cap", "KV full")):
         return "capacity"
-    if verdict.startswith(("serves ", "needs ")) or "max_model_len" in verdict:
+    if verdict.startswith(("serves ", "needs ", "role ")) or "max_model_len" in verdict:
         return None
     return "filtered"
 
