@@ -50,7 +50,7 @@ def _free_range(n: int) -> int:
 def start_stack(state: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, dict[str, int]]:
     ports = {k: free_port() for k in PORTS}
     ports["sim"] = _free_range(args.prefill + args.decode)
-    argv = [sys.executable, "-m", "services.cli", "up", "--workers", "0"]
+    argv = [sys.executable, "-m", "services.cli", "up"]
     argv += ["--prefill-workers", str(args.prefill), "--decode-workers", str(args.decode)]
     argv += ["--state-dir", str(state)]
     for k, p in ports.items():

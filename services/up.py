@@ -62,7 +62,11 @@ OPTIONS = (
         env="KVGATE_UP_DATABASE_URL",
     ),
     S.option(
-        "workers", 4, "number of simulated workers to start (0: none)", env="KVGATE_UP_WORKERS"
+        "workers",
+        -1,
+        "number of simulated (colocated) workers to start (0: none; -1: 4, or none when "
+        "--prefill-workers / --decode-workers are given)",
+        env="KVGATE_UP_WORKERS",
     ),
     S.option(
         "prefill_workers",
@@ -233,6 +237,8 @@ def router_stop_grace_s() -> float:
 class Stack:
     def __init__(self, st: S.Settings) -> None:
         self.st = st
+        if st.workers < 0:  # the default: a colocated fleet, unless P/D workers are asked for
+            st.workers = 0 if st.prefill_workers > 0 or st.decode_workers > 0 else 4
         self.log = get_logger("up")
         self.state_dir = Path(st.state_dir).resolve()
         self.log_dir = self.state_dir / "logs"

@@ -234,7 +234,7 @@ def test_plan_of_a_disaggregated_fleet(tmp_path, monkeypatch):
         return up.Stack(S.resolve(args, up.OPTIONS, environ={}))
 
     monkeypatch.delenv("KVGATE_ROUTER_POLICY", raising=False)
-    st = stack("--workers", "0", "--prefill-workers", "2", "--decode-workers", "2")
+    st = stack("--prefill-workers", "2", "--decode-workers", "2")  # no colocated ones
     st._nats_authorization()
     kids = {k.name: k for k in st.plan()}
     assert "sim-workers" not in kids
@@ -250,4 +250,10 @@ def test_plan_of_a_disaggregated_fleet(tmp_path, monkeypatch):
     assert kids["router"].env["KVGATE_ROUTER_POLICY"] == "pd_slo"
     assert st.total_workers == 4
     with pytest.raises(SystemExit, match="needs a decoder"):
-        stack("--workers", "0", "--prefill-workers", "1").check_ports()
+        stack("--prefill-workers", "1").check_ports()
+    assert stack().st.workers == 4  # a colocated fleet by default
+    mixed = stack("--workers", "2", "--decode-workers", "1")
+    assert [(g[0], g[2] - mixed.st.sim_port, g[3]) for g in mixed.sim_groups()] == [
+        ("sim-workers", 0, 2),
+        ("sim-decode", 2, 1),
+    ]
