@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 
@@ -242,6 +243,68 @@ async def test_quota_refused_across_three_routers(nats_url, subjects, bus) -> No
 
 
 def _now() -> float:
-    import time
-
     return time.monotonic()
+
+
+async def test_epp_picks_count_against_the_tenants_concurrency(nats_url, subjects, bus) -> None:
+    """Behind the EPP a request's end frees its place in its tenant's concurrency quota (a
+    pick the data plane finished is settled like a proxied request)."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from tests.test_epp import (
+        EppProc,
+        body_chunk,
+        immediate,
+        picked,
+        request_headers,
+        response_headers,
+    )
+
+    w = await FakeWorker("w0").start(bus)
+    beats = Beats(bus, [w]).start()
+    epp = await EppProc(nats_url, subjects).start()
+    r = epp.router
+    r.tenants.trust_header = True
+    assert r.tenants.apply(
+        TenantsUpdated(revision=1, tenants=[TenantRecord(tenant_id="t", concurrent_requests=1)])
+    )
+    hdr = {"x-kvgate-tenant": "t"}
+    body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 4}).encode()
+    try:
+        await epp.wait_workers(1)
+        e = epp.envoy()
+        await e.send(request_headers(extra=hdr))
+        await e.send(body_chunk(body, True))
+        endpoint = picked(await e.recv(), len(body))
+        await e.recv()  # the body, sent back
+        # its one concurrent request is in flight: a second is refused
+        e2 = epp.envoy()
+        await e2.send(request_headers(extra=hdr))
+        await e2.send(body_chunk(body, True))
+        status, err = immediate(await e2.recv())
+        assert status == 429 and "concurrent requests" in err["error"]["message"]
+        await e2.close()
+        # the first ends
+        await e.send(response_headers(200, endpoint))
+        await e.recv()
+        await e.send(
+            pb.ProcessingRequest(
+                response_body=pb.HttpBody(body=b'{"choices": []}', end_of_stream=True)
+            )
+        )
+        await e.recv()
+        await e.close()
+        await wait_until(
+            lambda: r.flow.quotas.usage("t", time.monotonic()).concurrent == 0,
+            what="the pick's end frees the tenant's concurrency",
+        )
+        e3 = epp.envoy()
+        await e3.send(request_headers(extra=hdr))
+        await e3.send(body_chunk(body, True))
+        picked(await e3.recv(), len(body))
+        await e3.recv()  # the body, sent back
+        await e3.close()
+    finally:
+        await epp.stop()
+        await beats.stop()
+        await w.stop()

@@ -212,6 +212,7 @@ class Picker:
                 elif not finished and p.ctx.status == "ok":
                     p.ctx.status, p.ctx.http_status = "cancelled", 499
                 r.dispatcher.release(p.ctx, p.ticket)
+                r.admission.ended(p.ctx)  # flow control: output charged, quota's in-flight freed
             finally:
                 RM.INFLIGHT.dec()
                 r.recorder.record(p.ctx)
