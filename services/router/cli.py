@@ -67,7 +67,10 @@ OPTIONS = S.COMMON + (
         "router_id", "", "this replica's id (default router-<random>)", env="KVGATE_ROUTER_ID"
     ),
     S.option(
-        "queue_size", 1024, "max requests waiting for capacity", env="KVGATE_ROUTER_QUEUE_SIZE"
+        "queue_size",
+        1024,
+        "max requests waiting for capacity, per model (a higher band takes a lower one's place)",
+        env="KVGATE_ROUTER_QUEUE_SIZE",
     ),
     S.option(
         "queue_timeout",
