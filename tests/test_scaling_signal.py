@@ -143,3 +143,14 @@ def test_the_ramp_signal_exceeds_the_fleet_before_attainment_falls(tmp_path: Pat
     assert rc == 0 and (tmp_path / "ramp.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "scaling-ramp" / "scaling_ramp.json").is_file()
     assert main(["--seeds", ""]) == 2
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--scaling-margin", "0"), ("--scaling-margin", "1.5"), ("--scaling-window", "0")],
+)
+def test_the_router_refuses_a_bad_scaling_option(flag: str, value: str) -> None:
+    from services.cli import main
+
+    with pytest.raises(SystemExit, match=f"invalid {flag}"):
+        main(["router", flag, value])
