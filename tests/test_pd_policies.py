@@ -78,6 +78,21 @@ def test_pd_slo_decoder_holding_most_of_the_prompt_prefills_locally() -> None:
     assert d.cached_tokens == 4000
 
 
+def test_pd_slo_keeps_decoders_within_tpot_while_they_prefill() -> None:
+    # d0 holds 2000 of 4096 tokens, 1 request decoding there; the prefiller has 30,000 tokens
+    # queued (its TTFT ~1.4 s, within the 2 s target). Locally: 2096 tokens,
+    # 40e-6 x 2096 + 2.5e-9 x 2096 x 3048 = 99.8 ms, far cheaper than waiting for p0.
+    # With 100 output tokens the stall is ~1 ms a token on top of d0's ~7 ms step: local.
+    w = fleet(p0={"pending_prefill_tokens": 30_000}, d0={"inflight": 1})
+    assert pd("pd_slo", w, req(4096, 100), {"d0": 125}).prefill_worker is None
+    # answers of 2 tokens: d0's decoding request would wait 99.8 ms / 2 = 50 ms a token more,
+    # past the 50 ms target (step ~7 ms + 50 ms): remote, although its TTFT is longer
+    assert pd("pd_slo", w, req(4096, 2), {"d0": 125}).prefill_worker == "p0"
+    # with nobody decoding there nobody waits: local again
+    w["d0"].inflight = 0
+    assert pd("pd_slo", w, req(4096, 2), {"d0": 125}).prefill_worker is None
+
+
 def test_pd_slo_prefiller_by_overlap_and_queue_decoder_by_load() -> None:
     # p0 holds 200 of the prompt's 256 blocks, p1 holds none; p0 also has 1000 tokens queued:
     # p0 computes 896 tokens behind 1000 (ttft ~ 6.5 ms + 40e-6 x 1896 + attention) ~ 0.09 s,

@@ -30,6 +30,11 @@ The cost of an option is what this request adds to everyone's latency:
          + imposed_weight x n x o x own_step                    # its decode slows theirs
          + compute_weight x (prefill seconds on the engine that computes it)
 
+The SLO binds the requests already decoding on ``D`` too: the local option is infeasible when
+``D``'s queued prefill plus this one, spread over an answer (the shorter of ``o`` and the
+running mean ``max_tokens``), would push their TPOT past the target (with anyone decoding
+there).
+
 Among options predicted to meet the request's TTFT and TPOT targets (``x-slo-ttft-ms`` /
 ``x-slo-tpot-ms`` or this policy's defaults) the cheapest wins; when none does, the cheapest
 overall (or, with ``shed``, a 429). A short uncached part or a decoder that holds most of the
@@ -196,6 +201,11 @@ class PdSlo(PolicyImpl):
         c = prompt + out / 2.0
         prev = state.extra.get("pd_ctx")
         ctx = state.extra["pd_ctx"] = c if prev is None else prev + CTX_DECAY * (c - prev)
+        prev = state.extra.get("pd_out")
+        mean_out = state.extra["pd_out"] = (
+            out if prev is None else prev + CTX_DECAY * (out - prev)
+        )
+        spread = min(out, mean_out)  # the answer a decoding neighbour spreads a stall over
         ttft_slo = req.slo_ttft_s if req.slo_ttft_s is not None else p["slo_ttft_ms"] / 1000.0
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else p["slo_tpot_ms"] / 1000.0
         budget, iw, cw = p["step_budget"], p["imposed_weight"], p["compute_weight"]
@@ -249,7 +259,10 @@ class PdSlo(PolicyImpl):
                 [ov_s, pt, pa, ds, dk], q, n, kv, budget, unc, prompt, out
             )
             cost_l = ttft_l + shared + (iw * n + cw) * pre_l
-            if ttft_l > ttft_slo or tpot > tpot_slo:
+            # the requests decoding on D wait out this prefill too: spread over an answer's
+            # steps it must keep their TPOT within the target as well
+            neighbours = base + own + (pt * q + pre_l) / spread
+            if ttft_l > ttft_slo or tpot > tpot_slo or (n > 0 and neighbours > tpot_slo):
                 cost_l += INFEASIBLE
             best = (cost_l, False, ttft_l, load, unc)
             if best_p is not None and best_p.worker_id != wid:
