@@ -202,9 +202,7 @@ class PdSlo(PolicyImpl):
         prev = state.extra.get("pd_ctx")
         ctx = state.extra["pd_ctx"] = c if prev is None else prev + CTX_DECAY * (c - prev)
         prev = state.extra.get("pd_out")
-        mean_out = state.extra["pd_out"] = (
-            out if prev is None else prev + CTX_DECAY * (out - prev)
-        )
+        mean_out = state.extra["pd_out"] = out if prev is None else prev + CTX_DECAY * (out - prev)
         spread = min(out, mean_out)  # the answer a decoding neighbour spreads a stall over
         ttft_slo = req.slo_ttft_s if req.slo_ttft_s is not None else p["slo_ttft_ms"] / 1000.0
         tpot_slo = req.slo_tpot_s if req.slo_tpot_s is not None else p["slo_tpot_ms"] / 1000.0
