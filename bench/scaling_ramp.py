@@ -207,7 +207,6 @@ def plot(path: Path, a: argparse.Namespace, r: dict[str, Any]) -> None:
     top.axhline(a.workers, color="#1f77b4", linestyle="--", label=f"fleet: {a.workers} engines")
     top.set_ylabel("engines")
     top.set_ylim(0, 3 * a.workers)  # past the collapse the queue term soars
-    top.legend(loc="upper left", frameon=False)
     rate = top.twinx()
     rate.plot(ts, [s["offered_rate"] for s in r["samples"]], color="#7f7f7f", linewidth=0.8)
     rate.set_ylabel("offered requests/s", color="#7f7f7f")
@@ -220,10 +219,13 @@ def plot(path: Path, a: argparse.Namespace, r: dict[str, Any]) -> None:
     bottom.legend(loc="lower left", frameon=False)
     for ax in (top, bottom):
         if r["signal_exceeds_fleet_s"] is not None:
-            ax.axvline(r["signal_exceeds_fleet_s"], color="#d62728", linewidth=0.8, alpha=0.6)
+            ax.axvline(r["signal_exceeds_fleet_s"], color="#d62728", linewidth=0.8, alpha=0.6,
+                       label="signal > fleet" if ax is top else None)  # fmt: skip
         if r["attainment_falls_s"] is not None:
-            ax.axvline(r["attainment_falls_s"], color="#2ca02c", linewidth=0.8, alpha=0.6)
+            ax.axvline(r["attainment_falls_s"], color="#2ca02c", linewidth=0.8, alpha=0.6,
+                       label=f"attainment < {100 * a.attain:g} %" if ax is top else None)  # fmt: skip
         ax.grid(alpha=0.3)
+    top.legend(loc="upper left", frameon=False)
     lead = r["lead_s"]
     fig.suptitle(
         f"{a.policy} on {a.workers} engines, {a.start_rate:g} -> {a.end_rate:g} req/s over "
