@@ -19,8 +19,18 @@ round's figures are compared with the same round's reference (``base``, else ``o
 difference is not that of two minutes of a noisy machine; the median of the rounds' differences
 is reported, with their range.
 
+The end-to-end figures move with everything else on the machine (sockets, the worker, the
+load generator); ``path`` measures the request path alone, to the microsecond: the router's
+own ``RequestPath.handle`` in one process, ``--requests`` sequential requests of the proxy
+bench's body through the real parser, admission, decision, dispatch, sender and outcome
+recorder, the worker's answer coming from a stub in place of the socket (``FastClient.post``),
+spans exported over OTLP/HTTP to the sink by the SDK's batch processor; the wall and CPU time
+per request (all threads: the exporter's included), each target in its own process, in
+interleaved rounds as above.
+
     python -m bench.tracing_overhead --base-tree /tmp/kvgate-base --rounds 6
     python -m bench.tracing_overhead --modes whole,stream --rounds 4 --seconds 4
+    python -m bench.tracing_overhead path --base-tree /tmp/kvgate-base --rounds 10
 """
 
 from __future__ import annotations
@@ -207,6 +217,118 @@ async def run(
         nats.stop()
 
 
+# One target of the ``path`` bench, run with the tree under test first on the path (the base
+# tree has no tracing module: this is the only code both trees run). argv: ratio ("off": no
+# tracing set up), requests.
+PATH_CHILD = r"""
+import asyncio, json, random, sys, time
+
+ratio, n = sys.argv[1], int(sys.argv[2])
+
+
+async def main():
+    from bench.bench_router import BODY, offline_router
+    from services.core.index import PrefixIndex
+    from services.router.http_server import Headers, Request
+    from services.router.upstream import Response as Upstream
+
+    if ratio != "off":
+        from services.common import tracing
+
+        class St:
+            otel = True
+            otel_sample_ratio = float(ratio)
+
+        assert tracing.setup("router", St())
+    router = offline_router(PrefixIndex(), ["w0"], 16, random.Random(1))
+    s = router.state.states["w0"]
+    s.inflight = s.pending_prefill_tokens = 0
+    answer = json.dumps({"id": "cmpl-bench", "object": "text_completion", "created": 0,
+        "model": "m", "choices": [{"index": 0, "text": "ok ok ok ok", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 100, "completion_tokens": 4, "total_tokens": 104}}).encode()
+
+    async def post(base, path, body, headers, timeout):  # the worker, without the socket
+        return Upstream(200, {"content-type": "application/json"}, answer)
+
+    router.fast.post = post
+    body = json.dumps(BODY).encode()
+    headers = Headers({"host": "127.0.0.1", "content-type": "application/json",
+                       "content-length": str(len(body))})
+    path = router.path
+
+    async def one():
+        req = Request(None, "POST", "/v1/completions", "", headers, "1.1", True)
+        req._body = body
+        r = await path.handle(req, chat=False)
+        assert r.status == 200, r.body
+        await asyncio.sleep(0)  # the request's settling (release, outcome) runs now
+
+    for _ in range(2000):
+        await one()
+    w0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        await one()
+    w1, c1 = time.perf_counter(), time.process_time()
+    print(json.dumps({"wall_us": (w1 - w0) / n * 1e6, "cpu_us": (c1 - c0) / n * 1e6}))
+
+
+asyncio.run(main())
+"""
+
+
+def run_path(base_tree: Path | None, rounds: int, requests: int, seed: int) -> dict[str, Any]:
+    """The ``path`` bench: each target in a new process per round, interleaved."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    sport = _free_port()
+    sink = f"http://127.0.0.1:{sport}"
+    me = [sys.executable, "-m"]
+    sink_proc = _spawn([*me, "bench.tracing_overhead", "sink", "--port", str(sport)], env)
+    try:
+        asyncio.run(_wait_http(sink + "/count", 20))
+        here = str(Path(__file__).resolve().parent.parent)
+        targets: dict[str, tuple[str, str]] = {}  # name -> (tree, ratio)
+        if base_tree is not None:
+            targets["base"] = (str(base_tree), "off")
+        targets.update({"off": (here, "off"), "1%": (here, "0.01"), "100%": (here, "1")})
+        rng = random.Random(seed)
+        per: dict[str, dict[str, list[float]]] = {n: {"p50_us": [], "cpu_us": []} for n in targets}
+        for _ in range(rounds):
+            order = list(targets)
+            rng.shuffle(order)
+            for name in order:
+                tree, ratio = targets[name]
+                cenv = {**env, "PYTHONPATH": tree, "OTEL_EXPORTER_OTLP_ENDPOINT": sink}
+                out = subprocess.run(
+                    [sys.executable, "-c", PATH_CHILD, ratio, str(requests)],
+                    env=cenv,
+                    cwd=tree,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                    check=False,
+                )
+                if out.returncode != 0:
+                    raise RuntimeError(f"{name}: {out.stderr[-2000:]}")
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                # (the wall time per request stands in the p50 column: one loop, no spread)
+                per[name]["p50_us"].append(got["wall_us"])
+                per[name]["cpu_us"].append(got["cpu_us"])
+        ref = "base" if "base" in targets else "off"
+        res = _summarise(per, ref)
+        print("\n[path] wall time per request in the p50 columns")
+        _print("path", res, ref)
+        import urllib.request
+
+        with urllib.request.urlopen(sink + "/count", timeout=10) as r:
+            seen = json.loads(r.read())
+        print(f"OTLP sink received: {seen}")
+        return {"reference": ref, "rounds": rounds, "requests": requests, "path": res, "sink": seen}
+    finally:
+        sink_proc.terminate()
+        with contextlib.suppress(Exception):
+            sink_proc.wait(10)
+
+
 def _summarise(per: dict[str, dict[str, list[float]]], ref: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, xs in per.items():
@@ -250,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd")
     sk = sub.add_parser("sink", help="(internal) the OTLP/HTTP sink process")
     sk.add_argument("--port", type=int, required=True)
+    pa = sub.add_parser("path", help="the request path alone, in process (see above)")
+    pa.add_argument("--base-tree", type=Path, help="a kvgate tree without tracing (reference)")
+    pa.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default 8)")
+    pa.add_argument("--requests", type=int, default=20_000, help="requests per target per round")
+    pa.add_argument("--seed", type=int, default=1, help="seed of the rounds' orders")
+    pa.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--base-tree", type=Path, help="a kvgate tree without tracing (reference)")
     ap.add_argument("--modes", default="whole", help="comma-separated: whole, stream")
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
@@ -263,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "sink":
         serve_sink(args.port)
+        return 0
+    if args.cmd == "path":
+        res = run_path(args.base_tree, args.rounds, args.requests, args.seed)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(res, indent=1))
         return 0
     if args.base_tree is not None and not (args.base_tree / "services" / "cli.py").exists():
         ap.error(f"--base-tree {args.base_tree}: no services/cli.py there")

@@ -112,6 +112,10 @@ class RequestTrace:
             attrs["kvgate.worker"] = d.worker_id
             attrs["kvgate.decision.overlap_blocks"] = d.overlap_blocks
             attrs["kvgate.decision.cached_tokens"] = d.cached_tokens
+        if d.available_tokens:  # reuse attribution (services.core.policy.attribution)
+            attrs["kvgate.decision.available_tokens"] = d.available_tokens
+        if d.lost_reason:
+            attrs["kvgate.decision.lost_reason"] = d.lost_reason
         if d.filtered:
             attrs["kvgate.decision.filtered"] = tracing.as_json(d.filtered)
         if ctx.excluded:
