@@ -490,3 +490,20 @@ def test_begin_decides_as_the_sdk_sampler_does() -> None:
     finally:
         tracing.uninstall()
         provider.shutdown()
+
+
+def test_dropped_span_warnings_are_held_to_one_a_minute() -> None:
+    import logging
+
+    f = tracing._OncePerMinute()
+
+    def rec() -> logging.LogRecord:
+        return logging.LogRecord(
+            "x", logging.WARNING, "f", 1, "Queue full, dropping %s.", ("span",), None
+        )
+
+    assert f.filter(rec())
+    assert not any(f.filter(rec()) for _ in range(500))
+    f.limiter._last.clear()  # a minute later
+    again = rec()
+    assert f.filter(again) and "500 more" in again.getMessage()

@@ -24,6 +24,7 @@ Trace context travels as W3C ``traceparent`` / ``tracestate`` headers (:func:`ex
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from collections.abc import Mapping, MutableMapping
@@ -97,8 +98,31 @@ def setup(service: str, st: Any = None, environ: Mapping[str, str] | None = None
         exporter = _exporter(name, env)
         if exporter is not None:
             provider.add_span_processor(BatchSpanProcessor(exporter))
+    # the batch processor logs one warning per span it drops (its queue full: the collector
+    # is slower than the spans come): one line a minute says it, with the count meanwhile
+    logging.getLogger("opentelemetry.sdk._shared_internal").addFilter(_OncePerMinute())
     install(provider)
     return True
+
+
+class _OncePerMinute(logging.Filter):
+    """Passes a record at most once a minute per message; the next one says how many were
+    held back."""
+
+    def __init__(self) -> None:
+        from services.common.logging import RateLimiter  # (that module imports this one)
+
+        super().__init__()
+        self.limiter = RateLimiter(60.0)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = record.msg
+        if not self.limiter.allow(key):
+            return False
+        held = self.limiter.take_suppressed(key)
+        if held:
+            record.msg = f"{record.msg} ({held} more such lines held back in the last minute)"
+        return True
 
 
 def _exporter(name: str, env: Mapping[str, str]) -> Any:

@@ -179,12 +179,12 @@ class RequestPath:
 
     async def _handle_traced(self, request: Request, chat: bool) -> Reply:
         """:meth:`_handle` under its trace (current while it runs: log lines carry its ids)."""
-        from opentelemetry import context
-
         start_ns = time.time_ns()
         parent, forward = tracing.begin(request.headers)
         if forward is not None:  # not sampled: no span; the engine is told so
             return await self._handle(request, chat, None, forward)
+        from opentelemetry import context
+
         tr = RequestTrace(self.tracer, parent, request.path, start_ns)
         token = context.attach(tr.root_ctx)
         reply: Reply | None = None

@@ -12,7 +12,7 @@ Spans (names, then what they measure):
   - ``router.hold``: a follower waiting for its leader's first token;
   - ``router.upstream`` (client, one per attempt; its context is the ``traceparent`` the
     engine gets): ``upstream.connect`` (sent until the response's head), ``upstream.first_token``
-    (head until the first token), ``upstream.stream`` (first token until the stream's end);
+    (head until the first token; streams), ``upstream.stream`` (first token until the stream's end);
   - ``router.migrate``: a broken stream continued on another worker, whose attempt is a
     ``router.upstream`` under it.
 
@@ -184,11 +184,11 @@ class RequestTrace:
         start = span.start_time
         steps = []
         if self.connected_ns:
+            # (a whole response's head is its first token: connect is all there is to show)
             steps.append(("upstream.connect", start, self.connected_ns))
-            if self.first_ns:
+            if self.first_ns and streamed:
                 steps.append(("upstream.first_token", self.connected_ns, self.first_ns))
-                if streamed:
-                    steps.append(("upstream.stream", self.first_ns, end))
+                steps.append(("upstream.stream", self.first_ns, end))
         for name, s, e in steps:
             self.tracer.start_span(name, context=under, start_time=s).end(e)
         span.set_attribute("kvgate.outcome", status)
