@@ -16,8 +16,9 @@ Spans (names, then what they measure):
   - ``router.migrate``: a broken stream continued on another worker, whose attempt is a
     ``router.upstream`` under it.
 
-A request not sampled (ratio, or a client's unsampled ``traceparent``) builds none of these:
-its root span is non-recording and only lends its context to the engine's ``traceparent``.
+A request not sampled (the ratio, or a client's unsampled ``traceparent``) has no trace at
+all: :func:`services.common.tracing.begin` decided so before any span, and the engine gets a
+``traceparent`` marked not sampled (``Ctx.traceparent``).
 Spans that end where they begin in code are live; the short steps are recorded after the
 fact with the times measured on the way (no context switch on the request path).
 """
