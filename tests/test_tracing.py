@@ -507,3 +507,39 @@ def test_dropped_span_warnings_are_held_to_one_a_minute() -> None:
     f.limiter._last.clear()  # a minute later
     again = rec()
     assert f.filter(again) and "500 more" in again.getMessage()
+
+
+async def test_disaggregated_request_traces_its_prefill_and_decode_workers(
+    nats_url, subjects, bus: Bus, spans: InMemorySpanExporter
+) -> None:
+    """P/D (services/router/pd.py): the prefill request and the decode request both carry the
+    attempt's context, so both engines' spans hang under the router's attempt."""
+    from tests.test_router_pd import PROMPT, PdFleet, install_pairing
+
+    fleet = await PdFleet(nats_url, subjects, prefill=1, decode=1).start()
+    router = await RouterProc(nats_url, subjects, policy="round_robin", pd_handshake="nixl").start()
+    try:
+        await router.wait_workers(2, timeout=20)
+        install_pairing(router)
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 6, "stream": True}
+        async with aiohttp.ClientSession() as s:
+            status, headers, raw = await post(s, router.url + "/v1/completions", body)
+        assert status == 200 and raw.rstrip().endswith(b"data: [DONE]")
+        assert headers["x-kvgate-prefill-worker"].startswith("pre")
+        await wait_until(
+            lambda: (
+                sum(s.name == "worker POST /v1/completions" for s in spans.get_finished_spans())
+                == 2
+                and any(s.name == "router.request" for s in spans.get_finished_spans())
+            ),
+            what="both workers' spans and the root",
+        )
+    finally:
+        await shutdown(("router", router.stop()), ("fleet", fleet.stop()), each_s=10)
+    named = _by_name(list(spans.get_finished_spans()))
+    upstream = _one(named, "router.upstream")
+    _child_of(upstream, _one(named, "router.request"))
+    served = {s.attributes["kvgate.worker"]: s for s in named["worker POST /v1/completions"]}
+    assert sorted(w.split("-")[0] for w in served) == ["dec", "pre"]
+    for span in served.values():
+        _child_of(span, upstream, within=False)
