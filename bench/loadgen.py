@@ -29,6 +29,17 @@ from bench.workloads import BenchRequest
 WORKER_HEADERS = ("x-kvgate-worker", "x-kvgate-served-by", "x-worker-id")
 
 
+def tenant_headers(req: BenchRequest) -> dict[str, str]:
+    """A multi-tenant workload's tenant and band, as a trusted gateway names them (believed by
+    a router with ``--trust-tenant-header``, ignored by any other)."""
+    if req.tenant is None:
+        return {}
+    h = {"x-kvgate-tenant": req.tenant}
+    if req.priority != "standard":
+        h["x-kvgate-priority"] = req.priority
+    return h
+
+
 async def stream_one(
     session: aiohttp.ClientSession,
     url: str,
@@ -53,7 +64,7 @@ async def stream_one(
     chunks = 0
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.post(url, json=body) as resp:
+            async with session.post(url, json=body, headers=tenant_headers(req)) as resp:
                 for h in WORKER_HEADERS:
                     if h in resp.headers:
                         result.worker = resp.headers[h]
