@@ -24,3 +24,15 @@ def test_bench_tenants_small_fleet(tmp_path) -> None:
     assert fair["kvgate"]["max_share_deviation"] < 0.1
     assert prio["kvgate"]["critical_refused_while_sheddable_sent"] == 0
     assert prio["kvgate"]["critical_ttft_p99_2x_s"] < prio["fcfs"]["critical_ttft_p99_2x_s"]
+
+
+def test_loadgen_names_tenant_and_band_as_a_gateway_would() -> None:
+    from bench.loadgen import tenant_headers
+    from bench.workloads import BenchRequest
+
+    assert tenant_headers(BenchRequest("r", "p", 1)) == {}
+    assert tenant_headers(BenchRequest("r", "p", 1, tenant="a")) == {"x-kvgate-tenant": "a"}
+    assert tenant_headers(BenchRequest("r", "p", 1, tenant="a", priority="critical")) == {
+        "x-kvgate-tenant": "a",
+        "x-kvgate-priority": "critical",
+    }
