@@ -124,6 +124,31 @@ class ActionBody(Body, kw_only=True):
     reason: Reason = ""
 
 
+# An http(s) URL with a host, in ASCII (RFC 3986: userinfo, a reg-name or bracketed IPv6 host,
+# port, then printable characters): exactly the URLs a repin accepts (url_pin.url_host finds
+# their host), so the schema never admits a URL the handler refuses. No \s / \S: JSON Schema
+# (ECMA-262) and Python disagree on which characters they match.
+_H16 = "[0-9A-Fa-f]{1,4}"
+_IPV6 = "|".join(
+    (
+        f"(?:{_H16}:){{7}}{_H16}",
+        f"(?:{_H16}:){{1,7}}:",
+        f"(?:{_H16}:){{1,6}}:{_H16}",
+        f"(?:{_H16}:){{1,5}}(?::{_H16}){{1,2}}",
+        f"(?:{_H16}:){{1,4}}(?::{_H16}){{1,3}}",
+        f"(?:{_H16}:){{1,3}}(?::{_H16}){{1,4}}",
+        f"(?:{_H16}:){{1,2}}(?::{_H16}){{1,5}}",
+        f"{_H16}:(?::{_H16}){{1,6}}",
+        f":(?:(?::{_H16}){{1,7}}|:)",
+    )
+)
+_SUB = "A-Za-z0-9._~%!$&'()*+,;="
+REPIN_URL_PATTERN = (
+    rf"^https?://(?:[{_SUB}:-]*@)?(?:\[(?:{_IPV6})\]|[{_SUB}-]+)(?::[0-9]{{1,5}})?"
+    r"(?:[/?#][!-~]*)?$"
+)
+
+
 class RepinBody(Body, kw_only=True):
     """Re-pin a worker's URL on every router (services.core.url_pin): to ``url``, or, when it
     is left out, to the URL of the next heartbeat each router sees for the worker (racy while
@@ -133,8 +158,8 @@ class RepinBody(Body, kw_only=True):
         str,
         Meta(
             max_length=2000,
-            pattern=r"^https?://[^\s/?#]+(?:[/?#]\S*)?$",
-            description="the worker's new base URL (http or https)",
+            pattern=REPIN_URL_PATTERN,
+            description="the worker's new base URL (http or https, with a host)",
         ),
     ] = ""
     reason: Reason = ""
