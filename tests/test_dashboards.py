@@ -203,3 +203,25 @@ def test_prometheus_scrapes_every_kvgate_service() -> None:
     prom = compose["services"]["prometheus"]
     assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
     assert compose["services"]["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+
+
+def _cells(pos: dict) -> set[tuple[int, int]]:
+    return {
+        (x, y)
+        for x in range(pos["x"], pos["x"] + pos["w"])
+        for y in range(pos["y"], pos["y"] + pos["h"])
+    }
+
+
+def test_panels_have_unique_ids_and_do_not_overlap() -> None:
+    """Grafana keys panels by id (a duplicate id edits or links the wrong panel) and stacks
+    overlapping grid positions unpredictably: two rows added at once had both."""
+    for path in DASHBOARDS:
+        panels = _panels(json.loads(path.read_text()))
+        ids = [p["id"] for p in panels]
+        assert len(ids) == len(set(ids)), (path.name, sorted(i for i in ids if ids.count(i) > 1))
+        taken: dict[tuple[int, int], str] = {}
+        for p in panels:
+            for cell in _cells(p["gridPos"]):
+                assert cell not in taken, (path.name, p["title"], taken.get(cell))
+                taken[cell] = p["title"]
