@@ -16,6 +16,14 @@ Scheduling (one call of :meth:`Engine.step` = one forward pass of the batch):
    failure reproduce: with 2560 tokens of KV and requests of 2048 tokens, one runs, seven wait.
    (``admission="vllm"`` instead admits on the first prompt chunk's blocks, grows requests
    block by block and preempts the most recently admitted one when the pool runs out.)
+   With ``scheduling="priority"`` (vLLM's ``--scheduling-policy priority``, vllm 0.33.0
+   ``vllm/v1/core/sched/request_queue.py`` + ``scheduler.py``) the queue is ordered by
+   (``SimRequest.priority``, arrival), lower values first, a preempted request goes back in
+   that order, and the request preempted when the pool runs out is the running one with the
+   greatest (priority, arrival). ``preempt_threshold`` (SGLang's
+   ``--priority-scheduling-preemption-threshold``; None, vLLM's behaviour: never) also lets the
+   queue's head preempt running requests whose priority is more than the threshold above its
+   own, lowest first, when it finds no free sequence slot or blocks.
 3. The step's duration comes from :class:`EngineConfig`'s cost model (see :meth:`step_time`).
 4. After the step, full blocks of computed tokens (prompt and generated) are keyed with the
    canonical chained keys and entered into the prefix cache; each new key is a BlockStored
@@ -46,6 +54,7 @@ DEFAULT_OUTPUT_VOCAB: tuple[int, ...] = tuple(range(ord("a"), ord("z") + 1)) + (
 
 
 ADMISSION_MODES: tuple[str, ...] = ("reserve", "vllm")
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
 
 class AdmissionError(ValueError):
@@ -72,6 +81,14 @@ class EngineConfig:
     # (keeping a 1 % watermark free), allocate decode blocks on demand and, when the pool runs
     # out, preempt the most recently admitted request (freed, recomputed later), like vLLM V1.
     admission: str = "reserve"
+    # "fcfs": the queue in arrival order, requests' priorities ignored. "priority": ordered by
+    # (priority, arrival), lower first; the preemption victim is the lowest priority (vLLM's
+    # --scheduling-policy priority)
+    scheduling: str = "fcfs"
+    # priority scheduling only: the queue's head preempts running requests whose priority is
+    # more than this above its own when it cannot be admitted (SGLang's
+    # --priority-scheduling-preemption-threshold, default 10 there); None: never (vLLM)
+    preempt_threshold: int | None = None
     # step-time model (seconds)
     step_overhead_s: float = 0.0065  # weights read once per forward pass + launch overhead
     prefill_token_s: float = 4.0e-5  # per uncached prompt token (~25k tok/s of dense GEMM)
@@ -101,6 +118,15 @@ class EngineConfig:
         if self.admission not in ADMISSION_MODES:
             raise ValueError(
                 f"EngineConfig.admission must be one of {ADMISSION_MODES}, got {self.admission!r}"
+            )
+        if self.scheduling not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"EngineConfig.scheduling must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling!r}"
+            )
+        if self.preempt_threshold is not None and self.preempt_threshold < 0:
+            raise ValueError(
+                f"EngineConfig.preempt_threshold must be >= 0, got {self.preempt_threshold}"
             )
 
     @property
@@ -137,6 +163,9 @@ class SimRequest:
     # in ``Engine.held`` until ``release_held`` (the decoder pulled them, or a timeout).
     kv_from_remote: bool = False
     hold_blocks: bool = False
+    # served first when lower (vLLM's and SGLang's ``priority``); used only by the
+    # "priority" scheduling policy
+    priority: int = 0
 
 
 @dataclass
@@ -306,8 +335,25 @@ class Engine:
             tokens=list(req.prompt_token_ids),
             prefill_target=len(req.prompt_token_ids),
         )
-        self.waiting.append(seq)
+        self._enqueue(seq)
         self._ids.add(req.request_id)
+
+    @staticmethod
+    def _order(s: _Seq) -> tuple[int, float]:
+        """Priority scheduling's order: lower priority value, then earlier arrival, first."""
+        return (s.req.priority, s.req.arrival_time)
+
+    def _enqueue(self, s: _Seq) -> None:
+        """Into the queue: at the end (FCFS), or after every request that goes before it."""
+        waiting = self.waiting
+        if self.config.scheduling == "fcfs":
+            waiting.append(s)
+            return
+        key = self._order(s)
+        i = len(waiting)
+        while i and self._order(waiting[i - 1]) > key:
+            i -= 1
+        waiting.insert(i, s)
 
     def _prompt_keys(self, req: SimRequest, seed: int) -> list[int]:
         """Canonical keys of the prompt's full blocks; reuses ``req.prompt_block_keys`` when
@@ -443,7 +489,10 @@ class Engine:
         bs = self.config.block_size
         need = -(-(s.num_computed + n) // bs) - len(s.blocks)
         while need > self.pool.num_free:
-            victim = self.running[-1]
+            if self.config.scheduling == "priority":
+                victim = max(self.running, key=self._order)
+            else:
+                victim = self.running[-1]
             self._preempt(victim)
             if victim is s:
                 return False
@@ -460,8 +509,34 @@ class Engine:
         s.num_computed = 0
         s.num_registered = 0
         s.prefill_target = len(s.tokens)
-        self.waiting.appendleft(s)
+        if self.config.scheduling == "fcfs":
+            self.waiting.appendleft(s)
+        else:  # vLLM's priority queue has no front: back in (priority, arrival) order
+            self._enqueue(s)
         self.num_preemptions += 1
+
+    def _preempt_for(self, s: _Seq) -> bool:
+        """Priority scheduling with ``preempt_threshold``: preempt the lowest-priority running
+        request when its priority value is more than the threshold above waiting ``s``'s
+        (SGLang's ``preempt_to_schedule``). True when one was preempted."""
+        t = self.config.preempt_threshold
+        if t is None or not self.running:
+            return False
+        victim = max(self.running, key=self._order)
+        if victim.req.priority - s.req.priority <= t:
+            return False
+        self._preempt(victim)
+        return True
+
+    @staticmethod
+    def _unschedule(scheduled: list[tuple[_Seq, int]], running: list[_Seq]) -> int:
+        """Drop the entries of requests preempted since they were scheduled in this step;
+        returns the token budget they held."""
+        alive = {id(x) for x in running}
+        freed = sum(n for x, n in scheduled if id(x) not in alive)
+        if freed:
+            scheduled[:] = [(x, n) for x, n in scheduled if id(x) in alive]
+        return freed
 
     def step(self, now: float = 0.0) -> StepOutput | None:
         """Run one forward pass starting at ``now``; None when there is nothing to do."""
@@ -475,6 +550,7 @@ class Engine:
         scheduled: list[tuple[_Seq, int]] = []
         vllm_mode = c.admission == "vllm"
         preemptions_before = self.num_preemptions
+        by_priority = c.scheduling == "priority"
         if vllm_mode:
             for s in list(running):
                 if budget <= 0:
@@ -483,7 +559,15 @@ class Engine:
                     continue
                 left = s.prefill_target - s.num_computed
                 n = (left if left < budget else budget) if left > 0 else 1
-                if not self._grow(s, n):
+                before = self.num_preemptions
+                grown = self._grow(s, n)
+                if by_priority and self.num_preemptions != before:
+                    # the victim may have been scheduled earlier in this step
+                    budget += self._unschedule(scheduled, self.running)
+                if not grown:
+                    if by_priority:
+                        # s was the lowest priority: the ones after it go first and may fit
+                        continue
                     break  # s itself was preempted
                 scheduled.append((s, n))
                 budget -= n
@@ -500,11 +584,20 @@ class Engine:
         transfers: list[str] = []
         if waiting and self.num_preemptions == preemptions_before:
             max_seqs = c.max_num_seqs
-            while waiting and budget > 0 and len(running) < max_seqs:
+            can_preempt = by_priority and c.preempt_threshold is not None
+            while waiting and budget > 0:
                 s = waiting[0]
+                if len(running) >= max_seqs:
+                    if not (can_preempt and self._preempt_for(s)):
+                        break
+                    budget += self._unschedule(scheduled, running)
+                    continue
                 remote = s.req.kv_from_remote and not s.admitted
                 if not self._try_admit(s, s.prefill_target if remote else budget):
-                    break  # FCFS: the head waits for blocks, and so does everyone behind it
+                    if can_preempt and self._preempt_for(s):
+                        budget += self._unschedule(scheduled, running)
+                        continue
+                    break  # the head waits for blocks, and so does everyone behind it
                 waiting.popleft()
                 if remote:  # blocks reserved: the transfer starts, nothing to compute yet
                     self.receiving[s.req.request_id] = s

@@ -1,0 +1,100 @@
+"""The simulated engine's priority scheduling (vLLM's ``--scheduling-policy priority``;
+SGLang's preemption threshold), worked out by hand on tiny engines (pure, virtual clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.core.engine import Engine, EngineConfig, SimRequest
+
+
+def prompt(tag: int, n: int = 16) -> list[int]:
+    return [(tag * 131 + i * 7) % 251 + 1 for i in range(n)]
+
+
+def cfg(**kw) -> EngineConfig:
+    base = dict(num_gpu_blocks=64, max_num_seqs=1, max_num_batched_tokens=512, max_model_len=2048)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def drain(e: Engine, now: float = 0.0) -> tuple[list[str], list[list[str]]]:
+    """Step until idle: (ids in the order they finished, the running ids after each step)."""
+    order: list[str] = []
+    running: list[list[str]] = []
+    while (out := e.step(now)) is not None:
+        now += out.duration_s
+        order += [f.request_id for f in out.finished]
+        running.append([s.req.request_id for s in e.running])
+    return order, running
+
+
+@pytest.mark.parametrize(
+    "scheduling, expected",
+    [
+        ("fcfs", ["first", "b", "c", "d", "e"]),  # arrival order; priorities ignored
+        # (priority, arrival): c (1, 2.0), d (1, 3.0), e (2, 0.5), b (2, 1.0)
+        ("priority", ["first", "c", "d", "e", "b"]),
+    ],
+)
+def test_the_queue_is_ordered_by_priority_then_arrival(scheduling, expected):
+    e = Engine(cfg(scheduling=scheduling))  # one sequence slot: the queue's order is visible
+    e.add_request(SimRequest("first", prompt(0), 3, arrival_time=0.1, priority=5))
+    out = e.step(0.0)  # "first" takes the slot; the others queue behind it
+    assert out is not None and [s.req.request_id for s in e.running] == ["first"]
+    for rid, prio, at in (("b", 2, 1.0), ("c", 1, 2.0), ("d", 1, 3.0), ("e", 2, 0.5)):
+        e.add_request(SimRequest(rid, prompt(ord(rid)), 1, arrival_time=at, priority=prio))
+    order, _ = drain(e, out.duration_s)
+    assert order == expected
+
+
+@pytest.mark.parametrize(
+    "scheduling, victim, first_done", [("fcfs", "hi", "lo"), ("priority", "lo", "hi")]
+)
+def test_out_of_blocks_the_lowest_priority_running_request_is_preempted(
+    scheduling, victim, first_done
+):
+    """4 blocks of 16 tokens, vLLM admission. "lo" (priority 9) is admitted first, "hi"
+    (priority 0) one step later; each has a 16-token prompt (1 block) and grows a block every
+    16 tokens. After step 3 both hold 2 blocks (lo: 18 tokens computed, hi: 17): the pool is
+    empty. In step 18 lo (32 computed) needs its third block: FCFS preempts the most recently
+    admitted request (hi, vLLM's running[-1]); priority preempts the greatest (priority,
+    arrival), lo itself, and schedules hi in the same step (vLLM's ``continue``)."""
+    e = Engine(cfg(num_gpu_blocks=4, max_num_seqs=8, admission="vllm", scheduling=scheduling))
+    e.add_request(SimRequest("lo", prompt(1), 40, arrival_time=0.0, priority=9))
+    out = e.step(0.0)
+    assert out is not None
+    e.add_request(SimRequest("hi", prompt(2), 40, arrival_time=out.duration_s, priority=0))
+    order, running = drain(e, out.duration_s)
+    assert running[15] == ["lo", "hi"]  # the 17th step: nobody preempted yet
+    assert running[16] == [r for r in ("lo", "hi") if r != victim]  # the 18th
+    assert [s.req.request_id for s in e.waiting] == [] and e.num_preemptions >= 1
+    assert order[0] == first_done
+
+
+@pytest.mark.parametrize(
+    "threshold, preempted",
+    [(None, False), (20, False), (19, True), (0, True)],
+)
+def test_a_waiting_request_preempts_only_past_the_threshold(threshold, preempted):
+    """SGLang's rule: a request that finds no free slot preempts a running one whose priority
+    value is more than ``preempt_threshold`` above its own (20 - 0 = 20 here); None (vLLM):
+    never. The victim goes back to the queue and resumes after the urgent one."""
+    e = Engine(cfg(scheduling="priority", preempt_threshold=threshold))
+    e.add_request(SimRequest("bulk", prompt(1), 8, arrival_time=0.0, priority=20))
+    out = e.step(0.0)
+    assert out is not None
+    e.add_request(SimRequest("urgent", prompt(2), 2, arrival_time=1.0, priority=0))
+    out = e.step(out.duration_s)
+    assert out is not None
+    assert [s.req.request_id for s in e.running] == (["urgent"] if preempted else ["bulk"])
+    assert e.num_preemptions == int(preempted)
+    order, _ = drain(e, out.duration_s)
+    assert order == (["urgent", "bulk"] if preempted else ["bulk", "urgent"])
+
+
+def test_scheduling_settings_are_validated():
+    with pytest.raises(ValueError, match="scheduling"):
+        EngineConfig(scheduling="lifo")
+    with pytest.raises(ValueError, match="preempt_threshold"):
+        EngineConfig(scheduling="priority", preempt_threshold=-1)
