@@ -4,6 +4,16 @@ served (the router's queue without tenants) and a per-tenant rate limit (each te
 its weighted share of the fleet in prompt tokens per minute, FCFS beneath: what the AI
 gateways' token rate limits do), on the same requests, virtual clock and engine model.
 
+Two more modes carry the flow-control order into the engines' own schedulers (the router's
+``--engine-priority``: each request's ``priority`` from its band and whether its tenant holds
+more than its share, services/core/flow/engine_priority.py): the engines run the requests'
+``priority`` policy with ``--max-inflight`` running slots, and the router sends each worker up
+to ``--engine-queue`` more, which wait in the engine's queue. ``kvgate_vllm``: vLLM 0.33's
+``--scheduling-policy priority`` (the queue in priority order; a waiting request never
+preempts a running one). ``kvgate_sglang``: SGLang's ``--enable-priority-scheduling`` with
+``--priority-scheduling-preemption-threshold 0`` (a waiting request preempts a running one of a
+greater priority value when no slot is free).
+
 Scenarios (each on several seeds):
 
 - ``heavy``: a heavy batch tenant sends 10x its fair share (weights equal, share = 1 /
@@ -40,7 +50,11 @@ from bench.workloads import BenchRequest, poisson_arrivals, random_text
 from services.common.tenancy import Priority, Tenant, TenantQuota
 
 OUTPUT_COST = 2.0  # VTC's weight of a generated token (services.core.flow.vtc)
-MODES = ("fcfs", "rate_limit", "kvgate")
+MODES = ("fcfs", "rate_limit", "kvgate", "kvgate_vllm", "kvgate_sglang")
+# the modes whose engines schedule by the router's ``priority`` (services.core.flow.engine_priority)
+# -> the engines' preemption threshold (None: vLLM's priority policy, which never preempts for a
+# waiting request; 0: SGLang's with --priority-scheduling-preemption-threshold 0)
+ENGINE_MODES: dict[str, int | None] = {"kvgate_vllm": None, "kvgate_sglang": 0}
 
 
 @dataclass(frozen=True)
@@ -57,18 +71,23 @@ BATCH = Shape(1024, 128)
 CHAT = Shape(256, 32)
 
 
-def fleet_opts(args: argparse.Namespace, **kw: Any) -> SimOptions:
+def fleet_opts(
+    args: argparse.Namespace, engine: dict[str, Any] | None = None, **kw: Any
+) -> SimOptions:
     return SimOptions(
         num_workers=args.workers,
-        engine={"max_num_batched_tokens": args.batched_tokens},
+        engine={"max_num_batched_tokens": args.batched_tokens, **(engine or {})},
         queue_timeout_s=args.queue_timeout,
         telemetry_interval_s=0.1,
         **kw,
     )
 
 
-def policy(args: argparse.Namespace) -> dict[str, Any]:
-    return {"name": "least_request", "params": {"max_inflight": args.max_inflight}}
+def policy(args: argparse.Namespace, mode: str = "") -> dict[str, Any]:
+    """The router's policy: ``max_inflight`` per worker; in the engine-priority modes the
+    router also sends ``--engine-queue`` more, which wait in the engine's priority queue."""
+    cap = args.max_inflight + (args.engine_queue if mode in ENGINE_MODES else 0)
+    return {"name": "least_request", "params": {"max_inflight": cap}}
 
 
 def stream(
@@ -116,8 +135,22 @@ def run_modes(
     """The same requests under each mode; ``share_cost_s``: each tenant's fair share of the
     fleet (cost units / s), the rate limit of the ``rate_limit`` mode."""
     out = {}
-    for mode in MODES:
-        if mode == "rate_limit":
+    for mode in args.modes:
+        if mode in ENGINE_MODES:
+            engine = {
+                "scheduling": "priority",
+                "preempt_threshold": ENGINE_MODES[mode],
+                "max_num_seqs": args.max_inflight,  # the running slots the other modes use
+            }
+            opts = fleet_opts(
+                args,
+                engine,
+                flow="kvgate",
+                tenants=tenants,
+                engine_priority=True,
+                engine_queue=args.engine_queue,
+            )
+        elif mode == "rate_limit":
             ts = {
                 t: Tenant(
                     t,
@@ -131,7 +164,7 @@ def run_modes(
             opts = fleet_opts(args, flow="fcfs", tenants=ts)
         else:
             opts = fleet_opts(args, flow=mode, tenants=tenants)
-        out[mode] = simulate(reqs, policy(args), opts)
+        out[mode] = simulate(reqs, policy(args, mode), opts)
     return out
 
 
@@ -280,7 +313,7 @@ def priority(args: argparse.Namespace, seed: int, cap: float) -> dict[str, Any]:
         }
         shares = dict.fromkeys(tenants, cap / 3)
         per_load[mult] = run_modes(args, merged(crit, std, shd), tenants, shares)
-    for mode in MODES:
+    for mode in args.modes:
         p1 = ttft_p99(per_load[1.0][mode], lambda r: r.request_id in crit_ids)
         p2 = ttft_p99(per_load[2.0][mode], lambda r: r.request_id in crit_ids)
         bad = 0
@@ -318,17 +351,18 @@ def _fmt(v: Any) -> str:
 
 def report(results: dict[str, list[dict[str, Any]]]) -> None:
     for name, per_seed in results.items():
-        keys = [k for k in per_seed[0]["fcfs"] if k not in ("windows", "light_requests")]
+        first = next(m for m in MODES if m in per_seed[0])
+        keys = [k for k in per_seed[0][first] if k not in ("windows", "light_requests")]
         print(f"\n== {name} ({len(per_seed)} seeds; per seed, then the mean)")
-        print(f"{'mode':<11} " + " ".join(f"{k:>36}" for k in keys))
-        for mode in MODES:
+        print(f"{'mode':<14} " + " ".join(f"{k:>36}" for k in keys))
+        for mode in [m for m in MODES if m in per_seed[0]]:
             cells = []
             for k in keys:
                 vals = [s[mode][k] for s in per_seed]
                 nums = [v for v in vals if isinstance(v, int | float)]
                 mean = statistics.fmean(nums) if nums else None
                 cells.append(f"{' '.join(_fmt(v) for v in vals)} | {_fmt(mean)}")
-            print(f"{mode:<11} " + " ".join(f"{c:>36}" for c in cells))
+            print(f"{mode:<14} " + " ".join(f"{c:>36}" for c in cells))
         if name == "heavy":
             print(
                 "solo light TTFT p99 s: "
@@ -344,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--scenarios", default="heavy,fair,priority")
     ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--max-inflight", type=int, default=16, help="per-worker cap (the policy's)")
     ap.add_argument(
@@ -353,6 +388,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the engines' max_num_batched_tokens (a step's prefill budget: bounds how long "
         "a light request's first token waits behind a heavy prompt in the same engine)",
     )
+    ap.add_argument(
+        "--engine-queue",
+        type=int,
+        default=16,
+        help="engine-priority modes: requests per worker the router sends beyond the engine's "
+        "--max-inflight running slots (they wait in the engine's priority queue)",
+    )
     ap.add_argument("--span", type=float, default=60.0, help="seconds of arrivals")
     ap.add_argument("--window", type=float, default=30.0, help="fairness window (s)")
     ap.add_argument("--queue-timeout", type=float, default=30.0)
@@ -361,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.modes = [m for m in args.modes.split(",") if m]
+    if not args.modes or set(args.modes) - set(MODES):
+        ap.error(f"--modes: a comma-separated list of {', '.join(MODES)}")
     caps = {"chat": capacity(args, CHAT), "batch": capacity(args, BATCH)}
     print(
         f"fleet: {args.workers} workers x {args.max_inflight} in flight; capacity "

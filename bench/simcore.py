@@ -57,7 +57,16 @@ from services.common import schemas
 from services.common.tenancy import NO_TENANT, Priority, RequestTenancy, Tenant
 from services.core import engine as eng_mod
 from services.core.cluster import ClusterState, Ticket
-from services.core.flow import FlowQueue, QuotaBook, Verdict, VirtualCounters, on_arrival, verdict
+from services.core.flow import (
+    FlowQueue,
+    Holdings,
+    QuotaBook,
+    Verdict,
+    VirtualCounters,
+    engine_priority,
+    on_arrival,
+    verdict,
+)
 from services.core.index import PrefixIndex
 from services.core.keys import block_keys, block_seed
 from services.core.lifecycle import RequestLifecycle
@@ -107,6 +116,14 @@ class SimOptions:
     flow: str = "kvgate"
     tenants: dict[str, Tenant] = field(default_factory=dict)  # weights and quotas by id
     queue_size: float = math.inf  # router queue bound (the router's --queue-size)
+    # the router's --engine-priority: each request carries its flow-control order to its
+    # engine as ``priority`` (services.core.flow.engine_priority); the engines use it with
+    # ``engine={"scheduling": "priority"}``
+    engine_priority: bool = False
+    # the router sends each worker up to this many requests beyond its running slots
+    # (``max_num_seqs``); they wait in the engine's own queue (with engine priority: in the
+    # router's order, and may preempt running ones where the engine does that)
+    engine_queue: int = 0
 
 
 @dataclass
@@ -146,6 +163,8 @@ class _Live:
     dispatched: float = 0.0
     tenancy: RequestTenancy = NO_TENANT
     waited: bool = False  # joined the queue (its quota is checked again when dispatched)
+    engine_priority: int = 0  # the ``priority`` its engine requests carry
+    holding: bool = False  # counted in the router's holdings until it ends
 
 
 def for_policy(opts: SimOptions, spec: dict[str, Any]) -> SimOptions:
@@ -223,7 +242,7 @@ def simulate(
     capacity = schemas.WorkerCapacity(
         block_size=bs,
         num_gpu_blocks=cfg.num_gpu_blocks,
-        max_num_seqs=cfg.max_num_seqs,
+        max_num_seqs=cfg.max_num_seqs + opts.engine_queue,
         max_model_len=cfg.max_model_len,
     )
     for w in names:
@@ -293,6 +312,7 @@ def simulate(
         order.clear()
 
     counters = VirtualCounters()
+    holdings = Holdings() if opts.engine_priority else None
     queue: FlowQueue[_Live] = FlowQueue(counters, opts.queue_size, opts.queue_timeout_s)
     quotas = (
         QuotaBook() if any(t.quota != Tenant("").quota for t in opts.tenants.values()) else None
@@ -367,6 +387,9 @@ def simulate(
         """``lv`` ended on its worker (finished or refused): the lifecycle releases its claim;
         followers still held on it go now."""
         assert lv.ticket is not None
+        if lv.holding and holdings is not None:
+            holdings.remove(lv.tenancy.flow)
+            lv.holding = False
         followers = life.end(lv.rid, lv.ticket)
         if followers:
             push(t, _RELEASE, (None, followers))
@@ -378,6 +401,7 @@ def simulate(
             max_tokens=max_tokens,
             arrival_time=t,
             prompt_block_keys=lv.keys,  # hashed once above; the engine checks they fit
+            priority=lv.engine_priority,
         )
 
     def send(lv: _Live, sreq: Any, t: float) -> bool:
@@ -445,6 +469,12 @@ def simulate(
         w = d.worker_id
         ten = lv.tenancy
         counters.dispatched(ten.flow, ten.weight, req.prompt_tokens)
+        if holdings is not None:
+            lv.engine_priority = engine_priority(
+                ten.priority.rank, holdings.over_share(ten.flow, ten.weight)
+            )
+            holdings.add(ten.flow, ten.weight)
+            lv.holding = True
         if quotas is not None and req.tenant is not None:
             quotas.admitted(req.tenant, req.prompt_tokens, t)
         dispatched_at[lv.rid] = t

@@ -13,6 +13,7 @@ def test_bench_tenants_small_fleet(tmp_path) -> None:
     out = tmp_path / "t.json"
     rc = bench_tenants.main(
         ["--seeds", "1", "--span", "8", "--workers", "1", "--max-inflight", "4",
+         "--modes", "fcfs,kvgate,kvgate_sglang", "--engine-queue", "64",
          "--json", str(out)]
     )  # fmt: skip
     assert rc == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.core.engine import Engine, EngineConfig, SimRequest
+from services.core.flow import BAND_STEP, Holdings, engine_priority
 
 
 def prompt(tag: int, n: int = 16) -> list[int]:
@@ -98,3 +99,53 @@ def test_scheduling_settings_are_validated():
         EngineConfig(scheduling="lifo")
     with pytest.raises(ValueError, match="preempt_threshold"):
         EngineConfig(scheduling="priority", preempt_threshold=-1)
+
+
+def test_engine_priority_is_the_band_then_the_share_held():
+    """critical < standard < sheddable, 20 apart (above SGLang's default preemption threshold
+    of 10); +1 within a band for a flow over its share."""
+    assert [engine_priority(r, False) for r in range(3)] == [0, 20, 40]
+    assert engine_priority(1, True) == 21 and BAND_STEP == 20
+    assert engine_priority(0, True) < engine_priority(1, False)  # bands strictly first
+
+
+def test_holdings_over_share_worked_by_hand():
+    h = Holdings()
+    assert not h.over_share("heavy", 1.0)  # nothing in flight: 1/1 is not above 1/1
+    for _ in range(3):
+        h.add("heavy", 1.0)
+    # alone it holds everything: (3+1)/(3+1) is its whole share (no one else holds any)
+    assert not h.over_share("heavy", 1.0)
+    h.add("light", 1.0)  # heavy 3, light 1; weights 1 + 1
+    assert h.over_share("heavy", 1.0)  # 4/5 > 1/2
+    assert not h.over_share("light", 1.0)  # 2/5 <= 1/2
+    assert not h.over_share("new", 1.0)  # 1/5 <= 1/3 (its weight joins the sum)
+    h.add("b", 2.0)  # heavy 3, light 1, b 1 (weight 2): total 5, weights 4
+    assert not h.over_share("b", 2.0)  # 2/6 <= 2/4
+    assert h.over_share("heavy", 1.0)  # 4/6 > 1/4
+    for f in ("heavy", "heavy", "heavy", "light", "b"):
+        h.remove(f)
+    h.remove("absent")  # no-op
+    assert h.total == 0 and h.count == {} and h.weight == {} and h.total_weight == 0.0
+
+
+def test_the_sim_workers_priority_field_as_vllm_reads_it():
+    """vLLM 0.33's protocol: ``priority`` an int64, default 0; the sim worker's FCFS engine
+    refuses a non-zero one (as vLLM's V0 engine did), its priority engine takes it."""
+    from services.common.tokenizer import ByteTokenizer
+    from services.worker_sim.openai_api import ApiError, parse_request
+
+    tok = ByteTokenizer()
+    body = {"model": "m", "prompt": "x", "priority": -7}
+    assert parse_request("completion", body, tok, "m", priority_scheduling=True).priority == -7
+    assert (
+        parse_request("completion", {"prompt": "x"}, tok, "m", priority_scheduling=True).priority
+        == 0
+    )
+    assert parse_request("completion", {**body, "priority": 0}, tok, "m").priority == 0
+    for bad, sched in (("high", True), (True, True), (1 << 63, True), (-7, False)):
+        with pytest.raises(ApiError) as e:
+            parse_request(
+                "completion", {**body, "priority": bad}, tok, "m", priority_scheduling=sched
+            )
+        assert e.value.param == "priority"

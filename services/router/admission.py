@@ -119,7 +119,9 @@ class Admission:
                     last = d
                     if d.worker_id is not None:
                         if first:
-                            fc.dispatched(ten, len(ctx.parsed.token_ids), time.monotonic())
+                            ctx.engine_priority = fc.dispatched(
+                                ten, len(ctx.parsed.token_ids), time.monotonic()
+                            )
                             ctx.flow_counted = True
                         return d
                     if d.never_fits:

@@ -152,7 +152,12 @@ class Router:
         self.lifecycle: RequestLifecycle[asyncio.Event] = RequestLifecycle(
             self.state, FirstTokenWaits()
         )
-        self.flow = FlowControl(st.queue_size, st.queue_timeout, self.state.remote_ttl_s)
+        self.flow = FlowControl(
+            st.queue_size,
+            st.queue_timeout,
+            self.state.remote_ttl_s,
+            bool(getattr(st, "engine_priority", False)),
+        )
         self.capacity = CapacitySignal(self.flow)
         self.spawner = Spawner()
         self.fast = FastClient(st.connect_timeout)

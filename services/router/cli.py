@@ -78,6 +78,15 @@ OPTIONS = S.COMMON + (
         "max seconds a request waits for capacity before 429",
         env="KVGATE_ROUTER_QUEUE_TIMEOUT",
     ),
+    S.option(
+        "engine_priority",
+        False,
+        "send each request's flow-control order to its worker as the body's 'priority' "
+        "(band, then whether its tenant holds more than its share; lower first). Only for "
+        "engines that schedule by it: vLLM --scheduling-policy priority, SGLang "
+        "--enable-priority-scheduling --schedule-low-priority-values-first",
+        env="KVGATE_ROUTER_ENGINE_PRIORITY",
+    ),
     S.option("retry_after", 1, "Retry-After seconds on 429 / 503", env="KVGATE_ROUTER_RETRY_AFTER"),
     S.option(
         "pd_handshake",

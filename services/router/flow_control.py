@@ -7,7 +7,10 @@ metrics and the quota reports of the other routers.
 - one :class:`~services.core.flow.QuotaBook`: this router's per-tenant usage, reported to
   the other routers on the load-share channel (services/router/load_share.py), and theirs;
 - ``quota_of(tenant_id)``: the tenant's quota (the tenant directory's, hot-reloaded; every
-  tenant is unlimited until one is set).
+  tenant is unlimited until one is set);
+- with ``engine_priority``, the requests in flight per tenant (:class:`~services.core.flow.
+  Holdings`), from which each dispatched request gets the ``priority`` its engine schedules it
+  by (services/core/flow/engine_priority.py).
 
 Counting: a request is counted (its tenant's counter charged its prompt, its quota usage
 counted) once, when first dispatched, and its generated tokens when it ends; a retry on
@@ -23,7 +26,14 @@ from collections.abc import Callable
 
 from services.common.loop_metrics import LoopCounter, LoopHistogram
 from services.common.tenancy import Priority, RequestTenancy, TenantQuota
-from services.core.flow import FlowQueue, QuotaBook, Refusal, VirtualCounters
+from services.core.flow import (
+    FlowQueue,
+    Holdings,
+    QuotaBook,
+    Refusal,
+    VirtualCounters,
+    engine_priority,
+)
 
 UNLIMITED = TenantQuota()
 _PRIORITIES = [p.value for p in Priority]
@@ -52,7 +62,14 @@ QUOTA_REFUSED = LoopCounter(
 
 
 class FlowControl:
-    def __init__(self, queue_size: float, queue_timeout_s: float, peer_ttl_s: float) -> None:
+    def __init__(
+        self,
+        queue_size: float,
+        queue_timeout_s: float,
+        peer_ttl_s: float,
+        engine_priority: bool = False,
+    ) -> None:
+        self.holdings = Holdings() if engine_priority else None
         self.queue_size = queue_size
         self.queue_timeout_s = queue_timeout_s
         self.counters = VirtualCounters()
@@ -79,8 +96,16 @@ class FlowControl:
             QUOTA_REFUSED.labels(tenant, refusal.limit).inc()
         return refusal
 
-    def dispatched(self, tenancy: RequestTenancy, prompt_tokens: int, now: float) -> None:
-        """A request is dispatched for the first time: charged and counted."""
+    def dispatched(self, tenancy: RequestTenancy, prompt_tokens: int, now: float) -> int | None:
+        """A request is dispatched for the first time: charged and counted. Returns the
+        ``priority`` its engine gets (None: no ``engine_priority``)."""
+        prio = None
+        h = self.holdings
+        if h is not None:
+            prio = engine_priority(
+                tenancy.priority.rank, h.over_share(tenancy.flow, tenancy.weight)
+            )
+            h.add(tenancy.flow, tenancy.weight)
         self.counters.dispatched(tenancy.flow, tenancy.weight, prompt_tokens)
         tenant = tenancy.tenant_id
         if tenant is not None and limited(self.quota_of(tenant)):
@@ -88,9 +113,12 @@ class FlowControl:
         self._dispatches += 1
         if self._dispatches % 4096 == 0 and len(self.counters.counters) > 1024:
             self._forget()
+        return prio
 
     def ended(self, tenancy: RequestTenancy, completion_tokens: int, now: float) -> None:
         """A dispatched request ended having generated ``completion_tokens``."""
+        if self.holdings is not None:
+            self.holdings.remove(tenancy.flow)
         self.counters.completed(tenancy.flow, tenancy.weight, completion_tokens)
         tenant = tenancy.tenant_id
         if tenant is not None and limited(self.quota_of(tenant)):

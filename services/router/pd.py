@@ -208,6 +208,8 @@ class PdSender:
         s = self.state.states.get(pwid)
         if s is None:
             raise PrefillFailed(pwid, "prefill worker gone")
+        if ctx.engine_priority is not None:  # --engine-priority: the prefill's queue too
+            fields = {**fields, "priority": ctx.engine_priority}
         body = prefill_body(ctx.parsed.body, fields, nixl)
         headers = upstream_headers(ctx)  # the trace context too (services.router.trace)
         t0 = time.perf_counter()

@@ -95,6 +95,8 @@ class Ctx(msgspec.Struct):
     prefill_worker: str | None = None
     pd_handshake: str = ""
     pd_fields: dict[str, Any] | None = None
+    # --engine-priority: the body's ``priority`` for the engine (set at the first dispatch)
+    engine_priority: int | None = None
     pd_prefill_s: float | None = None
     pd_prefill_done: float | None = None
     pd_transfer_predicted: float = 0.0
@@ -140,6 +142,8 @@ def upstream_body(
         body["max_tokens"] = max_tokens
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
+        if ctx.engine_priority is not None:
+            body["priority"] = ctx.engine_priority
         return sse._encode(body)
     if p.stream:
         so = p.body.get("stream_options")

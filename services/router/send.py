@@ -103,6 +103,8 @@ class Sender:
         body = upstream_body(ctx, migrate=False, raw=raw)
         if ctx.pd_fields:  # the decode half of a P/D request: the handshake's fields
             body = with_fields(body or raw, ctx.pd_fields)
+        if ctx.engine_priority is not None:  # --engine-priority: the engine's queue order
+            body = with_fields(body or raw, {"priority": ctx.engine_priority})
         if not ctx.parsed.stream and self.state.states[wid].url.startswith("http://"):
             return await self._send_fast(ctx, wid, body or raw, ticket)
         try:

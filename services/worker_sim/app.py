@@ -60,6 +60,9 @@ def output_vocab(tokenizer: Any) -> tuple[int, ...]:
 
 def engine_config_from(st: Any, tokenizer: Any) -> EngineConfig:
     kwargs = {f: getattr(st, f) for f in _ENGINE_FIELDS if getattr(st, f, None) is not None}
+    kwargs["scheduling"] = getattr(st, "scheduling_policy", None) or "fcfs"
+    threshold = getattr(st, "priority_preemption_threshold", -1)
+    kwargs["preempt_threshold"] = None if threshold is None or threshold < 0 else threshold
     return EngineConfig(**kwargs, output_vocab=output_vocab(tokenizer))
 
 

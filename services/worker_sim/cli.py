@@ -7,7 +7,7 @@ import argparse
 from services.common import settings as S
 from services.common.service import run_service
 from services.common.tracing import OPTIONS as TRACING_OPTIONS
-from services.core.engine import ADMISSION_MODES, EngineConfig
+from services.core.engine import ADMISSION_MODES, SCHEDULING_POLICIES, EngineConfig
 from services.core.pd.transfer import DEFAULT_LINK, LINK_PROFILES
 from services.worker_sim.pd import ROLES
 from services.worker_sim.zmq_wire import BATCH_FORMS, EVENT_FORMS, HASH_MODES
@@ -142,6 +142,23 @@ OPTIONS = S.COMMON + (
         "guaranteed-no-evict; reproduces seed 001); vllm: allocate on demand and preempt",
         choices=list(ADMISSION_MODES),
         env="KVGATE_SIM_ADMISSION",
+    ),
+    S.option(
+        "scheduling_policy",
+        _D.scheduling,
+        "vLLM's --scheduling-policy: fcfs (arrival order; a non-zero request priority is a "
+        "400) or priority (the queue by the request's priority, lower first, then arrival; "
+        "the lowest priority is preempted when KV runs out)",
+        choices=list(SCHEDULING_POLICIES),
+        env="KVGATE_SIM_SCHEDULING_POLICY",
+    ),
+    S.option(
+        "priority_preemption_threshold",
+        -1,
+        "with --scheduling-policy priority: a waiting request preempts running requests whose "
+        "priority is more than this above its own when no slot or KV is free (SGLang's "
+        "--priority-scheduling-preemption-threshold); -1: never (vLLM)",
+        env="KVGATE_SIM_PRIORITY_PREEMPTION_THRESHOLD",
     ),
     S.HASH_SEED,
     S.option("seed", 0, "seed of the generated tokens and fault dice", env="KVGATE_SIM_SEED"),

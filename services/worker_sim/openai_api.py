@@ -135,6 +135,7 @@ class ParsedRequest:
     # bad_words); None: the engine's whole output vocabulary
     vocab: tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0  # the engine's scheduling priority (lower first; priority policy only)
 
     @property
     def prompt(self) -> str:
@@ -368,7 +369,12 @@ def parse_request(
     strict_model: bool = False,
     max_model_len: int = 0,
     output_vocab: tuple[int, ...] = (),
+    priority_scheduling: bool = False,
 ) -> ParsedRequest:
+    """``priority_scheduling``: the engine runs vLLM's priority policy (a request's
+    ``priority``, an int64, is used); else a non-zero ``priority`` is a 400, as vLLM's V0
+    engine answered (vLLM 0.33's V1 engine ignores it; SGLang ignores it unless
+    ``--abort-on-priority-when-disabled``)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if kind == "chat" and "messages" not in body:
@@ -387,7 +393,12 @@ def parse_request(
             if name == "response_format" and isinstance(v, dict) and v.get("type") == "text":
                 continue
             raise _bad(f"{why} by the simulated worker", name)
-    if body.get("priority") not in (None, 0):
+    priority = 0
+    if priority_scheduling:
+        priority = _integer(body, "priority") or 0
+        if not -(1 << 63) <= priority < (1 << 63):
+            raise _bad("'priority' must be a signed 64-bit integer", "priority")
+    elif body.get("priority") not in (None, 0):
         raise _bad("Priority scheduling is not enabled.", "priority")
     n = _integer(body, "n")
     n = 1 if n is None else n
@@ -511,6 +522,7 @@ def parse_request(
         stream_interval=interval or 1,
         request_id=request_id,
         vocab=vocab,
+        priority=priority,
     )
 
 

@@ -753,6 +753,7 @@ class SimWorker:
                 s.strict_model,
                 c.max_model_len,
                 c.output_vocab,
+                c.scheduling == "priority",
             )
             # vLLM builds the response id from the client's request_id (or X-Request-Id)
             rid = prefix + (p.request_id or r.headers.get("x-request-id") or uuid.uuid4().hex)
@@ -812,6 +813,7 @@ class SimWorker:
                     output_vocab=p.vocab,
                     kv_from_remote=pd is not None and pd.side == "decode",
                     hold_blocks=pd is not None and pd.side == "prefill",
+                    priority=p.priority,
                 ),
                 now,
             )

@@ -7,23 +7,28 @@ argument), so the live router (services/router/admission.py) and the simulator
   OSDI '24): the weighted service each flow (tenant) received;
 - :mod:`.queue`: the admission queue in service order (band, then the least-served flow);
 - :mod:`.control`: what a request does when it cannot be dispatched now (queue or shed);
+- :mod:`.engine_priority`: that order as the engines' own ``priority`` field (opt-in);
 - :mod:`.quota`: per-tenant requests / tokens per minute and concurrency, summed over router
   replicas from what each reports.
 """
 
 from services.core.flow.control import Verdict, on_arrival, verdict
+from services.core.flow.engine_priority import BAND_STEP, Holdings, engine_priority
 from services.core.flow.queue import FlowQueue, Joined
 from services.core.flow.quota import QuotaBook, Refusal, Usage
 from services.core.flow.vtc import VirtualCounters
 
 __all__ = [
+    "BAND_STEP",
     "FlowQueue",
+    "Holdings",
     "Joined",
     "QuotaBook",
     "Refusal",
     "Usage",
     "Verdict",
     "VirtualCounters",
+    "engine_priority",
     "on_arrival",
     "verdict",
 ]
