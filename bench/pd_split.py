@@ -7,8 +7,9 @@ pools' work per request:
 
 - **prefill**: engine-seconds a prefiller spends on one request, its uncached prompt (as a
   cache that never evicts would leave it, in arrival order) at
-  ``prefill_token_s x uncached + prefill_attn_s x uncached x context`` plus a step overhead per
-  chunk, divided by ``--max-utilization`` (a queue run hotter than that misses TTFTs);
+  ``prefill_token_s x uncached + prefill_attn_s x uncached x context`` plus its token share of
+  a step's overhead (``uncached / max_num_batched_tokens``), divided by ``--max-utilization``
+  (a queue run hotter than that misses TTFTs);
 - **decode**: engine-seconds a decoder spends on one request at the largest batch whose step
   still meets the TPOT target (``overhead + n x (decode_seq_s + decode_kv_token_s x mean
   context) <= tpot``, capped by ``max_num_seqs`` and the KV cache): ``output x step(n) / n``.
@@ -87,9 +88,9 @@ def demand(requests, keys, cfg: EngineConfig, tpot_s: float, max_util: float) ->
             hit += 1
         seen.update(k)
         unc = r.prompt_tokens - hit * bs
-        chunks = max(1, math.ceil(unc / cfg.max_num_batched_tokens))
+        # the step overhead is shared by the prompts batched in a step: its token share
         pre += (
-            cfg.step_overhead_s * chunks
+            cfg.step_overhead_s * unc / cfg.max_num_batched_tokens
             + cfg.prefill_token_s * unc
             + cfg.prefill_attn_s * unc * (r.prompt_tokens - unc / 2.0)
         )
@@ -133,6 +134,33 @@ def recommend(d: Demand, engines: int) -> Split:
     return Split(best, engines - best, share)
 
 
+def write_plot(path: Path, rows: list[dict], rec: Split, d: Demand, a) -> None:
+    """Goodput of every split (bars), the model's carried rate (line), the recommendation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [r["prefill"] for r in rows]
+    ax.bar(
+        xs,
+        [r["goodput_req_s"] for r in rows],
+        color=["tab:orange" if x == rec.prefill else "tab:blue" for x in xs],
+        label=f"{a.policy} goodput (orange: recommended)",
+    )
+    ax.plot(xs, [carried(d, a.workers, x) for x in xs], "k--", marker="o", label="model")
+    ax.set_xticks(xs, [f"{x}P{a.workers - x}D" for x in xs])
+    ax.set_ylabel("requests/s")
+    ax.set_title(f"P:D split of {a.workers} engines: {a.workload}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ------------------------------------------------------------------ the command
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -166,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", default="")
     ap.add_argument("--out-dir", default=str(DEFAULT_RESULTS))
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-plots", action="store_true", help="skip split_goodput.png")
     return ap
 
 
@@ -266,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{time.perf_counter() - t0:.0f} s wall"
             )
         doc["sweep"] = {"rows": rows, "best": best, "recommended_share_of_best": share}
+        if not a.no_plots:
+            out_png = Path(a.out_dir) / (a.name or f"pd-split-{a.workload}-{a.workers}")
+            write_plot(out_png / "split_goodput.png", rows, rec, d, a)
     name = a.name or f"pd-split-{a.workload}-{a.workers}"
     out = Path(a.out_dir) / name
     out.mkdir(parents=True, exist_ok=True)

@@ -56,19 +56,21 @@ def test_split_balances_the_pools_work_worked_out_by_hand() -> None:
     reqs = [_req(i, 1600, 100) for i in range(2)]
     keys = [tuple(range(i * 1000, i * 1000 + 100)) for i in range(2)]
     d = pd_split.demand(reqs, keys, cfg, tpot_s=0.05, max_util=0.8)
-    # prefill: 6.5 ms + 40e-6 x 1600 + 2.5e-9 x 1600 x 800 = 73.7 ms, / 0.8 busy = 92.125 ms
-    assert d.prefill_s == pytest.approx((0.0065 + 0.064 + 0.0032) / 0.8)
+    # prefill: 6.5 ms x 1600 / 8192 (its share of a step) + 40e-6 x 1600 + 2.5e-9 x 1600 x
+    # 800 = 68.47 ms, / 0.8 busy = 85.59 ms
+    assert d.prefill_s == pytest.approx((0.0065 * 1600 / 8192 + 0.064 + 0.0032) / 0.8)
     # decode: context 1650; a sequence costs 30e-6 + 55e-9 x 1650 = 120.75 us a step; the
     # largest batch within 50 ms: (0.05 - 0.0065) / 120.75e-6 = 360, max_num_seqs 256, the KV
     # cache (432,000 tokens / 1700 a sequence) 254: 254; step 6.5 ms + 254 x 120.75 us =
     # 37.17 ms; 100 tokens / 254 x that = 14.6 ms a request
     assert d.decode_batch == 254
     assert d.decode_s == pytest.approx(100 * (0.0065 + 254 * 120.75e-6) / 254)
-    # prefill share 92.1 / (92.1 + 14.6) = 86 %: of 8 engines 6.9 -> 6P2D or 7P1D, whichever
-    # carries more: min(6 / .0921, 2 / .0146) = 65 req/s against min(7 / .0921, 1 / .0146) = 68
+    # prefill share 85.6 / (85.6 + 14.6) = 85 %: of 8 engines 6.8 -> 6P2D or 7P1D, whichever
+    # carries more: min(6 / .0856, 2 / .0146) = 70 req/s against min(7 / .0856, 1 / .0146) = 68
     rec = pd_split.recommend(d, 8)
-    assert (rec.prefill, rec.decode) == (7, 1)
+    assert (rec.prefill, rec.decode) == (6, 2)
     assert rec.share == pytest.approx(d.prefill_s / (d.prefill_s + d.decode_s))
+    assert pd_split.carried(d, 8, 6) == pytest.approx(6 / d.prefill_s)
     assert pd_split.carried(d, 8, 7) == pytest.approx(1 / d.decode_s)
     assert pd_split.carried(d, 8, 0) == pytest.approx(8 / (d.prefill_s + d.decode_s))
 
@@ -95,4 +97,5 @@ def test_split_command_checks_the_recommendation_against_every_split(tmp_path, c
     best = max(r["goodput_req_s"] for r in rows)
     rec = next(r for r in rows if r["prefill"] == doc["recommended"]["prefill"])
     assert doc["sweep"]["recommended_share_of_best"] == pytest.approx(rec["goodput_req_s"] / best)
+    assert (tmp_path / "sp" / "split_goodput.png").stat().st_size > 0
     assert pd_split.main(["-n", "1", "--out-dir", str(tmp_path)]) == 2
