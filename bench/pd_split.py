@@ -15,8 +15,10 @@ pools' work per request:
   context) <= tpot``, capped by ``max_num_seqs`` and the KV cache): ``output x step(n) / n``.
 
 The fleet carries the most when both pools saturate together, ``P / N = prefill / (prefill +
-decode)``; the recommended P is the integer next to it whose pools carry more (a P below 0.5
-rounds to 0: the decoders prefill everything, which ``pd_slo`` does on its own).
+decode)``; the recommended P is the integer next to it whose pools carry more. P = 0 (the
+decoders prefill too: a colocated fleet, which ``pd_slo`` becomes with no prefill engine) is a
+candidate when a decode step carrying one prefill chunk of the mean uncached prompt still meets
+the TPOT target, and wins when the whole fleet time-shared carries more.
 
 ``--exhaustive`` runs :mod:`bench.goodput`'s bisection for ``--policy`` (default ``pd_slo``) on
 every split P = 0 .. N-1 (``--splits`` to pick some) and prints each split's goodput, the best,
@@ -65,6 +67,10 @@ class Demand:
     output_tokens: float
     context_tokens: float
     decode_batch: int  # the largest batch whose step meets the TPOT target
+    # a decode step that carries one prefill chunk of the mean uncached prompt (a colocated
+    # engine's step): within the TPOT target, prefill and decode can share engines
+    mixed_step_s: float = 0.0
+    tpot_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,8 @@ def demand(requests, keys, cfg: EngineConfig, tpot_s: float, max_util: float) ->
     kv_cap = int(cfg.kv_capacity_tokens // max(1.0, ctx + out / 2.0))
     batch = max(1, min(batch, cfg.max_num_seqs, kv_cap))
     step = cfg.step_overhead_s + batch * per_seq
+    chunk = min(unc_sum / n, cfg.max_num_batched_tokens)
+    mixed = step + cfg.prefill_token_s * chunk + cfg.prefill_attn_s * chunk * (ctx - chunk / 2)
     return Demand(
         prefill_s=pre / n / max_util,
         decode_s=out * step / batch,
@@ -111,6 +119,8 @@ def demand(requests, keys, cfg: EngineConfig, tpot_s: float, max_util: float) ->
         output_tokens=out,
         context_tokens=ctx,
         decode_batch=batch,
+        mixed_step_s=mixed,
+        tpot_s=tpot_s,
     )
 
 
@@ -123,13 +133,16 @@ def carried(d: Demand, engines: int, prefill: int) -> float:
 
 
 def recommend(d: Demand, engines: int) -> Split:
-    """The split whose pools carry the most (ties: fewer prefillers)."""
+    """The split whose pools carry the most (ties: fewer prefillers). No prefillers (P = 0:
+    the decoders prefill too, like a colocated fleet) is a candidate only while a decode step
+    carrying a prefill chunk still meets the TPOT target: past it, sharing engines costs the
+    decoding requests their TPOT, which the pools' work alone does not show."""
     share = d.prefill_s / (d.prefill_s + d.decode_s)
     ideal = share * engines
-    lo = max(0, min(engines - 1, math.floor(ideal)))
+    lo = max(1, min(engines - 1, math.floor(ideal)))
     cands = {lo, min(engines - 1, lo + 1)}
-    if ideal < 0.5:
-        cands = {0}
+    if d.mixed_step_s <= d.tpot_s:
+        cands.add(0)
     best = max(sorted(cands), key=lambda p: (carried(d, engines, p), -p))
     return Split(best, engines - best, share)
 

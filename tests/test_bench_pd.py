@@ -75,13 +75,21 @@ def test_split_balances_the_pools_work_worked_out_by_hand() -> None:
     assert pd_split.carried(d, 8, 0) == pytest.approx(8 / (d.prefill_s + d.decode_s))
 
 
-def test_decode_bound_workload_gets_no_prefillers() -> None:
+def test_short_prompts_stay_colocated_long_ones_split() -> None:
     cfg = EngineConfig()
-    reqs = [_req(i, 32, 2000) for i in range(2)]
-    keys = [(i,) * 2 for i in range(2)]
-    d = pd_split.demand(reqs, keys, cfg, tpot_s=0.05, max_util=0.9)
+    short = [_req(i, 128, 128) for i in range(2)]
+    d = pd_split.demand(short, [(i, i) for i in range(2)], cfg, tpot_s=0.05, max_util=0.9)
+    # a decode step carrying the 128-token prompt: 6.5 ms + 256 x (30e-6 + 55e-9 x 192) +
+    # 40e-6 x 128 + ... = 21.9 ms, within 50 ms: sharing engines costs no TPOT, and the whole
+    # fleet time-shared carries more than any split of it
+    assert d.mixed_step_s < 0.05
     assert pd_split.recommend(d, 8).prefill == 0
     assert math.isclose(pd_split.carried(d, 8, 0), 8 / (d.prefill_s + d.decode_s))
+    # 4096-token prompts: a step carrying one 4096-token chunk takes > 0.2 s: split the fleet
+    long = [_req(i, 4096, 128) for i in range(2)]
+    keys = [tuple(range(i * 1000, i * 1000 + 256)) for i in range(2)]
+    d = pd_split.demand(long, keys, cfg, tpot_s=0.05, max_util=0.9)
+    assert d.mixed_step_s > 0.2 and pd_split.recommend(d, 8).prefill > 0
 
 
 def test_split_command_checks_the_recommendation_against_every_split(tmp_path, capsys) -> None:
