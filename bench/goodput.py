@@ -33,7 +33,8 @@ Disaggregated fleets: ``--pd P:D`` runs the P/D policies (``pd_slo``, ``pd_dynam
 ``pd_llmd``, ``pd_sglang``, ``pd_round_robin``) on P prefill + D decode engines and the colocated
 ones on P + D colocated engines; ``--pd-peers`` names the P/D peer rules the ``÷ best P/D peer``
 column divides by. Each point also records the ITL p99 (the table shows it at each policy's
-goodput)::
+goodput, and a second one every policy's ITL p99 and attainment at the multipliers every
+search evaluated: the same offered rate for all)::
 
     python -m bench.goodput --pd 2:6 \\
         --policies slo_aware,kv_aware,dynamo_kv,pd_slo,pd_dynamo,pd_llmd,pd_sglang
@@ -516,6 +517,34 @@ def pd_table(conf: dict[str, Any], searches: list[dict]) -> str:
         f"best colocated: {best_colo or '–'}; best P/D peer: {best_pdp or '–'} "
         f"(same {conf['workers']} engines; ITL p99 is each policy's at its own goodput)."
     )
+    # the same offered rate for everyone: the multipliers every search evaluated
+    common: set[float] | None = None
+    for r in searches:
+        ms = {round(p["multiplier"], 6) for p in r["points"]}
+        common = ms if common is None else common & ms
+    if common:
+        lines += [
+            "",
+            "ITL p99 / SLO attainment (median over seeds) at the multipliers every search ran:",
+            "",
+            "| multiplier | " + " | ".join(f"`{lbl}`" for lbl, _ in conf["policies"]) + " |",
+            "|---:|" + "---:|" * len(conf["policies"]),
+        ]
+        for m in sorted(common):
+            cells = []
+            for lbl, _spec in conf["policies"]:
+                pts = [
+                    p
+                    for r in searches
+                    if r["label"] == lbl
+                    for p in r["points"]
+                    if round(p["multiplier"], 6) == m
+                ]
+                itls = [p["itl_p99_s"] for p in pts if p.get("itl_p99_s") is not None]
+                att = statistics.median(p["attainment"] for p in pts)
+                it = f"{1000 * statistics.median(itls):.0f} ms" if itls else "–"
+                cells.append(f"{it} / {100 * att:.0f} %")
+            lines.append(f"| x{m:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

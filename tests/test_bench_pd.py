@@ -40,6 +40,8 @@ def test_goodput_table_compares_colocated_and_pd_fleets(tmp_path, capsys) -> Non
     out = capsys.readouterr().out
     assert "| `kv_aware` | 2 colocated |" in out and "| `pd_slo` | 1P1D |" in out
     assert "best colocated: kv_aware; best P/D peer: pd_round_robin" in out
+    # every search evaluated the two ends: ITL and attainment side by side there
+    assert "| x0.5 |" in out and "| x8 |" in out
     doc = json.loads((tmp_path / "gp" / "goodput.json").read_text())
     assert doc["config"]["pd"] == [1, 1] and doc["config"]["workers"] == 2
     points = [p for s in doc["searches"] for p in s["points"]]
