@@ -551,7 +551,7 @@ class Engine:
         vllm_mode = c.admission == "vllm"
         preemptions_before = self.num_preemptions
         by_priority = c.scheduling == "priority"
-        if vllm_mode:
+        if vllm_mode and by_priority:
             for s in list(running):
                 if budget <= 0:
                     break
@@ -561,13 +561,23 @@ class Engine:
                 n = (left if left < budget else budget) if left > 0 else 1
                 before = self.num_preemptions
                 grown = self._grow(s, n)
-                if by_priority and self.num_preemptions != before:
+                if self.num_preemptions != before:
                     # the victim may have been scheduled earlier in this step
                     budget += self._unschedule(scheduled, self.running)
                 if not grown:
-                    if by_priority:
-                        # s was the lowest priority: the ones after it go first and may fit
-                        continue
+                    continue  # s was the lowest priority: the ones after it may still fit
+                scheduled.append((s, n))
+                budget -= n
+            running = self.running
+        elif vllm_mode:
+            for s in list(running):
+                if budget <= 0:
+                    break
+                if s not in self.running:  # preempted earlier in this loop
+                    continue
+                left = s.prefill_target - s.num_computed
+                n = (left if left < budget else budget) if left > 0 else 1
+                if not self._grow(s, n):
                     break  # s itself was preempted
                 scheduled.append((s, n))
                 budget -= n
