@@ -3,6 +3,8 @@ SGLang's preemption threshold), worked out by hand on tiny engines (pure, virtua
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from services.core.engine import Engine, EngineConfig, SimRequest
@@ -149,3 +151,26 @@ def test_the_sim_workers_priority_field_as_vllm_reads_it():
                 "completion", {**body, "priority": bad}, tok, "m", priority_scheduling=sched
             )
         assert e.value.param == "priority"
+
+
+def test_sim_worker_flags_select_the_policy():
+    """``kvgate sim-worker --scheduling-policy priority --priority-preemption-threshold 0``;
+    the defaults leave the engine as it was (FCFS, never preempting for a waiting request)."""
+    from services.common import settings as S
+    from services.common.tokenizer import ByteTokenizer
+    from services.worker_sim import cli as sim_cli
+    from services.worker_sim.app import engine_config_from
+
+    parser = argparse.ArgumentParser()
+    S.add_options(parser, sim_cli.OPTIONS)
+
+    def config(argv: list[str], env: dict[str, str]) -> EngineConfig:
+        st = S.resolve(parser.parse_args(argv), sim_cli.OPTIONS, environ=env)
+        return engine_config_from(st, ByteTokenizer())
+
+    cfg = config([], {})
+    assert (cfg.scheduling, cfg.preempt_threshold) == ("fcfs", None)
+    cfg = config(["--scheduling-policy", "priority", "--priority-preemption-threshold", "0"], {})
+    assert (cfg.scheduling, cfg.preempt_threshold) == ("priority", 0)
+    cfg = config([], {"KVGATE_SIM_SCHEDULING_POLICY": "priority"})
+    assert (cfg.scheduling, cfg.preempt_threshold) == ("priority", None)
