@@ -18,6 +18,8 @@ Built-in workloads (see :data:`WORKLOADS`):
 - ``generated-shared-prefix``: SGLang's bench: ``groups`` x ``prompts_per_group``, each group a
   shared prefix, each prompt a unique question, shuffled;
 - ``multi-turn``: conversations whose every turn extends the previous context;
+- ``tool-agent``: tool-calling agents: shared tool schemas, histories that grow by each tool
+  call and its result, short outputs and short gaps between turns;
 - ``mooncake``: Mooncake (FAST'25) JSONL trace replay; each hash id becomes a deterministic block
   of text, so equal hash-id chains are equal prefixes;
 - ``azure``: Azure LLM inference CSV trace replay (arrivals and lengths only, no sharing).
@@ -242,6 +244,54 @@ def multi_turn(
     return Workload("multi-turn", _sorted(reqs), params)
 
 
+def tool_agent(
+    sessions: int = 48,
+    turns: int = 8,
+    toolsets: int = 2,
+    tools_len: int = 4096,
+    task_len: int = 256,
+    call_len: int = 64,
+    result_len: int = 768,
+    range_ratio: float = 0.25,
+    think_s: float = 1.0,
+    rate: float = 1.0,
+    seed: int = 0,
+) -> Workload:
+    """Tool-calling agents: every session starts from one of ``toolsets`` shared tool-schema
+    blocks (``tools_len`` tokens each, shared by every session that uses it) and its own task
+    (``task_len``); each turn the model answers with a tool call (``call_len`` output tokens)
+    and the next turn's prompt is the whole history + that call + the tool's result (``result_len``
+    x uniform [``range_ratio``, 1] tokens), sent ``think_s`` after the previous turn (the
+    tool's latency) and never before it has finished. Histories grow turn by turn; sessions
+    share the schemas, not their histories. Sessions start as a Poisson process at ``rate``.
+    """
+    params = _params(locals())
+    rng = random.Random(seed)
+    schemas = [random_text(random.Random(f"tools-{t}"), tools_len) for t in range(toolsets)]
+    starts = poisson_arrivals(rng, sessions, rate)
+    reqs: list[BenchRequest] = []
+    for s in range(sessions):
+        t = rng.randrange(toolsets)
+        context = schemas[t] + random_text(rng, task_len)
+        for k in range(turns):
+            reqs.append(
+                BenchRequest(
+                    request_id=f"ta-{s}-{k}",
+                    prompt=context,
+                    max_tokens=call_len,
+                    arrival_s=starts[s] + k * think_s,
+                    session_id=f"a{s}",
+                    turn=k,
+                    group=t,
+                )
+            )
+            # the model's tool call and the tool's result join the history
+            context += random_text(rng, call_len) + random_text(
+                rng, _length(rng, result_len, range_ratio)
+            )
+    return Workload("tool-agent", _sorted(reqs), params)
+
+
 def mooncake(
     path: str = "",
     time_scale: float = 1.0,
@@ -388,6 +438,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "shared-system-prompt": shared_system_prompt,
     "generated-shared-prefix": generated_shared_prefix,
     "multi-turn": multi_turn,
+    "tool-agent": tool_agent,
     "mooncake": mooncake,
     "azure": azure,
 }

@@ -28,9 +28,12 @@ def _common_prefix(a: str, b: str) -> int:
     return n
 
 
-@pytest.mark.parametrize("name", ["shared-system-prompt", "generated-shared-prefix", "multi-turn"])
+@pytest.mark.parametrize(
+    "name", ["shared-system-prompt", "generated-shared-prefix", "multi-turn", "tool-agent"]
+)
 def test_generators_are_deterministic_and_seed_dependent(name):
     small = {
+        "tool-agent": {"sessions": "3", "turns": "3", "tools_len": "100", "result_len": "50"},
         "shared-system-prompt": {"num_requests": "20", "system_len": "300", "rate": "5"},
         "generated-shared-prefix": {"groups": "3", "prompts_per_group": "4", "prefix_len": "200"},
         "multi-turn": {"sessions": "3", "turns": "3", "system_len": "100"},
@@ -96,6 +99,31 @@ def test_multi_turn_extends_context():
         for a, b in zip(turns, turns[1:], strict=False):
             assert b.prompt.startswith(a.prompt) and len(b.prompt) > len(a.prompt)
             assert b.arrival_s == pytest.approx(a.arrival_s + 2)
+
+
+def test_tool_agents_share_schemas_and_grow_their_histories():
+    w = build_workload(
+        "tool-agent",
+        {"sessions": 6, "turns": 3, "toolsets": 2, "tools_len": 80, "task_len": 10, "think_s": 0.5},
+    )
+    sessions: dict[str, list] = {}
+    for r in w.requests:
+        sessions.setdefault(r.session_id, []).append(r)
+    assert len(sessions) == 6 and len(w.requests) == 18
+    firsts = {}
+    for turns in sessions.values():
+        turns.sort(key=lambda r: r.turn)
+        assert all(t.max_tokens == 64 for t in turns)
+        for a, b in zip(turns, turns[1:], strict=False):
+            # the history grows by the call and the result; the next turn waits think_s
+            assert b.prompt.startswith(a.prompt) and len(b.prompt) >= len(a.prompt) + 64 + 192
+            assert b.arrival_s == pytest.approx(a.arrival_s + 0.5)
+        firsts[turns[0].group] = firsts.get(turns[0].group, []) + [turns[0].prompt]
+    # sessions of one toolset share its 80-token schema, and nothing beyond it
+    for prompts in firsts.values():
+        for p in prompts[1:]:
+            assert 80 <= _common_prefix(p, prompts[0]) < 90  # the tasks differ
+    assert len(firsts) == 2
 
 
 def _mooncake_file(tmp_path):
@@ -195,6 +223,7 @@ def test_parameters_are_checked():
         "shared-system-prompt",
         "generated-shared-prefix",
         "multi-turn",
+        "tool-agent",
         "mooncake",
         "azure",
     }
