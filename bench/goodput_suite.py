@@ -1,0 +1,218 @@
+"""``python -m bench.goodput_suite``: goodput (``bench.goodput``) of the default policy against
+the faithful peer rules on every workload of the suite, both engine profiles, 8 and 32 workers,
+then one summary table: per configuration the default's median goodput over the seeds, the
+best peer's, their ratio and the target (>= 1.25x on workloads with prefix reuse, >= 1.0x on
+the Azure trace, which has none).
+
+Each configuration is one ``bench.goodput`` run under ``<out>/<workload>-<profile>-n<workers>``
+(skipped when its ``goodput.json`` is there: an interrupted suite resumes; ``--summary`` only
+reads them). Workload sizes are small enough for two shared cores (see :data:`WORKLOADS`);
+32 workers get 4x the requests at 4x the rate (traces: 4x the requests from the same start,
+replayed 4x faster). The SLO pair per
+profile: TTFT <= 2 s (default engine) or 6.25 s (prefill-bound), TPOT <= 50 ms, >= 90 % of all
+requests::
+
+    python -m bench.goodput_suite                                   # everything (long)
+    python -m bench.goodput_suite --workloads mt,ta --workers 8 --profiles prefill-bound
+    python -m bench.goodput_suite --summary                         # the table of what ran
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import goodput
+from bench.common import DEFAULT_RESULTS
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+# short name -> (bench.goodput workload, -p parameters at 8 workers per engine profile (the
+# base load, multiplier 1, placed so that the knee falls inside 0.5-4 x), whether the workload
+# reuses prefixes). Sizes: ~400-1,300 requests at x1 on 8 workers.
+WORKLOADS: dict[str, tuple[str, dict[str, dict[str, Any]], bool]] = {
+    "ssp": (
+        "shared-system-prompt",
+        {p: {"num_requests": 1200, "rate": 300, "warmup_s": 0.1} for p in ("default", "pb")},
+        True,
+    ),
+    "gsp": (
+        "generated-shared-prefix",
+        {p: {"groups": 64, "prompts_per_group": 16, "rate": 80} for p in ("default", "pb")},
+        True,
+    ),
+    "mt": (
+        "multi-turn",
+        {"default": {"sessions": 180, "rate": 4.5}, "pb": {"sessions": 60, "rate": 1.5}},
+        True,
+    ),
+    "ta": (
+        "tool-agent",
+        {"default": {"sessions": 160, "rate": 8.0}, "pb": {"sessions": 64, "rate": 3.0}},
+        True,
+    ),
+    "mc": (
+        "mooncake",
+        {p: {"max_requests": 400, "start_s": 100, "time_scale": 1.0} for p in ("default", "pb")},
+        True,
+    ),
+    "az": (
+        "azure",
+        {
+            "default": {"max_requests": 400, "start_s": 600, "time_scale": 0.5},
+            "pb": {"max_requests": 400, "start_s": 600, "time_scale": 1.0},
+        },
+        False,
+    ),
+}
+TRACE_FILES = {"mc": "synthetic_trace.jsonl", "az": "AzureLLMInferenceTrace_code.csv"}
+SLO_TTFT = {"default": 2.0, "prefill-bound": 6.25}
+# Mooncake's long prompts: the 90th percentile (~33 k tokens) alone takes ~2.8 s to prefill on
+# the default engine and ~5.7 s on the prefill-bound one, so its TTFT SLO is looser
+SLO_TTFT_MC = {"default": 5.0, "prefill-bound": 15.0}
+# a trace's seed is a window of it (its arrivals and lengths are the trace's own: a seed alone
+# would change only the prompt text): window s starts at start_s + WINDOW_S x s
+WINDOW_S = 100
+DEFAULT = "slo_aware"
+
+
+def scaled(short: str, profile: str, workers: int) -> dict[str, Any]:
+    """The workload's parameters at ``workers``: k = workers / 8 x the requests (sessions,
+    groups) at k x the rate (traces: k x the requests from the same start, replayed k x
+    faster)."""
+    _name, params, _reuse = WORKLOADS[short]
+    k = workers / 8
+    out = dict(params["pb" if profile == "prefill-bound" else "default"])
+    for key in ("num_requests", "max_requests", "sessions", "groups"):
+        if key in out:
+            out[key] = int(out[key] * k)
+    if "rate" in out:
+        out["rate"] = out["rate"] * k
+    if "time_scale" in out:
+        out["time_scale"] = out["time_scale"] / k
+    return out
+
+
+def config_args(
+    short: str, profile: str, workers: int, a: argparse.Namespace, seeds: str, window: int = 0
+) -> list[str]:
+    name, _params, _reuse = WORKLOADS[short]
+    argv = ["-w", name, "-n", str(workers), "--profile", profile]
+    params = scaled(short, profile, workers)
+    if "start_s" in params:
+        params["start_s"] += WINDOW_S * window
+    for k, v in params.items():
+        argv += ["-p", f"{k}={v}"]
+    if short in TRACE_FILES:
+        argv += ["--trace", str(Path(a.traces) / TRACE_FILES[short])]
+    if short == "mc":
+        argv += ["-e", "max_model_len=200000"]
+    ttft = (SLO_TTFT_MC if short == "mc" else SLO_TTFT)[profile]
+    argv += ["--ttft", str(ttft), "--tpot", "0.05"]
+    argv += ["--min-rate", str(a.min_rate), "--max-rate", str(a.max_rate)]
+    argv += ["--steps", str(a.steps), "--seeds", seeds, "--policies", a.policies]
+    argv += ["--peers", a.peers, "-j", str(a.jobs), "--no-plots", "--no-progress"]
+    return argv
+
+
+def summary(out: Path, default: str) -> str:
+    """The table of every configuration run under ``out``."""
+    lines = [
+        "| configuration | SLO (TTFT / TPOT) | default req/s (x) | best peer | best peer req/s (x)"
+        " | ÷ best peer | target | met |",
+        "|---|---|---:|---|---:|---:|---:|---|",
+    ]
+    groups: dict[str, list[dict]] = {}
+    for path in sorted(out.glob("*/goodput.json")):
+        # a trace's windows (<config>-w<s>) are its seeds: one configuration
+        name = path.parent.name
+        base = name.rsplit("-w", 1)[0] if "-w" in name.split("-n")[-1] else name
+        groups.setdefault(base, []).append(json.loads(path.read_text()))
+    for name, runs in groups.items():
+        conf = runs[0]["config"]
+        med = _medians(runs)
+        short = name.split("-")[0]
+        reuse = WORKLOADS.get(short, ("", {}, True))[2]
+        peers = [p for p in conf["peers"] if p in med]
+        if default not in med or not peers:
+            continue
+        best = max(peers, key=lambda p: med[p]["req_s"] or 0.0)
+        ours, theirs = med[default]["req_s"] or 0.0, med[best]["req_s"] or 0.0
+        ratio = ours / theirs if theirs else float("inf")
+        target = 1.25 if reuse else 1.0
+        lines.append(
+            f"| {name} | {conf['ttft_s']:g} s / {conf['tpot_s'] * 1000:g} ms "
+            f"| {ours:.2f} (x{med[default]['multiplier']:.2f}) | `{best}` "
+            f"| {theirs:.2f} (x{med[best]['multiplier']:.2f}) | {ratio:.2f}x | >= {target:g}x "
+            f"| {'yes' if ratio >= target else 'MISSED'} |"
+        )
+    return "\n".join(lines)
+
+
+def _medians(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per policy, the median over every seed's search of the runs (one run, or a trace's
+    windows): goodput as offered req/s and as multiplier (below the range: 0)."""
+    per: dict[str, list[tuple[float, float]]] = {}
+    for d in runs:
+        for s in d["searches"]:
+            g = s["goodput_req_s"] if s["goodput_multiplier"] else 0.0
+            per.setdefault(s["label"], []).append((g or 0.0, s["goodput_multiplier"] or 0.0))
+    return {
+        k: {
+            "req_s": statistics.median(g for g, _ in v),
+            "multiplier": statistics.median(m for _, m in v),
+        }
+        for k, v in per.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.goodput_suite",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="short names, comma-separated")
+    ap.add_argument("--profiles", default="default,prefill-bound", help="engine profiles")
+    ap.add_argument("--workers", default="8,32", help="fleet sizes, comma-separated")
+    ap.add_argument("--policies", default=f"{DEFAULT},kv_aware,{goodput.PEERS}")
+    ap.add_argument("--peers", default=goodput.PEERS)
+    ap.add_argument("--default", default=DEFAULT, help="the policy the summary divides")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--min-rate", type=float, default=0.5)
+    ap.add_argument("--max-rate", type=float, default=4.0)
+    ap.add_argument("--jobs", "-j", type=int, default=2)
+    ap.add_argument("--traces", default=str(TRACES), help="folder of the trace files")
+    ap.add_argument("--out", default=str(DEFAULT_RESULTS / "goodput-suite"))
+    ap.add_argument("--summary", action="store_true", help="only print the table of what ran")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    if not a.summary:
+        for n in [int(x) for x in a.workers.split(",") if x]:
+            for profile in [p for p in a.profiles.split(",") if p]:
+                for short in [w for w in a.workloads.split(",") if w]:
+                    if short not in WORKLOADS:
+                        print(f"unknown workload {short!r}", file=sys.stderr)
+                        return 2
+                    runs = [(f"{short}-{profile}-n{n}", a.seeds, 0)]
+                    if short in TRACE_FILES:  # one run per window, seed 0
+                        seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+                        runs = [(f"{short}-{profile}-n{n}-w{s}", "0", s) for s in seeds]
+                    for name, seeds_arg, window in runs:
+                        if (out / name / "goodput.json").exists():
+                            continue
+                        print(f"== {name}", flush=True)
+                        args = config_args(short, profile, n, a, seeds_arg, window)
+                        rc = goodput.main([*args, "--name", name, "--out-dir", str(out)])
+                        if rc:
+                            return rc
+    print(summary(out, a.default))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
