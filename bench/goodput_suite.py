@@ -31,7 +31,8 @@ from bench.common import DEFAULT_RESULTS
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 # short name -> (bench.goodput workload, -p parameters at 8 workers per engine profile (the
-# base load, multiplier 1, placed so that the knee falls inside 0.5-4 x), whether the workload
+# base load, multiplier 1, placed so that the knee falls inside 0.5-4 x, or "_rates": the
+# multipliers searched), whether the workload
 # reuses prefixes). Sizes: ~300-1,200 requests at x1 on 8 workers (two shared cores). The shared prompt and the
 # shared prefixes are bursts at these sizes (every request in flight at once): their goodput is
 # the rate at which the fleet still absorbs the burst within the SLO.
@@ -48,12 +49,14 @@ WORKLOADS: dict[str, tuple[str, dict[str, dict[str, Any]], bool]] = {
     ),
     "mt": (
         "multi-turn",
-        {"default": {"sessions": 90, "rate": 4.5}, "pb": {"sessions": 40, "rate": 1.5}},
+        # the conversations (bench.goodput's defaults: 200 sessions of 8 turns, a start
+        # window of 133 s, longer than a conversation's life, so the load reaches its level)
+        {"default": {"rate": 4.5}, "pb": {"_rates": (1.5, 3.0)}},
         True,
     ),
     "ta": (
         "tool-agent",
-        {"default": {"sessions": 80, "rate": 8.0}, "pb": {"sessions": 40, "rate": 3.0}},
+        {"default": {"sessions": 240, "rate": 8.0}, "pb": {"sessions": 120, "rate": 3.0}},
         True,
     ),
     "mc": (
@@ -88,6 +91,9 @@ def scaled(short: str, profile: str, workers: int) -> dict[str, Any]:
     _name, params, _reuse = WORKLOADS[short]
     k = workers / 8
     out = dict(params["pb" if profile == "prefill-bound" else "default"])
+    if short == "mt":
+        out.setdefault("sessions", goodput.CONVERSATION["sessions"])
+        out.setdefault("rate", goodput.CONVERSATION["rate"])
     for key in ("num_requests", "max_requests", "sessions", "groups"):
         if key in out:
             out[key] = int(out[key] * k)
@@ -104,6 +110,7 @@ def config_args(
     name, _params, _reuse = WORKLOADS[short]
     argv = ["-w", name, "-n", str(workers), "--profile", profile]
     params = scaled(short, profile, workers)
+    lo, hi = params.pop("_rates", (a.min_rate, a.max_rate))
     if "start_s" in params:
         params["start_s"] += WINDOW_S * window
     for k, v in params.items():
@@ -114,7 +121,7 @@ def config_args(
         argv += ["-e", "max_model_len=200000"]
     ttft = (SLO_TTFT_MC if short == "mc" else SLO_TTFT)[profile]
     argv += ["--ttft", str(ttft), "--tpot", "0.05"]
-    argv += ["--min-rate", str(a.min_rate), "--max-rate", str(a.max_rate)]
+    argv += ["--min-rate", str(lo), "--max-rate", str(hi)]
     argv += ["--steps", str(a.steps), "--seeds", seeds, "--policies", a.policies]
     argv += ["--peers", a.peers, "-j", str(a.jobs), "--no-plots", "--no-progress"]
     return argv

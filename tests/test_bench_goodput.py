@@ -205,3 +205,47 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
     assert "sends everything at once" in capsys.readouterr().err
     assert main(["--min-rate", "2", "--max-rate", "1", "--out-dir", str(tmp_path)]) == 2
     assert "--min-rate" in capsys.readouterr().err
+
+
+def test_suite_scales_configurations_and_summarises_trace_windows(tmp_path) -> None:
+    import argparse
+
+    from bench import goodput_suite as suite
+
+    a = argparse.Namespace(
+        traces="/t", min_rate=0.5, max_rate=4.0, steps=3, policies="p", peers="q", jobs=1
+    )
+    # 32 workers: 4 x the conversations at 4 x the rate, the conversations' own multipliers
+    argv = suite.config_args("mt", "prefill-bound", 32, a, "0,1,2")
+    assert argv[argv.index("--min-rate") + 1 : argv.index("--min-rate") + 4] == [
+        "1.5",
+        "--max-rate",
+        "3.0",
+    ]
+    assert "sessions=800" in argv and "rate=6.0" in argv
+    # a trace's window s starts WINDOW_S x s later, replayed 4 x faster on 32 workers
+    argv = suite.config_args("az", "default", 32, a, "0", window=2)
+    assert f"start_s={600 + 2 * suite.WINDOW_S}" in argv and "time_scale=0.125" in argv
+    assert "max_requests=1200" in argv and argv[argv.index("--ttft") + 1] == "2.0"
+
+    def run(name: str, goodputs: dict[str, tuple[float, float]]) -> None:
+        d = tmp_path / name
+        d.mkdir()
+        searches = [
+            {"label": k, "goodput_req_s": g, "goodput_multiplier": m}
+            for k, (g, m) in goodputs.items()
+        ]
+        conf = {"peers": ["peer_a", "peer_b"], "ttft_s": 2.0, "tpot_s": 0.05}
+        (d / "goodput.json").write_text(json.dumps({"config": conf, "searches": searches}))
+
+    # three windows of one configuration are its seeds: medians 13 (default) and 10 (peer_b)
+    run("az-default-n8-w0", {"slo_aware": (12.0, 1.2), "peer_a": (8.0, 0.8), "peer_b": (10.0, 1)})
+    run("az-default-n8-w1", {"slo_aware": (13.0, 1.3), "peer_a": (9.0, 0.9), "peer_b": (10.0, 1)})
+    run("az-default-n8-w2", {"slo_aware": (20.0, 2.0), "peer_a": (1.0, 0.1), "peer_b": (11.0, 1)})
+    run("mt-prefill-bound-n8", {"slo_aware": (0.0, 0.0), "peer_a": (4.0, 1.0), "peer_b": (1, 1)})
+    rows = suite.summary(tmp_path, "slo_aware").splitlines()[2:]
+    assert len(rows) == 2
+    az = next(r for r in rows if r.startswith("| az-default-n8 "))
+    assert "`peer_b`" in az and "1.30x" in az and "| >= 1x | yes |" in az
+    mt = next(r for r in rows if r.startswith("| mt-prefill-bound-n8 "))
+    assert "`peer_a`" in mt and "0.00x" in mt and "MISSED" in mt
