@@ -8,6 +8,7 @@ how many figures ``--ours`` is better and on how many worse. A peer *dominates* 
 worse on some figure and better on none; ours dominates where the reverse holds::
 
     python -m bench.dominance bench/results/rv2 --ours slo_aware
+    python -m bench.dominance bench/results/rv2 --ours slo_aware --tolerance   # 2 % / 0.5 pt
 """
 
 from __future__ import annotations
@@ -23,12 +24,21 @@ from bench.slo_table import FIGURES, PEERS, collect, run_labels, seed_means
 SLO = {"default": (2.0, 0.05), "pb": (6.25, 0.05)}
 
 
-def compare(ours: dict[str, float], peer: dict[str, float]) -> tuple[int, int]:
-    """Figures on which ``ours`` is better and worse than ``peer`` (equal counts as neither)."""
+# within these a figure counts as equal: latencies relative (2 %), percentages in points (0.5)
+REL_TOL = 0.02
+PT_TOL = 0.5
+
+
+def compare(
+    ours: dict[str, float], peer: dict[str, float], rel: float = 0.0, pt: float = 0.0
+) -> tuple[int, int]:
+    """Figures on which ``ours`` is better and worse than ``peer``: equal, or within ``rel`` x
+    the peer's (latencies) / ``pt`` points (hit rate, SLO attainment), counts as neither."""
     better = worse = 0
     for k, (_label, lower, _fmt) in FIGURES.items():
         a, b = ours[k], peer[k]
-        if a == b:
+        tol = rel * abs(b) if lower else pt
+        if abs(a - b) <= tol:
             continue
         if (a < b) == lower:
             better += 1
@@ -63,7 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("root", type=Path, help="the sweep's output directory (its OUT)")
     ap.add_argument("--ours", default="slo_aware", help="the policy compared (default slo_aware)")
     ap.add_argument("--peers", default=PEERS, help=f"comma-separated (default {PEERS})")
+    ap.add_argument(
+        "--tolerance",
+        action="store_true",
+        help=f"figures within {REL_TOL:.0%} (latencies) or {PT_TOL} points (hit rate, SLO "
+        "attainment) of the peer's count as equal (issue 37's test)",
+    )
     a = ap.parse_args(argv)
+    rel, pt = (REL_TOL, PT_TOL) if a.tolerance else (0.0, 0.0)
     try:
         ours_labels = run_labels(a.ours)
         peers = run_labels(a.peers)
@@ -91,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             if p not in mean:
                 cells.append("–")
                 continue
-            better, worse = compare(mean[ours], mean[p])
+            better, worse = compare(mean[ours], mean[p], rel, pt)
             kind = verdict(better, worse)
             tally[kind] += 1
             mark = " **dominated**" if kind == "peer dominates" else ""

@@ -18,6 +18,11 @@ def test_compare_counts_figures_each_way():
     ours = base | {"ttft_mean": 0.5, "hit": 40.0, "slo": 95.0}
     assert dominance.compare(ours, base) == (2, 1)
     assert dominance.compare(base, base) == (0, 0)
+    # with a tolerance, within 2 % (latencies) or 0.5 points (percentages) is equal
+    near = base | {"ttft_mean": 1.019, "itl_p99": 29.5, "hit": 49.6, "slo": 90.5}
+    assert dominance.compare(near, base) == (2, 2)
+    assert dominance.compare(near, base, rel=0.02, pt=0.5) == (0, 0)
+    assert dominance.compare(ours, base, rel=0.02, pt=0.5) == (2, 1)
 
 
 @pytest.fixture(scope="module")
