@@ -79,8 +79,9 @@ SLO_TTFT = {"default": 2.0, "prefill-bound": 6.25}
 # the default engine and ~5.7 s on the prefill-bound one, so its TTFT SLO is looser
 SLO_TTFT_MC = {"default": 5.0, "prefill-bound": 15.0}
 # a trace's seed is a window of it (its arrivals and lengths are the trace's own: a seed alone
-# would change only the prompt text): window s starts at start_s + WINDOW_S x s
-WINDOW_S = 100
+# would change only the prompt text): window s starts at start_s + WINDOW_S[trace] x s (the
+# Azure trace has gaps: its windows are further apart so that they hold different requests)
+WINDOW_S = {"mc": 100, "az": 600}
 DEFAULT = "slo_aware"
 
 
@@ -112,7 +113,7 @@ def config_args(
     params = scaled(short, profile, workers)
     lo, hi = params.pop("_rates", (a.min_rate, a.max_rate))
     if "start_s" in params:
-        params["start_s"] += WINDOW_S * window
+        params["start_s"] += WINDOW_S[short] * window
     for k, v in params.items():
         argv += ["-p", f"{k}={v}"]
     if short in TRACE_FILES:

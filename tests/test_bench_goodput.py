@@ -225,7 +225,7 @@ def test_suite_scales_configurations_and_summarises_trace_windows(tmp_path) -> N
     assert "sessions=800" in argv and "rate=6.0" in argv
     # a trace's window s starts WINDOW_S x s later, replayed 4 x faster on 32 workers
     argv = suite.config_args("az", "default", 32, a, "0", window=2)
-    assert f"start_s={600 + 2 * suite.WINDOW_S}" in argv and "time_scale=0.125" in argv
+    assert f"start_s={600 + 2 * suite.WINDOW_S['az']}" in argv and "time_scale=0.125" in argv
     assert "max_requests=1200" in argv and argv[argv.index("--ttft") + 1] == "2.0"
 
     def run(name: str, goodputs: dict[str, tuple[float, float]]) -> None:
