@@ -2,7 +2,7 @@
 
 1. **decision**: the router's own decision path (parse + tokenize a 4096-token prompt, lazy
    prefix match against a PrefixIndex of 1 M blocks over 64 workers, the router's default
-   policy, ``slo_aware``, over 64 worker states; ``--policy`` picks another) through the live
+   policy, ``kv_aware``, over 64 worker states; ``--policy`` picks another) through the live
    router's code (``Decider.decide_for``), N times: p50 / p99. Target p50 <= 150 us.
 2. **proxy**: an instant-answer worker (separate process), then the same requests sent
    directly, through ``kvgate router`` (its default policy unless ``--policy``) and through

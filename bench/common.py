@@ -20,8 +20,8 @@ BUILTIN_POLICIES = (
     "prefix",
     "kv_load",
     "gpu_aware",
-    "kv_aware",
-    "slo_aware",  # the router's default policy: always in the comparison
+    "kv_aware",  # the router's default policy: always in the comparison
+    "slo_aware",
 )
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"

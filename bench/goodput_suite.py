@@ -82,7 +82,7 @@ SLO_TTFT_MC = {"default": 5.0, "prefill-bound": 15.0}
 # would change only the prompt text): window s starts at start_s + WINDOW_S[trace] x s (the
 # Azure trace has gaps: its windows are further apart so that they hold different requests)
 WINDOW_S = {"mc": 100, "az": 600}
-DEFAULT = "slo_aware"
+DEFAULT = "kv_aware"  # the router's default policy
 
 
 def scaled(short: str, profile: str, workers: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@
 #                                                  # slo_table then prints what no policy can beat
 #
 # Environment: SEEDS (default "0 1 2 3 4"), WORKERS ("8 32"), CONFIGS ("default pb"),
-# WORKLOADS ("ssp gsp mt mc az"), BOUNDS (set: also bench.latency_bound per run), POLICIES
+# WORKLOADS ("ssp gsp mt mc az"; also "ta", tool agents), BOUNDS (set: also bench.latency_bound per run), POLICIES
 # (default kv_aware, slo_aware and the four peer baselines), OURS (the policies compared, as
 # POLICIES names them; default slo_aware,kv_aware), OUT (bench/results/rv2),
 # TRACES (../shared/traces), KVGATE (kvgate), PYTHON (python). Runs already present are not run again.
@@ -45,6 +45,7 @@ args() {  # workload workers seed -> simulate arguments
         echo "-w multi-turn -p sessions=$ns -p turns=8 -p system_len=2048 -p user_len=1024
               -p output_len=300 -p think_s=5 -p rate=$($PYTHON -c "print(1.5 * $k)")
               -e max_model_len=32768 --seed $s" ;;
+    ta) echo "-w tool-agent -p sessions=$((120 * k)) -p rate=$((3 * k)) --seed $s" ;;
     mc) if [ "$k" = 1 ]; then m=1600; st=$((100 * s)); else m=1600; st=$((150 * s)); fi
         echo "-w mooncake --trace $TRACES/synthetic_trace.jsonl -e max_model_len=200000
               -p max_requests=$m -p start_s=$st -p time_scale=$($PYTHON -c "print(1 / $k)")" ;;

@@ -124,7 +124,7 @@ async def _run_shared_prompt(router: RouterProc, n: int, conc: int) -> Counter:
     "policy",
     [
         "prefix",
-        "slo_aware",  # the default: spreads the prompt by user requests (no replication)
+        "slo_aware",  # spreads the prompt by user requests (no replication), like the default
         '{"name": "kv_aware", "params": {"replicate": true}}',  # and by one-token replicas
     ],
     ids=["prefix", "slo_aware", "kv_aware-replicate"],

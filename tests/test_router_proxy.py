@@ -71,7 +71,7 @@ async def test_openai_client_chat_and_completions(cluster) -> None:
             model="m", messages=[{"role": "user", "content": "who"}], max_tokens=1
         )
         assert raw.headers["x-kvgate-worker"] in {w.worker_id for w in workers}
-        assert raw.headers["x-kvgate-policy"] == "slo_aware@default"
+        assert raw.headers["x-kvgate-policy"] == "kv_aware@default"
         models = await client.models.list()
         assert sorted(m.id for m in models.data) == ["m", "other"]
         # model routing: only the worker serving "other" gets its requests
@@ -107,8 +107,8 @@ async def test_health_models_and_debug_route_send_nothing(cluster) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.get(router.url + "/health") as r:
             h = await r.json()
-        assert h["workers"] == 4 and h["nats"] is True and h["policy"] == "slo_aware@default"
-        assert h["policy_algorithm"] == "slo_aware"
+        assert h["workers"] == 4 and h["nats"] is True and h["policy"] == "kv_aware@default"
+        assert h["policy_algorithm"] == "kv_aware"
         before = sum(len(w.served) for w in workers)
         async with s.get(
             router.url + "/debug/route",
@@ -187,7 +187,7 @@ async def test_outcomes_and_metrics(cluster, bus: Bus) -> None:
         while o.request_id != "req-123":
             o = await asyncio.wait_for(got.get(), 10)
         assert o.status == "ok" and o.worker_id == h["x-kvgate-worker"] and o.stream
-        assert o.policy == "slo_aware" and o.arm == "control" and o.ttft_s is not None
+        assert o.policy == "kv_aware" and o.arm == "control" and o.ttft_s is not None
         assert o.completion_tokens == 3 * 3 and o.cached_tokens is not None
         assert o.prompt_tokens > 0 and o.e2e_s >= o.ttft_s
         async with s.get(router.url + "/metrics") as r:

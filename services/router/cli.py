@@ -51,9 +51,9 @@ OPTIONS = S.COMMON + (
     ),
     S.option(
         "policy",
-        "slo_aware",
+        "kv_aware",
         "default policy until one is published on policy.updated: a name "
-        '(slo_aware, kv_aware, prefix, least_request, ...) or a JSON spec {"name":..,"params":{..}}',
+        '(kv_aware, slo_aware, prefix, least_request, ...) or a JSON spec {"name":..,"params":{..}}',
         env="KVGATE_ROUTER_POLICY",
     ),
     S.option(

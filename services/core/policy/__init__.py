@@ -42,7 +42,7 @@ from services.core.policy.types import (
     WorkerState,
 )
 
-DEFAULT_POLICY: dict[str, Any] = {"name": "slo_aware", "params": {}}
+DEFAULT_POLICY: dict[str, Any] = {"name": "kv_aware", "params": {}}
 
 
 def policy_names() -> list[str]:

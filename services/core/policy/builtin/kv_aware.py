@@ -1,4 +1,4 @@
-"""``kv_aware``: lowest estimated time to first token, in prefill-token equivalents.
+"""``kv_aware`` (default): lowest estimated time to first token, in prefill-token equivalents.
 
     cost(w) = queued_prefill(w)               # prompt tokens still to compute ahead (all routers)
             + uncached_weight * uncached(w)   # this prompt minus the prefix w holds (or will)

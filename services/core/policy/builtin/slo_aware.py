@@ -1,4 +1,4 @@
-"""``slo_aware`` (default): minimise the predicted TTFT plus the prefill stall this request imposes
+"""``slo_aware``: minimise the predicted TTFT plus the prefill stall this request imposes
 on the requests decoding on the worker, among the workers predicted to meet its TTFT and TPOT
 SLOs.
 
