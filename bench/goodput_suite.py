@@ -120,6 +120,8 @@ def config_args(
         argv += ["--trace", str(Path(a.traces) / TRACE_FILES[short])]
     if short == "mc":
         argv += ["-e", "max_model_len=200000"]
+    if short == "ta":  # the histories grow past the engine's default 8 k context
+        argv += ["-e", "max_model_len=32768"]
     ttft = (SLO_TTFT_MC if short == "mc" else SLO_TTFT)[profile]
     argv += ["--ttft", str(ttft), "--tpot", "0.05"]
     argv += ["--min-rate", str(lo), "--max-rate", str(hi)]

@@ -45,7 +45,7 @@ args() {  # workload workers seed -> simulate arguments
         echo "-w multi-turn -p sessions=$ns -p turns=8 -p system_len=2048 -p user_len=1024
               -p output_len=300 -p think_s=5 -p rate=$($PYTHON -c "print(1.5 * $k)")
               -e max_model_len=32768 --seed $s" ;;
-    ta) echo "-w tool-agent -p sessions=$((120 * k)) -p rate=$((3 * k)) --seed $s" ;;
+    ta) echo "-w tool-agent -p sessions=$((120 * k)) -p rate=$((3 * k)) -e max_model_len=32768 --seed $s" ;;
     mc) if [ "$k" = 1 ]; then m=1600; st=$((100 * s)); else m=1600; st=$((150 * s)); fi
         echo "-w mooncake --trace $TRACES/synthetic_trace.jsonl -e max_model_len=200000
               -p max_requests=$m -p start_s=$st -p time_scale=$($PYTHON -c "print(1 / $k)")" ;;
