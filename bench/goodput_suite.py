@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="short names, comma-separated")
     ap.add_argument("--profiles", default="default,prefill-bound", help="engine profiles")
     ap.add_argument("--workers", default="8,32", help="fleet sizes, comma-separated")
-    ap.add_argument("--policies", default=f"{DEFAULT},kv_aware,{goodput.PEERS}")
+    ap.add_argument("--policies", default=f"kv_aware,slo_aware,{goodput.PEERS}")
     ap.add_argument("--peers", default=goodput.PEERS)
     ap.add_argument("--default", default=DEFAULT, help="the policy the summary divides")
     ap.add_argument("--seeds", default="0,1,2")
