@@ -59,6 +59,47 @@ def test_pd_slo_idle_decoder_prefills_itself_the_transfer_costs_more() -> None:
     assert math.isclose(d.scores["d0"], local, rel_tol=1e-9)
 
 
+def test_pd_slo_never_lets_a_decoder_that_cannot_prefill_alone_do_it() -> None:
+    # the idle case above prefers the decoder's own prefill (1.0519 < 1.0741); an SGLang
+    # decode server cannot run it (it waits for a bootstrap room's KV), so the pair is remote
+    # at the remote cost worked out above, and with no prefill worker there is nothing to send
+    # to: the request waits for one instead of hanging on the decoder
+    sglang_decoder = {"prefills_alone": False}
+    d = pd("pd_slo", fleet(p0={}, d0=sglang_decoder), req(4096))
+    assert d.worker_id == "d0" and d.prefill_worker == "p0" and d.reason == "remote prefill"
+    xfer = transfer_seconds(4096, ModelShape(), LINK_PROFILES["rdma"])
+    prefill = PT * 4096 + PA * 4096 * 2048
+    own = DS + DK * 4146
+    remote = (OV + prefill) + xfer + (OV + own + PT) + 100 * (OV + own) + prefill
+    assert math.isclose(d.scores["d0"], remote, rel_tol=1e-9)
+    # beside it a vLLM decoder may still prefill locally, and is then the cheaper pick
+    d = pd("pd_slo", fleet(p0={}, d0=sglang_decoder, d1={}), req(4096))
+    assert d.worker_id == "d1" and d.prefill_worker is None
+    alone = pd("pd_slo", fleet(d0=sglang_decoder), req(4096))
+    assert alone.worker_id is None and alone.wait and "prefill worker" in alone.reason
+
+
+def test_sglang_decoders_are_known_from_their_heartbeat() -> None:
+    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
+    from services.core.cluster import prefills_alone
+
+    def hb(engine: str, role: str) -> WorkerHeartbeat:
+        cap = WorkerCapacity(block_size=16, num_gpu_blocks=8, max_num_seqs=8, max_model_len=64)
+        return WorkerHeartbeat(
+            worker_id="w",
+            instance_id="i",
+            url="http://h:1",
+            model="m",
+            capacity=cap,
+            engine=engine,
+            role=role,
+        )
+
+    assert not prefills_alone(hb("sglang", "decode"))
+    assert prefills_alone(hb("vllm", "decode")) and prefills_alone(hb("sim", "decode"))
+    assert prefills_alone(hb("sglang", "prefill")) and prefills_alone(hb("sglang", "both"))
+
+
 def test_pd_slo_busy_decoder_sends_the_prefill_away() -> None:
     # 10 requests decoding on d0: locally the 0.1848 s prefill stalls each of them (imposed
     # 10 x 0.1848 = 1.85 s) while the remote path adds 24 ms of transfer and a decode step:

@@ -69,6 +69,14 @@ class _Entry:
     control: str | None = None  # "cordon" | "drain" | None
 
 
+def prefills_alone(hb: WorkerHeartbeat) -> bool:
+    """Can the engine compute a prompt by itself? Not an SGLang decode server: SGLang 0.5.23's
+    decode path (sglang/srt/disaggregation/decode.py) waits for every request's KV from a
+    prefill server's bootstrap room; vLLM decoders (kv_both / kv_consumer) compute locally what
+    they were not sent."""
+    return not (hb.role == "decode" and hb.engine == "sglang")
+
+
 class ClusterState:
     def __init__(
         self,
@@ -133,14 +141,17 @@ class ClusterState:
             self._notify(hb.worker_id)
         cap = Capacity(c.block_size, c.num_gpu_blocks, c.max_num_seqs, c.max_model_len)
         url = hb.url.rstrip("/")
-        if (s.model, s.url, s.loras, s.capacity, s.role) != (
+        alone = prefills_alone(hb)
+        if (s.model, s.url, s.loras, s.capacity, s.role, s.prefills_alone) != (
             hb.model,
             url,
             hb.loras,
             cap,
             hb.role,
+            alone,
         ):
             s.model, s.url, s.loras, s.capacity, s.role = hb.model, url, hb.loras, cap, hb.role
+            s.prefills_alone = alone
             self._notify(hb.worker_id)
         self._block_sizes_changed()
         self._refresh(hb.worker_id, now)

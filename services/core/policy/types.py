@@ -46,6 +46,10 @@ class WorkerState:
     # disaggregated serving: "both" (colocated: prefills and decodes), "prefill" or "decode".
     # Colocated policies route only to "both" workers; P/D policies pair one of each kind.
     role: str = "both"
+    # False for a decode engine that cannot compute a prompt without a prefill engine's KV
+    # (SGLang in --disaggregation-mode decode waits for its bootstrap room): a P/D policy must
+    # pair it with a prefill worker, never let it prefill alone
+    prefills_alone: bool = True
     capacity: Capacity = field(default_factory=Capacity)
     healthy: bool = True
     cordoned: bool = False

@@ -54,6 +54,7 @@ prefillers predicted 10-20 s late (simulator, conversations, 2P6D). Pure; state 
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 from services.core.latency import (
@@ -262,6 +263,10 @@ class PdSlo(PolicyImpl):
             neighbours = base + own + (pt * q + pre_l) / spread
             if ttft_l > ttft_slo or tpot > tpot_slo or (n > 0 and neighbours > tpot_slo):
                 cost_l += INFEASIBLE
+            if not w.prefills_alone:  # an SGLang decoder: the local option cannot run
+                if best_p is None or best_p.worker_id == wid:
+                    continue
+                cost_l = math.inf
             best = (cost_l, False, ttft_l, load, unc)
             if best_p is not None and best_p.worker_id != wid:
                 xfer = transfer_seconds(unc, self.shape, self.link)
@@ -273,6 +278,13 @@ class PdSlo(PolicyImpl):
                     best = (cost_r, True, xfer, load, unc)
             costs[wid] = best[0]
             choice[wid] = best[1:]
+        if not costs:  # only decoders that need a prefill worker, and none is routable
+            return Decision(
+                None,
+                reason="no routable prefill worker for decoders that cannot prefill alone",
+                filtered=pl.filtered,
+                wait=True,
+            )
         if p["shed"] and min(costs.values()) >= INFEASIBLE:
             return Decision(
                 None,
