@@ -56,6 +56,7 @@ from bench.bench_router import (
     _spawn,
     _tree_cpu_s,
     _wait_http,
+    heartbeat_worker,
     pct,
 )
 from services.core.policy import DEFAULT_POLICY
@@ -288,7 +289,6 @@ async def bench(
 
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
-    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
     from services.common.subjects import Subjects
 
     machine_ns = _machine_ns()
@@ -326,24 +326,7 @@ async def bench(
         prefixes = [Subjects("benchepp-router"), Subjects("benchepp-epp")]
         bus = Bus(nats.url, "bench", prefixes[0])
         await bus.connect(max_wait_s=10)
-        hb = WorkerHeartbeat(
-            worker_id="bench-w0",
-            instance_id="i0",
-            url=wurl,
-            model="m",
-            capacity=WorkerCapacity(
-                block_size=16, num_gpu_blocks=1_000_000, max_num_seqs=4096, max_model_len=8192
-            ),
-        )
-
-        async def beats() -> None:
-            while True:
-                hb.ts = time.time()
-                for s in prefixes:
-                    await bus.publish(s.heartbeat(hb.worker_id), hb)
-                await asyncio.sleep(0.5)
-
-        beat_task = asyncio.create_task(beats())
+        beat_task = asyncio.create_task(heartbeat_worker(bus, wurl, prefixes))
         common = ["--nats-url", nats.url, "--log-level", "warning", "--policy", policy]
         rport = _free_port()
         procs.append(

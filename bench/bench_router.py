@@ -503,6 +503,28 @@ def _free_port() -> int:
     return free_port()
 
 
+async def heartbeat_worker(bus: Any, url: str, prefixes: list[Any]) -> None:
+    """Announce the bench worker at ``url`` on every subject prefix in ``prefixes`` (one per
+    target deployment; the caller may add prefixes while it runs) every 0.5 s, until
+    cancelled."""
+    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
+
+    hb = WorkerHeartbeat(
+        worker_id="bench-w0",
+        instance_id="i0",
+        url=url,
+        model="m",
+        capacity=WorkerCapacity(
+            block_size=16, num_gpu_blocks=1_000_000, max_num_seqs=4096, max_model_len=8192
+        ),
+    )
+    while True:
+        hb.ts = time.time()
+        for subjects in list(prefixes):
+            await bus.publish(subjects.heartbeat(hb.worker_id), hb)
+        await asyncio.sleep(0.5)
+
+
 async def bench_proxy(
     requests: int,
     seconds: float,
@@ -520,7 +542,6 @@ async def bench_proxy(
 ) -> dict[str, Any]:
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
-    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
     from services.common.subjects import Subjects
 
     machine_ns = _machine_ns()  # before anything of the bench runs
@@ -560,24 +581,7 @@ async def bench_proxy(
         prefixes: list[Subjects] = []
         bus = Bus(nats.url, "bench", Subjects("benchrouter"))
         await bus.connect(max_wait_s=10)
-        hb = WorkerHeartbeat(
-            worker_id="bench-w0",
-            instance_id="i0",
-            url=wurl,
-            model="m",
-            capacity=WorkerCapacity(
-                block_size=16, num_gpu_blocks=1_000_000, max_num_seqs=4096, max_model_len=8192
-            ),
-        )
-
-        async def beats() -> None:
-            while True:
-                hb.ts = time.time()
-                for subjects in prefixes:
-                    await bus.publish(subjects.heartbeat(hb.worker_id), hb)
-                await asyncio.sleep(0.5)
-
-        beat_task = asyncio.create_task(beats())
+        beat_task = asyncio.create_task(heartbeat_worker(bus, wurl, prefixes))
         targets = {"direct": wurl}
         pids = {"direct": procs[-1].pid}  # whose CPU time is measured per target
         # (name, processes, policy, extra flags): the same router with client API keys

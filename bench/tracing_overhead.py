@@ -44,7 +44,6 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ from bench.bench_router import (
     _throughput_run,
     _tree_cpu_s,
     _wait_http,
+    heartbeat_worker,
     pct,
 )
 
@@ -108,7 +108,6 @@ async def run(
 ) -> dict[str, Any]:
     from services.common.bus import Bus
     from services.common.embedded import EmbeddedNats
-    from services.common.schemas import WorkerCapacity, WorkerHeartbeat
     from services.common.subjects import Subjects
 
     env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost"}
@@ -133,24 +132,7 @@ async def run(
         prefixes: list[Subjects] = []
         bus = Bus(nats.url, "bench", Subjects("benchtracing"))
         await bus.connect(max_wait_s=10)
-        hb = WorkerHeartbeat(
-            worker_id="bench-w0",
-            instance_id="i0",
-            url=wurl,
-            model="m",
-            capacity=WorkerCapacity(
-                block_size=16, num_gpu_blocks=1_000_000, max_num_seqs=4096, max_model_len=8192
-            ),
-        )
-
-        async def beats() -> None:
-            while True:
-                hb.ts = time.time()
-                for subjects in prefixes:
-                    await bus.publish(subjects.heartbeat(hb.worker_id), hb)
-                await asyncio.sleep(0.5)
-
-        beat_task = asyncio.create_task(beats())
+        beat_task = asyncio.create_task(heartbeat_worker(bus, wurl, prefixes))
         targets: dict[str, tuple[list[str], bool, Path | None]] = {}
         if base_tree is not None:
             targets["base"] = ([], False, base_tree)
