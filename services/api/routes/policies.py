@@ -22,7 +22,7 @@ from services.api.context import ApiContext
 from services.api.framework import ApiError, Req, Route, conflict, not_found
 from services.api.models import Policy, PolicyState, PolicyVersion
 from services.api.publisher import lock_state, open_canary
-from services.api.routes.common import V1, iso
+from services.api.routes.common import V1, iso, version_history
 
 
 def validate_spec(name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -72,22 +72,7 @@ async def policy_out(s, p: Policy, with_versions: bool = False) -> dict[str, Any
         "created_by": p.created_by,
     }
     if with_versions:
-        rows = (
-            await s.execute(
-                select(PolicyVersion)
-                .where(PolicyVersion.policy_id == p.id)
-                .order_by(PolicyVersion.version)
-            )
-        ).scalars()
-        out["versions"] = [
-            {
-                "version": v.version,
-                "spec": v.spec,
-                "created_at": iso(v.created_at),
-                "created_by": v.created_by,
-            }
-            for v in rows
-        ]
+        out["versions"] = await version_history(s, PolicyVersion, PolicyVersion.policy_id, p.id)
     return out
 
 

@@ -26,7 +26,7 @@ from services.api.context import ApiContext
 from services.api.framework import ApiError, Req, Route, conflict, not_found
 from services.api.framework import hash_token as key_digest
 from services.api.models import TenantKey, TenantRow, TenantUsage, TenantVersion
-from services.api.routes.common import V1, iso
+from services.api.routes.common import V1, iso, version_history
 from services.api.tenants import bump_revision, key_dict, new_key, new_salt
 
 
@@ -63,22 +63,7 @@ async def tenant_out(s, t: TenantRow, with_versions: bool = False) -> dict[str, 
         "created_by": t.created_by,
     }
     if with_versions:
-        rows = (
-            await s.execute(
-                select(TenantVersion)
-                .where(TenantVersion.tenant_id == t.id)
-                .order_by(TenantVersion.version)
-            )
-        ).scalars()
-        out["versions"] = [
-            {
-                "version": v.version,
-                "spec": v.spec,
-                "created_at": iso(v.created_at),
-                "created_by": v.created_by,
-            }
-            for v in rows
-        ]
+        out["versions"] = await version_history(s, TenantVersion, TenantVersion.tenant_id, t.id)
     return out
 
 
