@@ -146,7 +146,9 @@ async def test_one_request_router_to_sim_worker_is_one_trace(
 
 
 @pytest.fixture
-async def fake_cluster(nats_url, subjects, bus: Bus):
+async def fake_engines(nats_url, subjects, bus: Bus):
+    """Two scripted HTTP engines (tests.test_router_support.FakeWorker) announced by
+    heartbeats on the real NATS server: the engine is stand-in, the bus is not."""
     workers = [await FakeWorker(f"w{i}").start() for i in range(2)]
     beats = Beats(bus, workers).start()
     yield workers
@@ -154,7 +156,7 @@ async def fake_cluster(nats_url, subjects, bus: Bus):
 
 
 async def test_tracing_off_no_spans_and_client_traceparent_untouched(
-    nats_url, subjects, fake_cluster: list[FakeWorker]
+    nats_url, subjects, fake_engines: list[FakeWorker]
 ) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider(sampler=ALWAYS_ON)
@@ -173,7 +175,7 @@ async def test_tracing_off_no_spans_and_client_traceparent_untouched(
         assert st1 == st2 == 200
     finally:
         await shutdown(("router", router.stop()))
-    got = [r["headers"] for w in fake_cluster for r in w.served]
+    got = [r["headers"] for w in fake_engines for r in w.served]
     assert len(got) == 2
     with_tp = [h for h in got if "traceparent" in h]
     assert len(with_tp) == 1  # only the request that came with one
@@ -183,7 +185,7 @@ async def test_tracing_off_no_spans_and_client_traceparent_untouched(
 
 
 async def test_unsampled_client_trace_records_nothing_but_propagates(
-    nats_url, subjects, fake_cluster: list[FakeWorker], spans: InMemorySpanExporter
+    nats_url, subjects, fake_engines: list[FakeWorker], spans: InMemorySpanExporter
 ) -> None:
     router = await RouterProc(nats_url, subjects, policy="round_robin").start()
     try:
@@ -204,7 +206,7 @@ async def test_unsampled_client_trace_records_nothing_but_propagates(
     finally:
         await shutdown(("router", router.stop()))
     got = sorted(
-        (r["headers"]["traceparent"] for w in fake_cluster for r in w.served),
+        (r["headers"]["traceparent"] for w in fake_engines for r in w.served),
         key=lambda tp: CLIENT_TRACE not in tp,
     )
     version, trace_id, span_id, flags = got[0].split("-")
@@ -219,9 +221,9 @@ async def test_unsampled_client_trace_records_nothing_but_propagates(
 
 
 async def test_migration_is_a_span_with_the_continuation_under_it(
-    nats_url, subjects, fake_cluster: list[FakeWorker], spans: InMemorySpanExporter
+    nats_url, subjects, fake_engines: list[FakeWorker], spans: InMemorySpanExporter
 ) -> None:
-    broken, other = fake_cluster
+    broken, other = fake_engines
     broken.mode, broken.chunks, other.chunks = "crash_mid", 6, 6
     router = await RouterProc(nats_url, subjects, policy="round_robin").start()
     try:
@@ -330,7 +332,7 @@ def test_setup_reads_the_standard_variables() -> None:
 
 
 async def test_epp_pick_is_traced_and_the_engine_gets_its_context(
-    nats_url, subjects, fake_cluster: list[FakeWorker], spans: InMemorySpanExporter
+    nats_url, subjects, fake_engines: list[FakeWorker], spans: InMemorySpanExporter
 ) -> None:
     import json
 
