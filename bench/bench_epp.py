@@ -58,6 +58,7 @@ from bench.bench_router import (
     _wait_http,
     heartbeat_worker,
     pct,
+    start_bench_worker,
 )
 from services.core.policy import DEFAULT_POLICY
 
@@ -311,15 +312,7 @@ async def bench(
         "machine_ns": machine_ns,
     }
     try:
-        wport = _free_port()
-        procs.append(
-            _spawn(
-                [sys.executable, "-m", "bench.bench_router", "worker", "--port", str(wport)],
-                env=env,
-            )
-        )
-        wurl = f"http://127.0.0.1:{wport}"
-        await _wait_http(wurl + "/health", 20)
+        wurl = await start_bench_worker(procs, env)
         worker_pid = procs[-1].pid
         # the router and the EPP each on a subject prefix of its own (two deployments), both
         # hearing the same worker's heartbeats from here
@@ -362,7 +355,7 @@ async def bench(
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{eport}")
         null_channel = grpc.aio.insecure_channel(f"127.0.0.1:{nport}")
         await asyncio.wait_for(null_channel.channel_ready(), 20)
-        endpoint = f"127.0.0.1:{wport}"
+        endpoint = wurl.removeprefix("http://")
         pids = {"epp": epp_pid, "epp-nobody": epp_pid, "grpc-floor": null_pid}
         for mode in modes:
             gws = {

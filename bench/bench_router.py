@@ -503,6 +503,21 @@ def _free_port() -> int:
     return free_port()
 
 
+async def start_bench_worker(procs: list[subprocess.Popen], env: dict[str, str]) -> str:
+    """Start the instant-answer bench worker (``python -m bench.bench_router worker``, appended
+    to ``procs``) and wait until it answers; its URL."""
+    wport = _free_port()
+    procs.append(
+        _spawn(
+            [sys.executable, "-m", "bench.bench_router", "worker", "--port", str(wport)],
+            env=env,
+        )
+    )
+    wurl = f"http://127.0.0.1:{wport}"
+    await _wait_http(wurl + "/health", 20)
+    return wurl
+
+
 async def heartbeat_worker(bus: Any, url: str, prefixes: list[Any]) -> None:
     """Announce the bench worker at ``url`` on every subject prefix in ``prefixes`` (one per
     target deployment; the caller may add prefixes while it runs) every 0.5 s, until
@@ -565,15 +580,7 @@ async def bench_proxy(
     beat_task = None
     bus = None
     try:
-        wport = _free_port()
-        procs.append(
-            _spawn(
-                [sys.executable, "-m", "bench.bench_router", "worker", "--port", str(wport)],
-                env=env,
-            )
-        )
-        wurl = f"http://127.0.0.1:{wport}"
-        await _wait_http(wurl + "/health", 20)
+        wurl = await start_bench_worker(procs, env)
         # our router(s), with heartbeats for the worker published from here. Each router gets
         # its own subject prefix: the targets are separate deployments, and routers sharing one
         # would hear each other and share their in-flight counts on every change
