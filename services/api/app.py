@@ -21,6 +21,7 @@ from services.api.db import Database
 from services.api.framework import install
 from services.api.publisher import PolicyPublisher
 from services.api.routes import build_routes
+from services.api.tenant_cache import TenantCacheView
 from services.api.tenants import TenantPublisher
 from services.api.tokens import TokenAuth
 from services.api.ui import add_static
@@ -57,6 +58,7 @@ class ApiConfig:
     # an uncordon is re-sent this long (the routers' --signed-max-age-s): a router that saw
     # neither a drain nor its uncordon must not take a replayed drain for the current order
     uncordon_resend_s: float = 300.0
+    cache_budget_tick_s: float = 1.0  # how often tenants' cache budgets are checked (alerts)
     name: str = "api"
 
 
@@ -91,6 +93,7 @@ class ApiService:
         db = Database(cfg.database_url)
         publisher = PolicyPublisher(db, bus)
         registry = WorkerRegistry()
+        tenant_cache = TenantCacheView(db, bus, tick_s=cfg.cache_budget_tick_s)
         self.ctx = ctx = ApiContext(
             db=db,
             bus=bus,
@@ -100,8 +103,10 @@ class ApiService:
             policy_schemas=policy_schemas(),
             token_max_ttl_s=cfg.token_max_ttl_s,
             tenants=TenantPublisher(db, bus),
+            tenant_cache=tenant_cache,
         )
         await registry.subscribe(bus)
+        await tenant_cache.start()
 
         await bus.serve(
             bus.subjects.policy_revision,
@@ -168,6 +173,8 @@ class ApiService:
         if self.ctx is not None:
             await self.ctx.publisher.close()
             await self.ctx.auth.stop()
+            if self.ctx.tenant_cache is not None:
+                await self.ctx.tenant_cache.stop()
             await self.ctx.decisions.stop()
             await self.ctx.bus.close()
             await self.ctx.db.close()

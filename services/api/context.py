@@ -7,6 +7,7 @@ from typing import Any
 
 from services.api.db import Database
 from services.api.publisher import PolicyPublisher
+from services.api.tenant_cache import TenantCacheView
 from services.api.tenants import TenantPublisher
 from services.api.tokens import TokenAuth
 from services.api.ui import DecisionFeed
@@ -26,3 +27,5 @@ class ApiContext:
     decisions: DecisionFeed = field(default_factory=DecisionFeed)  # the operator page's feed
     token_max_ttl_s: float = 0.0  # > 0: longest lifetime of a new token (and its default)
     tenants: TenantPublisher = None  # type: ignore[assignment]  # set by services.api.app
+    # blocks held per tenant, from the routers' reports (set by services.api.app)
+    tenant_cache: TenantCacheView | None = None

@@ -218,11 +218,13 @@ def role_permissions(role: str, subjects: Subjects, worker_ids: Sequence[str] = 
                 *_js_consume(s.alert_signals_stream, [s.durable("api_alert_manager")]),
                 *_js_read(s.alerts_stream),
             ),
-            # router.outcomes: the operator page's live decision feed (services/api/ui)
+            # router.outcomes: the operator page's live decision feed (services/api/ui);
+            # router.load.*: the tenants' cache blocks held (services/api/tenant_cache)
             subscribe=(
                 s.heartbeat_all,
                 s.telemetry_all,
                 s.router_outcomes,
+                s.router_load_all,
                 s.policy_revision,
                 inbox,
             ),

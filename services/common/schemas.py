@@ -256,6 +256,9 @@ class RouterLoad(Message):
     # per tenant with a quota: [requests, input tokens, output tokens] in the last minute and
     # requests in flight, admitted by this router (services.core.flow.quota)
     tenant_usage: dict[str, list[NonNeg]] = {}
+    # per tenant: KV blocks this router's requests made that the engines still hold (its
+    # cache ledger, services.router.tenant_cache); cache budgets are enforced on the sum
+    tenant_cache_blocks: dict[str, NonNeg] = {}
 
 
 class RouterOutcome(Message):

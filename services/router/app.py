@@ -48,6 +48,7 @@ from services.common.schemas import (
 )
 from services.common.signing import Verifier
 from services.common.streams import raise_alert, require_outcomes_stream
+from services.common.tenancy import RequestTenancy
 from services.common.tokenizer import load_tokenizer
 from services.core.cluster import ClusterState
 from services.core.lifecycle import RequestLifecycle
@@ -56,6 +57,7 @@ from services.core.url_pin import DEFAULT_KEEP_DEPARTED_S, UrlPins, parse_allowl
 from services.router import openai_extras
 from services.router.admission import Admission
 from services.router.breaker import Breaker, breaker_config
+from services.router.cache_budget import CacheBudgetGuard
 from services.router.canary import PolicySet
 from services.router.circuits import Circuits
 from services.router.cluster_feed import ClusterFeed
@@ -251,10 +253,13 @@ class Router:
         self.feed.reject = self.trust.reject  # a heartbeat moving a pinned worker's URL
         self.tenant_reload = TenantReload(bus, self.tenants, self.trust)
         # identity on the request path, quotas in flow control: both read the directory
-        self.path.tenancy_of = self.tenants.tenancy_of
+        self.path.tenancy_of = self._tenancy_of  # the directory's, cache budgets applied
         self.flow.quota_of = self.tenants.quota_of
         # per-tenant cache ledger: fed once the router knows a tenant
         self.tenant_cache = TenantCacheFeed(bus)
+        # cache budgets: a tenant over its budget has its new requests in the sheddable band
+        self.cache_budget = CacheBudgetGuard(self.tenant_cache.ledger, self.tenants)
+        self.load.cache = self.cache_budget
         self.tenant_reload.on_applied = self._tenants_known
         self.path.cache_claim = self._claim_cache
         # start-up (cluster not known yet: 503, never 404) and drain state; /ready
@@ -341,6 +346,9 @@ class Router:
     def _tenants_known(self) -> None:
         if not self.tenant_cache.active and len(self.tenants):
             self.spawner.spawn(self.tenant_cache.start())
+
+    def _tenancy_of(self, request: Any) -> RequestTenancy:
+        return self.cache_budget.demote(self.tenants.tenancy_of(request))
 
     def _claim_cache(self, ctx: Any, wid: str) -> None:
         """The prompt's blocks past the worker's overlap: the worker computes them for the

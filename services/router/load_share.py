@@ -13,7 +13,8 @@ down; this router's own messages are ignored on the way in.
 The same messages carry this router's per-tenant quota usage (requests, input and output
 tokens in the last minute, requests in flight: services.core.flow.quota), so every router
 enforces a tenant's quota on the sum; a change of usage comes with the dispatch or release
-that made it.
+that made it. They also carry its per-tenant KV blocks held (its cache ledger), and each tick
+re-checks the tenants' cache budgets on the sum (services.router.cache_budget).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from services.common.schemas import RouterLoad
 from services.core.cluster import ClusterState
 from services.core.flow import QuotaBook
 from services.router import metrics as M
+from services.router.cache_budget import CacheBudgetGuard
 from services.router.signals import CapacitySignal
 
 log = get_logger("router")
@@ -55,6 +57,7 @@ class LoadSharing:
         M.PEER_ROUTERS.set_function(lambda: len(self._peers))
         self._seq = 0
         self._log = RateLimiter(30.0)
+        self.cache: CacheBudgetGuard | None = None  # set by the router
 
     def mark_dirty(self) -> None:
         """This router's counts changed (a dispatch or a release): published soon when another
@@ -70,6 +73,8 @@ class LoadSharing:
         now = time.monotonic()
         self.state.on_router_load(rl.router_id, rl.inflight, rl.pending_prefill, now)
         self.quotas.on_peer(rl.router_id, rl.tenant_usage, now)
+        if self.cache is not None:
+            self.cache.on_peer(rl.router_id, rl.tenant_cache_blocks, now)
         if self.capacity.waiting:
             self.capacity.notify()
 
@@ -80,6 +85,8 @@ class LoadSharing:
         while True:
             await wait_event(self._dirty, self.interval_s)
             self._dirty.clear()
+            if self.cache is not None:
+                self.cache.refresh(time.monotonic())
             if not self.bus.is_connected:
                 continue
             self._seq += 1
@@ -90,6 +97,7 @@ class LoadSharing:
                 inflight=self.state.local_inflight(),
                 pending_prefill=self.state.local_prefill(),
                 tenant_usage=self.quotas.report(time.monotonic()),
+                tenant_cache_blocks=self.cache.report() if self.cache is not None else {},
             )
             try:
                 await self.bus.publish(self.bus.subjects.router_load(self.router_id), msg)

@@ -116,9 +116,10 @@ class _Snapshot:
     tenants: dict[str, Tenant]
     salts: dict[str, str]  # tenant id -> cache salt, isolated tenants only
     keys: dict[bytes, KeyEntry]  # sha256 digest -> key
+    budgets: dict[str, int]  # tenant id -> cache_budget_blocks, tenants with one only
 
 
-_EMPTY = _Snapshot(-1, {}, {}, {})
+_EMPTY = _Snapshot(-1, {}, {}, {}, {})
 
 
 class TenantDirectory:
@@ -145,7 +146,12 @@ class TenantDirectory:
         for k in msg.keys:
             if k.tenant_id in tenants:  # a key of a tenant not in the message: not valid
                 keys[bytes.fromhex(k.digest)] = key_of(k)
-        self._snap = _Snapshot(msg.revision, tenants, salts, keys)
+        budgets = {
+            r.tenant_id: r.cache_budget_blocks
+            for r in msg.tenants
+            if r.cache_budget_blocks is not None
+        }
+        self._snap = _Snapshot(msg.revision, tenants, salts, keys, budgets)
         return True
 
     # ------------------------------------------------------------------ reads
@@ -172,6 +178,10 @@ class TenantDirectory:
         """The tenant's quota (unlimited for an unregistered tenant)."""
         t = self._snap.tenants.get(tenant_id)
         return t.quota if t is not None else UNLIMITED
+
+    def cache_budgets(self) -> dict[str, int]:
+        """``cache_budget_blocks`` of the tenants that have one."""
+        return self._snap.budgets
 
     def resolve_key(self, key: str) -> KeyEntry | None:
         """The tenant key ``key`` is (expired ones included: see :meth:`key_refusal`)."""

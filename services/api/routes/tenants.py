@@ -8,7 +8,8 @@ Invariants:
 - A key's secret is returned once, by the call that creates it; only its sha256 digest is
   stored, audited (never the key) and sent to routers. Revoking is idempotent.
 - Usage is what routers reported (services.api.usage): per-minute sums of their outcomes,
-  with the engine's own cached-token figures.
+  with the engine's own cached-token figures, and the blocks the tenant holds now against its
+  cache budget (services.api.tenant_cache: the routers' current reports).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from services.api.framework import ApiError, Req, Route, conflict, not_found
 from services.api.framework import hash_token as key_digest
 from services.api.models import TenantKey, TenantRow, TenantUsage, TenantVersion
 from services.api.routes.common import V1, iso, version_history
+from services.api.tenant_cache import budget_of
 from services.api.tenants import bump_revision, key_dict, new_key, new_salt
+from services.core.flow.cache_budget import over_budget
 
 
 def spec_dict(spec: bodies.TenantSpec) -> dict[str, Any]:
@@ -223,13 +226,21 @@ def routes(ctx: ApiContext) -> list[Route]:
             audit.record(s, r.actor, "tenant_key.revoke", "tenant_key", str(row.id), before, out)
         return {**out, "revision": revision, "published": await publish()}
 
+    def cache_now(tenant: str, budget: int | None) -> dict[str, Any]:
+        held = ctx.tenant_cache.held(tenant) if ctx.tenant_cache is not None else None
+        return {
+            "cache_blocks_held": held,
+            "cache_budget_blocks": budget,
+            "over_cache_budget": held is not None and over_budget(held, budget),
+        }
+
     async def usage(r: Req) -> dict[str, Any]:
         now = time.time()
         since = float(r.query.get("since", now - 86400.0))
         until = float(r.query.get("until", now))
         async with db.session() as s:
             exists = (
-                await s.execute(select(TenantRow.id).where(TenantRow.id == r.path["id"]))
+                await s.execute(select(TenantRow.spec).where(TenantRow.id == r.path["id"]))
             ).first()
             rows = (
                 (
@@ -253,6 +264,7 @@ def routes(ctx: ApiContext) -> list[Route]:
             "since": int(since // 60) * 60,
             "until": int(until // 60) * 60 + 60,
             **usage_totals(list(rows)),
+            **cache_now(r.path["id"], budget_of(exists[0]) if exists is not None else None),
         }
         if r.query.get("per_minute", False):
             out["minutes"] = [{"minute": row.minute * 60, **usage_totals([row])} for row in rows]
@@ -347,6 +359,9 @@ def routes(ctx: ApiContext) -> list[Route]:
             description="Sums of the routers' outcomes for this tenant by whole minutes "
             "(default: the last 24 h). `cached_tokens` is what the engines reported served "
             "from their prefix cache; `computed_prompt_tokens` the rest of the prompts whose "
-            "engine reported; `unreported_prompt_tokens` prompts of engines that did not.",
+            "engine reported; `unreported_prompt_tokens` prompts of engines that did not. "
+            "`cache_blocks_held` is the KV blocks the tenant holds now (the routers' cache "
+            "ledgers, summed; null while no router reports), `over_cache_budget` whether that "
+            "exceeds `cache_budget_blocks` (its new requests are then in the sheddable band).",
         ),
     ]

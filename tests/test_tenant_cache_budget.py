@@ -1,0 +1,210 @@
+"""Tenant cache budgets (``quota.cache_budget_blocks``): the pure model
+(services.core.flow.cache_budget), then end to end on a real NATS and Postgres: a budget set
+through the admin API, an over-budget tenant reported in its usage, alerted through the alert
+manager and demoted to the sheddable band by the router, a tenant within its budget
+unaffected, and bad budgets refused in the API's error shape.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import msgspec
+
+from services.api.testing import start_api
+from services.common.schemas import TenantRecord, TenantsUpdated
+from services.common.tenancy import Priority, RequestTenancy
+from services.core.flow.cache_budget import (
+    ALERT_KIND,
+    CacheHoldings,
+    changes,
+    demote,
+    over_budget,
+    over_tenants,
+)
+from services.router.tenant_identity import TenantDirectory
+from services.router.tenant_metrics import TENANT_REQUESTS
+from tests.test_router_e2e_sim import SimCluster
+from tests.test_router_support import RouterProc, wait_until
+from tests.test_tenants import wait_until_async
+
+
+# --------------------------------------------------------------------------- pure
+def test_over_budget_is_strictly_more_than_the_budget() -> None:
+    assert not over_budget(10, None)  # no budget
+    assert not over_budget(10, 10)
+    assert over_budget(11, 10)
+    assert over_tenants({"a": 5, "b": 5, "c": 99}, {"a": 4, "b": 5}) == {"a"}
+
+
+def test_demote_lowers_only_an_over_budget_tenants_band() -> None:
+    crit = RequestTenancy("a", Priority.CRITICAL, 2.0, "salt")
+    out = demote(crit, frozenset({"a"}))
+    assert out.priority is Priority.SHEDDABLE
+    assert (out.tenant_id, out.weight, out.cache_salt) == ("a", 2.0, "salt")
+    assert demote(crit, frozenset({"b"})) is crit
+    assert demote(RequestTenancy(), frozenset({"a"})).priority is Priority.STANDARD
+
+
+def test_holdings_sum_own_and_current_peer_reports() -> None:
+    h = CacheHoldings(peer_ttl_s=10.0)
+    h.on_peer("r2", {"a": 3, "b": 1}, now=100.0)
+    h.on_peer("r3", {"a": 4}, now=105.0)
+    assert h.totals({"a": 1, "c": 0}, now=106.0) == {"a": 8, "b": 1}
+    assert h.reporters(111.0) == 1  # r2's report is older than the TTL: forgotten
+    assert h.totals({}, now=111.0) == {"a": 4}
+    h.on_peer("r3", {"a": 2}, now=112.0)  # a newer report replaces the older
+    assert h.totals({}, now=112.0) == {"a": 2}
+
+
+def test_changes_first_look_states_every_budgeted_tenant() -> None:
+    assert changes(None, frozenset({"a"}), ["a", "b"]) == ({"a"}, {"b"})
+    assert changes(frozenset({"a"}), frozenset({"a"}), ["a", "b"]) == (set(), set())
+    assert changes(frozenset({"a"}), frozenset({"b"}), ["a", "b"]) == ({"b"}, {"a"})
+
+
+def test_directory_holds_the_budgets() -> None:
+    d = TenantDirectory()
+    d.apply(
+        TenantsUpdated(
+            revision=1,
+            tenants=[
+                TenantRecord(tenant_id="a", cache_budget_blocks=7),
+                TenantRecord(tenant_id="b"),
+            ],
+        )
+    )
+    assert d.cache_budgets() == {"a": 7}
+
+
+# --------------------------------------------------------------------------- live
+OVER_PROMPT = "The over-budget tenant asks a long question about caches. " * 30
+UNDER_PROMPT = "Another tenant, well within its budget, asks something else. " * 30
+
+
+async def _ask(s: aiohttp.ClientSession, url: str, key: str, prompt: str) -> dict:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {key}"}
+    async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
+        out = msgspec.json.decode(await r.read())
+        assert r.status == 200, out
+        return out
+
+
+def _served(tenant: str, band: str) -> float:
+    return TENANT_REQUESTS.labels(tenant, band, "ok")._value.get()
+
+
+async def test_bad_cache_budgets_are_refused(database_url, nats_url, subject_prefix) -> None:
+    api = await start_api(database_url, nats_url, subject_prefix)
+    try:
+        for bad in (0, -3, 1.5, "many", 10**13):
+            st, err = await api.call(
+                "POST",
+                "/api/v1/tenants",
+                {"tenant_id": "cb-bad", "spec": {"quota": {"cache_budget_blocks": bad}}},
+            )
+            assert st == 400, (bad, err)
+            assert set(err["error"]) >= {"code", "message", "field"}, err
+            assert err["error"]["code"] == "invalid_body"
+            assert "cache_budget_blocks" in err["error"]["field"], err
+        assert (await api.call("GET", "/api/v1/tenants/cb-bad"))[0] == 404  # none was made
+    finally:
+        await api.close()
+
+
+async def test_over_budget_tenant_is_reported_alerted_and_demoted(
+    database_url: str, nats_url: str, subject_prefix: str, subjects
+) -> None:
+    api = await start_api(database_url, nats_url, subject_prefix, cache_budget_tick_s=0.2)
+    sims = await SimCluster(nats_url, subjects, 1).start()
+    router = await RouterProc(nats_url, subjects, load_interval=0.2).start()
+    r = router.router
+    assert r is not None
+    over, under = "cb-over", "cb-under"
+    try:
+        await router.wait_workers(1)
+        for tenant, budget in ((over, 1), (under, 10**6)):
+            st, _ = await api.call(
+                "POST",
+                "/api/v1/tenants",
+                {"tenant_id": tenant, "spec": {"quota": {"cache_budget_blocks": budget}}},
+            )
+            assert st == 201
+        _, ko = await api.call("POST", f"/api/v1/tenants/{over}/keys", {})
+        _, ku = await api.call("POST", f"/api/v1/tenants/{under}/keys", {})
+        await wait_until(lambda: r.tenants.revision >= ku["revision"], 5, "directory applied")
+        await wait_until(lambda: r.tenant_cache.active, 5, "cache ledger fed")
+
+        async with aiohttp.ClientSession() as s:
+            first = await _ask(s, router.url, ko["key"], OVER_PROMPT)
+            await _ask(s, router.url, ku["key"], UNDER_PROMPT)
+            bs = next(iter(r.state.block_sizes))
+            blocks = first["usage"]["prompt_tokens"] // bs
+            assert blocks > 1  # more than the budget of 1
+            led = r.tenant_cache.ledger
+            await wait_until(
+                lambda: led.held[over] == blocks and led.held[under] > 0, 5, "blocks held"
+            )
+            # the router: over budget is the over tenant only
+            await wait_until(lambda: r.cache_budget.over == {over}, 5, "router sees over")
+
+            # the usage shows it (blocks held, the budget, over)
+            async def usage(t: str) -> dict:
+                return (await api.call("GET", f"/api/v1/tenants/{t}/usage"))[1]
+
+            async def reported() -> bool:
+                return (await usage(over))["over_cache_budget"] is True
+
+            await wait_until_async(reported, 5, "usage reports over budget")
+            uo, uu = await usage(over), await usage(under)
+            assert (uo["cache_blocks_held"], uo["cache_budget_blocks"]) == (blocks, 1)
+            assert uu["over_cache_budget"] is False and uu["cache_budget_blocks"] == 10**6
+            assert uu["cache_blocks_held"] == led.held[under]
+
+            # the alert: one firing for the over tenant, none for the other
+            async def alerts(state: str) -> list[dict]:
+                _, out = await api.call("GET", f"/api/v1/alerts?kind={ALERT_KIND}&state={state}")
+                return [a for a in out["alerts"] if a["details"].get("tenant_id") in (over, under)]
+
+            async def fired() -> bool:
+                return bool(await alerts("firing"))
+
+            await wait_until_async(fired, 5, "over-budget alert fired")
+            (alert,) = await alerts("firing")
+            assert alert["details"] == {
+                "tenant_id": over,
+                "blocks_held": blocks,
+                "cache_budget_blocks": 1,
+            }
+            assert alert["severity"] == "warning" and alert["fingerprint"].endswith(over)
+
+            # enforced: the over tenant's next request is in the sheddable band, the other's
+            # stays in its own
+            before = (_served(over, "sheddable"), _served(under, "standard"))
+            await _ask(s, router.url, ko["key"], OVER_PROMPT)
+            await _ask(s, router.url, ku["key"], UNDER_PROMPT)
+            assert _served(over, "sheddable") == before[0] + 1
+            assert _served(under, "standard") == before[1] + 1
+            assert _served(under, "sheddable") == 0
+
+            # the budget raised through the admin API: back in its band, the alert resolved
+            st, _ = await api.call(
+                "PUT",
+                f"/api/v1/tenants/{over}",
+                {"spec": {"quota": {"cache_budget_blocks": 10**6}}},
+            )
+            assert st == 200
+            await wait_until(lambda: not r.cache_budget.over, 5, "router sees within budget")
+
+            async def resolved() -> bool:
+                return bool(await alerts("resolved")) and not await alerts("firing")
+
+            await wait_until_async(resolved, 5, "over-budget alert resolved")
+            assert (await usage(over))["over_cache_budget"] is False
+            before_std = _served(over, "standard")
+            await _ask(s, router.url, ko["key"], OVER_PROMPT)
+            assert _served(over, "standard") == before_std + 1
+    finally:
+        await router.stop()
+        await sims.stop()
+        await api.close()
