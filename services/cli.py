@@ -45,6 +45,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "bridge a real engine's KV events onto the bus (vllm | sglang | trtllm)",
     ),
     "alerts": ("services.api.alerts_cli", "operator tools for alerts (tail)"),
+    "tenants": (
+        "services.api.tenants_cli",
+        "manage tenants, their client keys and read their usage (through the admin API)",
+    ),
     "bus": (
         "services.bus_cli",
         "provision kvgate's JetStream streams (admin credential) or check them against it",
