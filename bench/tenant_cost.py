@@ -5,7 +5,10 @@
   ``--keys`` keys of ``--tenants`` tenants, beside the same calls on a router without tenants;
 - the cache ledger per request (services/router/tenant_cache.py): hashing the prompt's block
   chain, claiming its blocks after the reply, and applying the engine's KV event batch that
-  stores them, for prompts of several lengths.
+  stores them, for prompts of several lengths;
+- the cache-budget check (services/router/cache_budget.py), once per load-share tick: the
+  blocks held summed over this router and ``--peers`` others, for 10 / 100 / 1,000 tenants
+  with a budget, and the size of the RouterLoad message that carries the counts.
 
 Several runs each; the median is printed.
 
@@ -102,18 +105,48 @@ def ledger(runs: int, prompts: list[int]) -> None:
         )
 
 
+def budgets(runs: int, peers: int) -> None:
+    from services.common.schemas import RouterLoad, TenantRecord, TenantsUpdated, encode
+    from services.router.cache_budget import CacheBudgetGuard
+    from services.router.tenant_cache import TenantCacheLedger
+    from services.router.tenant_identity import TenantDirectory
+
+    print(f"cache budgets: us of CPU per check, {peers} other routers reporting (median of {runs})")
+    print(f"  {'tenants':>7s} {'check':>8s} {'RouterLoad bytes':>17s}")
+    for n in (10, 100, 1000):
+        names = [f"team-{i:04d}" for i in range(n)]
+        d = TenantDirectory()
+        d.apply(
+            TenantsUpdated(
+                revision=1,
+                tenants=[TenantRecord(tenant_id=t, cache_budget_blocks=50_000) for t in names],
+            )
+        )
+        led = TenantCacheLedger()
+        led.held.update({t: 40_000 + i * 20 for i, t in enumerate(names)})  # some over
+        g = CacheBudgetGuard(led, d)
+        for p in range(peers):
+            g.on_peer(f"r{p}", {t: 3_000 for t in names}, 0.0)
+        g.refresh(1.0)  # the gauges' first values
+        us = statistics.median(_cpu_us(lambda g=g: g.refresh(1.0), 50) for _ in range(runs))
+        size = len(encode(RouterLoad(router_id="r-0", ts=0.0, tenant_cache_blocks=g.report())))
+        print(f"  {n:7d} {us:8.0f} {size:17d}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", type=int, default=5000, help="tenant keys in the directory")
     ap.add_argument("--tenants", type=int, default=100, help="tenants in the directory")
     ap.add_argument("--runs", type=int, default=5, help="runs per figure (median printed)")
     ap.add_argument("--calls", type=int, default=100_000, help="calls per identity run")
+    ap.add_argument("--peers", type=int, default=3, help="other routers, for the budget check")
     ap.add_argument(
         "--prompts", default="512,2048,8192", help="prompt lengths (tokens) for the ledger"
     )
     a = ap.parse_args()
     identity(a.keys, a.tenants, a.runs, a.calls)
     ledger(a.runs, [int(x) for x in a.prompts.split(",")])
+    budgets(a.runs, a.peers)
 
 
 if __name__ == "__main__":

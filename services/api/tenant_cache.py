@@ -9,10 +9,10 @@ Invariants:
 - Every ``tick_s`` the tenants' budgets are read from Postgres and the over-budget set
   compared with the previous look; a change raises a ``tenant_cache_over_budget`` signal
   (firing, or resolved) through the alert manager, which de-duplicates the replicas' signals
-  by fingerprint. The first look after a start sends every budgeted tenant's state (a
-  resolution of an alert that is not open is ignored), so an alert opened before a restart
-  is closed once the tenant is back within its budget. No look is made while no router
-  reports (nothing is known).
+  by fingerprint. The first look after a start compares with the open alerts of that kind in
+  Postgres, so an alert opened before a restart (or by another replica) is closed once the
+  tenant is back within its budget. No look is made while no router reports (nothing is
+  known).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import select
 
 from services.api.db import Database
-from services.api.models import TenantRow
+from services.api.models import AlertRow, TenantRow
 from services.common.bus import Bus
 from services.common.logging import RateLimiter, get_logger
 from services.common.schemas import Alert, RouterLoad
@@ -75,7 +75,7 @@ class TenantCacheView:
         self.bus = bus
         self.tick_s = tick_s
         self.holdings = CacheHoldings(peer_ttl_s)
-        self._over: frozenset[str] | None = None
+        self._over: frozenset[str] | None = None  # None: not looked yet
         self._sub: Any = None
         self._task: asyncio.Task[None] | None = None
         self._log = RateLimiter(60.0)
@@ -89,7 +89,8 @@ class TenantCacheView:
         return self.holdings.totals({}, now).get(tenant, 0)
 
     async def _on_load(self, rl: RouterLoad, _raw: Any) -> None:
-        self.holdings.on_peer(rl.router_id, rl.tenant_cache_blocks, time.monotonic())
+        if rl.tenant_cache_blocks is not None:
+            self.holdings.on_peer(rl.router_id, rl.tenant_cache_blocks, time.monotonic())
 
     async def start(self) -> None:
         self._sub = await self.bus.subscribe(
@@ -121,10 +122,18 @@ class TenantCacheView:
             return
         async with self.db.session() as s:
             rows = (await s.execute(select(TenantRow.id, TenantRow.spec))).all()
+            before = self._over
+            if before is None:  # the first look: what is open now
+                fps = await s.execute(
+                    select(AlertRow.fingerprint).where(
+                        AlertRow.kind == ALERT_KIND, AlertRow.state != "resolved"
+                    )
+                )
+                before = frozenset(fp.split(":", 1)[1] for (fp,) in fps if ":" in fp)
         budgets = {tid: b for tid, spec in rows if (b := budget_of(spec)) is not None}
         held = self.holdings.totals({}, now)
         over = over_tenants(held, budgets)
-        fired, resolved = changes(self._over, over, budgets)
+        fired, resolved = changes(before, over)
         for tenant in sorted(fired | resolved):
             await raise_alert(
                 self.bus,

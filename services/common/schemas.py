@@ -257,8 +257,9 @@ class RouterLoad(Message):
     # requests in flight, admitted by this router (services.core.flow.quota)
     tenant_usage: dict[str, list[NonNeg]] = {}
     # per tenant: KV blocks this router's requests made that the engines still hold (its
-    # cache ledger, services.router.tenant_cache); cache budgets are enforced on the sum
-    tenant_cache_blocks: dict[str, NonNeg] = {}
+    # cache ledger, services.router.tenant_cache); cache budgets are enforced on the sum.
+    # None: not in this message (sent at most every half load interval)
+    tenant_cache_blocks: dict[str, NonNeg] | None = None
 
 
 class RouterOutcome(Message):

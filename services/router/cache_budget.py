@@ -1,11 +1,11 @@
 """The router's side of tenant cache budgets (the model: services.core.flow.cache_budget).
 
 Each router sums the blocks held per tenant (its own cache ledger + the other routers' last
-``RouterLoad.tenant_cache_blocks``), looks at least once per ``--load-interval`` (at each
-load-share tick) which tenants exceed their ``cache_budget_blocks``, and puts those tenants'
-new requests in the ``sheddable`` band until they are back within it. It exports
-``kvgate_tenant_cache_over_budget{tenant}`` (1 / 0, tenants with a budget). The alert is the
-admin API's (services.api.tenant_cache), which hears the same reports.
+``RouterLoad.tenant_cache_blocks``), looks about once per ``--load-interval`` (with the
+load share: services.router.load_share) which tenants exceed their ``cache_budget_blocks``,
+and puts those tenants' new requests in the ``sheddable`` band until they are back within
+it. It exports ``kvgate_tenant_cache_over_budget{tenant}`` (1 / 0, tenants with a budget).
+The alert is the admin API's (services.api.tenant_cache), which hears the same reports.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class CacheBudgetGuard:
         self.directory = directory
         self.holdings = CacheHoldings(peer_ttl_s)
         self.over: frozenset[str] = frozenset()
-        self._labelled: set[str] = set()
+        self._shown: dict[str, int] = {}  # tenant -> the gauge's value (set on change only)
 
     def on_peer(self, router_id: str, held: Mapping[str, int], now: float) -> None:
         self.holdings.on_peer(router_id, held, now)
@@ -46,16 +46,19 @@ class CacheBudgetGuard:
 
     def refresh(self, now: float) -> None:
         budgets = self.directory.cache_budgets()
-        if not budgets and not self._labelled:
+        if not budgets and not self._shown:
             self.over = frozenset()
             return
         held = self.holdings.totals(self.ledger.held, now)
         self.over = over_tenants(held, budgets)
-        for gone in self._labelled - budgets.keys():
+        for gone in self._shown.keys() - budgets.keys():
             OVER_BUDGET.remove(gone)
+            del self._shown[gone]
         for tenant in budgets:
-            OVER_BUDGET.labels(tenant).set(1 if tenant in self.over else 0)
-        self._labelled = set(budgets)
+            v = 1 if tenant in self.over else 0
+            if self._shown.get(tenant) != v:
+                OVER_BUDGET.labels(tenant).set(v)
+                self._shown[tenant] = v
 
     def demote(self, tenancy: RequestTenancy) -> RequestTenancy:
         return demote(tenancy, self.over)

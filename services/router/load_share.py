@@ -13,8 +13,10 @@ down; this router's own messages are ignored on the way in.
 The same messages carry this router's per-tenant quota usage (requests, input and output
 tokens in the last minute, requests in flight: services.core.flow.quota), so every router
 enforces a tenant's quota on the sum; a change of usage comes with the dispatch or release
-that made it. They also carry its per-tenant KV blocks held (its cache ledger), and each tick
-re-checks the tenants' cache budgets on the sum (services.router.cache_budget).
+that made it. At most every half ``load_interval`` (and at least every 1.5) a message
+also carries its per-tenant KV blocks held (its cache ledger: they change with KV events, not
+dispatches, and are a dict per tenant), and the tenants' cache budgets are re-checked on the
+sum (services.router.cache_budget); the other messages carry none (None, not "nothing held").
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class LoadSharing:
         self._seq = 0
         self._log = RateLimiter(30.0)
         self.cache: CacheBudgetGuard | None = None  # set by the router
+        self._cache_at = -float("inf")  # when blocks held were last checked and sent
 
     def mark_dirty(self) -> None:
         """This router's counts changed (a dispatch or a release): published soon when another
@@ -73,10 +76,19 @@ class LoadSharing:
         now = time.monotonic()
         self.state.on_router_load(rl.router_id, rl.inflight, rl.pending_prefill, now)
         self.quotas.on_peer(rl.router_id, rl.tenant_usage, now)
-        if self.cache is not None:
+        if self.cache is not None and rl.tenant_cache_blocks is not None:
             self.cache.on_peer(rl.router_id, rl.tenant_cache_blocks, now)
         if self.capacity.waiting:
             self.capacity.notify()
+
+    def _cache_tick(self, now: float) -> dict[str, int] | None:
+        """Re-check the cache budgets and return this router's blocks held, at most every
+        half interval (None otherwise)."""
+        if self.cache is None or now - self._cache_at < self.interval_s / 2:
+            return None
+        self._cache_at = now
+        self.cache.refresh(now)
+        return self.cache.report()
 
     async def run(self) -> None:
         """Publish this router's in-flight counts at start, every interval, and on change
@@ -85,8 +97,7 @@ class LoadSharing:
         while True:
             await wait_event(self._dirty, self.interval_s)
             self._dirty.clear()
-            if self.cache is not None:
-                self.cache.refresh(time.monotonic())
+            cache = self._cache_tick(time.monotonic())
             if not self.bus.is_connected:
                 continue
             self._seq += 1
@@ -97,7 +108,7 @@ class LoadSharing:
                 inflight=self.state.local_inflight(),
                 pending_prefill=self.state.local_prefill(),
                 tenant_usage=self.quotas.report(time.monotonic()),
-                tenant_cache_blocks=self.cache.report() if self.cache is not None else {},
+                tenant_cache_blocks=cache,
             )
             try:
                 await self.bus.publish(self.bus.subjects.router_load(self.router_id), msg)

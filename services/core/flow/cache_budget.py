@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 
 from services.common.tenancy import Priority, RequestTenancy
@@ -53,15 +53,9 @@ def demote(tenancy: RequestTenancy, over: AbstractSet[str]) -> RequestTenancy:
     return dataclasses.replace(tenancy, priority=Priority.SHEDDABLE)
 
 
-def changes(
-    before: frozenset[str] | None, after: frozenset[str], budgeted: Iterable[str]
-) -> tuple[set[str], set[str]]:
-    """(newly over, newly back within) between two looks. ``before`` None (the first look,
-    e.g. after a restart): every over tenant is newly over and every other budgeted tenant
-    newly within (an alert manager ignores a resolution of an alert that is not open)."""
-    if before is None:
-        return set(after), set(budgeted) - after
-    return set(after - before), set(before - after)
+def changes(before: AbstractSet[str], after: AbstractSet[str]) -> tuple[set[str], set[str]]:
+    """(newly over, newly back within) between two looks."""
+    return set(after) - set(before), set(before) - set(after)
 
 
 class CacheHoldings:
