@@ -29,6 +29,7 @@ METRIC_MODULES = (
     "services.router.metrics",
     "services.router.tenant_metrics",
     "services.router.tenant_cache",
+    "services.router.cache_budget",
     "services.router.flow_control",
     "services.telemetry.exporter",
     "services.api.alerting",
