@@ -28,6 +28,7 @@ Invariant: builders only; nothing here decides or keeps state.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -50,8 +51,25 @@ def headers_of(h: pb.HttpHeaders) -> dict[str, str]:
     """Header name (lower case) -> value; Envoy sends ``raw_value`` (bytes) or ``value``."""
     out: dict[str, str] = {}
     for hv in h.headers.headers:
-        out[hv.key.lower()] = hv.raw_value.decode("utf-8", "replace") if hv.raw_value else hv.value
+        raw = hv.raw_value
+        out[hv.key.lower()] = raw.decode("utf-8", "replace") if raw else hv.value
     return out
+
+
+def status_and_type(h: pb.HttpHeaders) -> tuple[int, str]:
+    """A response's ``:status`` (200 when absent or empty; ValueError when not a number)
+    and ``content-type`` ("" when absent): the only response headers the EPP reads."""
+    status, ctype = "", ""
+    for hv in h.headers.headers:
+        key = hv.key.lower()
+        if key == ":status" or key == "content-type":
+            raw = hv.raw_value
+            v = raw.decode("utf-8", "replace") if raw else hv.value
+            if key == ":status":
+                status = v
+            else:
+                ctype = v
+    return int(status or 200), ctype
 
 
 def _field(req: pb.ProcessingRequest, namespace: str, key: str) -> struct_pb2.Value | None:
@@ -119,6 +137,35 @@ def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
+def _add(sets: Any, key: str, value: str) -> None:
+    """One more header set (``OVERWRITE_IF_EXISTS_OR_ADD``) on a ``set_headers`` field."""
+    hv = sets.add()
+    hv.header.key = key
+    hv.header.raw_value = value.encode()
+    hv.append_action = _OVERWRITE
+
+
+# the pick's answer without its per-request headers, per pick value (a handful: one per
+# endpoint, or per fallback list); copied and completed per request
+_PICK_TEMPLATES: dict[str, pb.ProcessingResponse] = {}
+_PICK_TEMPLATES_MAX = 4096
+
+
+def _pick_template(endpoint: str) -> pb.ProcessingResponse:
+    t = _PICK_TEMPLATES.get(endpoint)
+    if t is None:
+        if len(_PICK_TEMPLATES) >= _PICK_TEMPLATES_MAX:
+            _PICK_TEMPLATES.clear()
+        t = pb.ProcessingResponse()
+        common = t.request_headers.response
+        common.clear_route_cache = True
+        _add(common.header_mutation.set_headers, DESTINATION_HEADER, endpoint)
+        md = t.dynamic_metadata.fields[LB_NAMESPACE].struct_value
+        md.fields[DESTINATION_HEADER].string_value = endpoint
+        _PICK_TEMPLATES[endpoint] = t
+    return t
+
+
 def pick_response(
     endpoint: str,
     body_len: int | None,
@@ -129,39 +176,26 @@ def pick_response(
     client's own ``x-gateway-destination-endpoint`` is overwritten, never kept. ``echo``
     (the conformance test EPP): the endpoint the suite's echo server is asked to report.
     ``extra``: more request headers for the engine (``traceparent`` while tracing is on)."""
-    sets = [_set(DESTINATION_HEADER, endpoint)]
+    out = pb.ProcessingResponse()
+    out.CopyFrom(_pick_template(endpoint))
+    sets = out.request_headers.response.header_mutation.set_headers
     if extra:
-        sets += [_set(k, v) for k, v in extra.items()]
+        for k, v in extra.items():
+            _add(sets, k, v)
     if echo is not None:
-        sets.append(_set(ECHO_SET_HEADER, f"{CONFORMANCE_SERVED_HEADER}:{echo}"))
+        _add(sets, ECHO_SET_HEADER, f"{CONFORMANCE_SERVED_HEADER}:{echo}")
     if body_len is not None:  # the body is sent back as a mutation: Envoy wants its length
-        sets.append(_set("content-length", str(body_len)))
-    md = struct_pb2.Struct()
-    md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = endpoint
-    return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(set_headers=sets), clear_route_cache=True
-            )
-        ),
-        dynamic_metadata=md,
-    )
-
-
-def _streamed(body: bytes, end: bool) -> pb.BodyResponse:
-    """A FULL_DUPLEX_STREAMED body answer: ``body`` sent on as one chunk."""
-    return pb.BodyResponse(
-        response=pb.CommonResponse(
-            body_mutation=pb.BodyMutation(
-                streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=end)
-            )
-        )
-    )
+        _add(sets, "content-length", str(body_len))
+    return out
 
 
 def request_body_response(body: bytes) -> pb.ProcessingResponse:
     """FULL_DUPLEX_STREAMED: the buffered request body goes back as one last chunk."""
-    return pb.ProcessingResponse(request_body=_streamed(body, True))
+    out = pb.ProcessingResponse()
+    s = out.request_body.response.body_mutation.streamed_response
+    s.body = body
+    s.end_of_stream = True
+    return out
 
 
 # the answers that carry nothing of the request: one object each (never changed)
@@ -172,7 +206,11 @@ RESPONSE_TRAILERS_PASS = pb.ProcessingResponse(response_trailers=pb.TrailersResp
 
 def response_body_pass(chunk: bytes, end: bool) -> pb.ProcessingResponse:
     """FULL_DUPLEX_STREAMED: each response chunk goes back as it came."""
-    return pb.ProcessingResponse(response_body=_streamed(chunk, end))
+    out = pb.ProcessingResponse()
+    s = out.response_body.response.body_mutation.streamed_response
+    s.body = chunk
+    s.end_of_stream = end
+    return out
 
 
 def immediate(

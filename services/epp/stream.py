@@ -105,14 +105,13 @@ class EppStream:
         self.response_started = True
         p = self.pick
         if p is not None:
-            h = P.headers_of(req.response_headers)
-            status = int(h.get(":status", "200") or 200)
+            status, ctype = P.status_and_type(req.response_headers)
             p.ctx.http_status = status
             if p.ctx.trace is not None:
                 p.ctx.trace.connected()
             if status >= 400:
                 p.ctx.status = "error"
-            streamed = "text/event-stream" in h.get("content-type", "")
+            streamed = "text/event-stream" in ctype
             self.watch = ResponseWatch(p.ctx, streamed)
             served = P.served_endpoint(req)
             if served:
