@@ -434,9 +434,12 @@ async def serve(st: Any, stop: asyncio.Event) -> None:
     from services.common.subjects import Subjects
 
     tls = server_ssl_context(getattr(st, "tls_cert", ""), getattr(st, "tls_key", ""))
+    # the NATS connection, outcomes and load reports all name this replica by its id
+    # (router-<hex> unless --router-id names it)
+    st.router_id = st.router_id or f"router-{uuid.uuid4().hex[:8]}"
     bus = Bus(
         st.nats_url,
-        f"router-{st.router_id or 'r'}",
+        st.router_id,
         Subjects(st.subject_prefix),
         auth=NatsAuth.from_settings(st),
         role="router",
