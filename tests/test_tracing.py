@@ -22,6 +22,9 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased,
 
 from services.common import tracing
 from services.common.bus import Bus
+from services.core.policy.base import REGISTRY as POLICIES
+from services.core.policy.base import register
+from services.core.policy.builtin.round_robin import RoundRobin
 from tests.test_router_e2e_sim import SimCluster
 from tests.test_router_support import Beats, FakeWorker, RouterProc, post, shutdown, wait_until
 
@@ -545,3 +548,91 @@ async def test_disaggregated_request_traces_its_prefill_and_decode_workers(
     assert sorted(w.split("-")[0] for w in served) == ["dec", "pre"]
     for span in served.values():
         _child_of(span, upstream, within=False)
+
+
+class _ReplicateToOthers(RoundRobin):
+    """Round robin whose every decision also replicates the prompt to the other workers
+    (kv_aware's hot-prefix rule, made unconditional for the test)."""
+
+    name = "test_replicate_to_others"
+
+    def costs(self, req: Any, cands: list[Any], overlaps: Any, state: Any) -> dict[str, float]:
+        costs = super().costs(req, cands, overlaps, state)
+        state.replicate_to = tuple(w.worker_id for w in cands)  # the pick's own is dropped
+        return costs
+
+
+@pytest.fixture
+def replicating_policy() -> Iterator[str]:
+    register(_ReplicateToOthers)
+    yield _ReplicateToOthers.name
+    del POLICIES[_ReplicateToOthers.name]
+
+
+async def test_hot_prefix_replica_is_a_span_and_its_engine_continues_the_trace(
+    nats_url,
+    subjects,
+    fake_engines: list[FakeWorker],
+    spans: InMemorySpanExporter,
+    replicating_policy: str,
+) -> None:
+    router = await RouterProc(nats_url, subjects, policy=replicating_policy).start()
+    try:
+        await router.wait_workers(2)
+        body = {"model": "m", "prompt": "a hot system prompt " * 4, "max_tokens": 4}
+        async with aiohttp.ClientSession() as s:
+            status, headers, _b = await post(s, router.url + "/v1/completions", body)
+            assert status == 200
+            # a client's unsampled trace: the replica's engine is told it is not sampled
+            sent = {"traceparent": _traceparent("00")}
+            status2, headers2, _b = await post(s, router.url + "/v1/completions", body, sent)
+            assert status2 == 200
+        await wait_until(
+            lambda: (
+                sum(len(w.served) for w in fake_engines) == 4
+                and any(s.name == "router.replicate" for s in spans.get_finished_spans())
+            ),
+            what="both replicas answered and the sampled one's span ended",
+        )
+    finally:
+        await shutdown(("router", router.stop()))
+    served = {w.worker_id: w.served for w in fake_engines}
+    copies = [
+        (wid, {k.lower(): v for k, v in r["headers"].items()})
+        for wid, rs in served.items()
+        for r in rs
+        if r["body"]["max_tokens"] == 1
+    ]
+    assert len(copies) == 2 and all(
+        r["body"]["stream"] is False
+        for rs in served.values()
+        for r in rs
+        if r["body"]["max_tokens"] == 1
+    )
+    named = _by_name(list(spans.get_finished_spans()))
+    root, upstream, rep = (
+        _one(named, n) for n in ("router.request", "router.upstream", "router.replicate")
+    )
+    # the sampled request's replica: a client span under its request, on the other worker
+    _child_of(rep, root, within=False)  # it may end after the request
+    assert rep.kind == trace.SpanKind.CLIENT
+    picked = headers["x-kvgate-worker"]
+    other = next(w for w in served if w != picked)
+    assert rep.attributes["kvgate.worker"] == other
+    assert rep.attributes["kvgate.outcome"] == "ok"
+    first_copy = next(
+        h for wid, h in copies if wid == other and CLIENT_TRACE not in h["traceparent"]
+    )
+    assert first_copy["x-request-id"] == rep.attributes["kvgate.request_id"]
+    _v, trace_id, span_id, flags = first_copy["traceparent"].split("-")
+    assert int(trace_id, 16) == root.context.trace_id and int(flags, 16) & 1
+    assert int(span_id, 16) == rep.context.span_id != upstream.context.span_id
+    # the unsampled request: no span of it; its replica in the client's trace, not sampled
+    assert {s.context.trace_id for s in spans.get_finished_spans()} == {root.context.trace_id}
+    picked2 = headers2["x-kvgate-worker"]
+    unsampled = [
+        h["traceparent"] for wid, h in copies if wid != picked2 and CLIENT_TRACE in h["traceparent"]
+    ]
+    assert len(unsampled) == 1
+    version, trace_id2, _s, flags2 = unsampled[0].split("-")
+    assert (version, trace_id2, flags2) == ("00", CLIENT_TRACE, "00")

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from services.common import tracing
 from services.common.logging import get_logger
 from services.core.cluster import ClusterState, Ticket
 from services.core.lifecycle import Replica, RequestLifecycle
@@ -30,6 +31,7 @@ from services.router.load_share import LoadSharing
 from services.router.proxy import Ctx, replica_body
 from services.router.scaling import ScalingSignal
 from services.router.signals import CapacitySignal, Spawner
+from services.router.trace import end_replica
 from services.router.upstream import FastClient, UpstreamError
 
 log = get_logger("router")
@@ -171,22 +173,33 @@ class Dispatcher:
         rid, wid = rep.request_id, rep.worker_id
         s = self.state.states.get(wid)
         outcome = "ok"
+        span = None  # its trace span (tracing on, the request sampled)
+        error: str | None = None
         try:
             if s is None or self.session is None:
                 outcome = "skipped"
                 return
-            status = await self._post_replica(
-                s.url, ctx.path, replica_body(ctx), {"x-request-id": rid}
-            )
+            headers = {"x-request-id": rid}
+            if ctx.trace is not None:  # the engine continues the request's trace
+                span = ctx.trace.start_replica(wid, s.url, rid)
+                tracing.inject(span if span is not None else ctx.trace.root, headers)
+            elif ctx.traceparent is not None and tracing.enabled():
+                headers["traceparent"] = ctx.traceparent  # not sampled: the engine is told so
+            status = await self._post_replica(s.url, ctx.path, replica_body(ctx), headers)
             if status >= 400:
-                outcome = "error"
+                outcome, error = "error", f"HTTP {status}"
                 log.warning("replica failed", request_id=rid, worker=wid, status=status)
             else:
                 self.lifecycle.first_token(rid, rep.ticket, time.monotonic())
         except (UpstreamError, aiohttp.ClientError, OSError, TimeoutError) as exc:
-            outcome = "error"
+            outcome, error = "error", str(exc) or type(exc).__name__
             log.warning("replica failed", request_id=rid, worker=wid, error=str(exc))
+        except asyncio.CancelledError:  # the router stops: the span says so
+            error = "cancelled"
+            raise
         finally:
+            if span is not None:
+                end_replica(span, "cancelled" if error == "cancelled" else outcome, error)
             M.child(M.REPLICAS, outcome).inc()
             self.lifecycle.end(rid, rep.ticket)
             self.load.mark_dirty()

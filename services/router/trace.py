@@ -14,7 +14,10 @@ Spans (names, then what they measure):
     engine gets): ``upstream.connect`` (sent until the response's head), ``upstream.first_token``
     (head until the first token; streams), ``upstream.stream`` (first token until the stream's end);
   - ``router.migrate``: a broken stream continued on another worker, whose attempt is a
-    ``router.upstream`` under it.
+    ``router.upstream`` under it;
+  - ``router.replicate`` (client, one per hot-prefix replica the decision sent; its context is
+    the ``traceparent`` the replica's engine gets): the one-token copy, from its send to its
+    answer (it may end after the request).
 
 A request not sampled (the ratio, or a client's unsampled ``traceparent``) has no trace at
 all: :func:`services.common.tracing.begin` decided so before any span, and the engine gets a
@@ -161,6 +164,25 @@ class RequestTrace:
         )
         self.connected_ns = self.first_ns = 0
 
+    def start_replica(self, worker_id: str, url: str, request_id: str) -> Any:
+        """A hot-prefix replica this request's decision sent (a one-token copy, in the
+        background): a client span under the request (it may end after the request does),
+        whose context the engine gets; None when the request is not recording."""
+        if not self.recording:
+            return None
+        from opentelemetry.trace import SpanKind
+
+        return self.tracer.start_span(
+            f"{self.prefix}.replicate",
+            context=self.root_ctx,
+            kind=SpanKind.CLIENT,
+            attributes={
+                "kvgate.worker": worker_id,
+                "server.address": url,
+                "kvgate.request_id": request_id,
+            },
+        )
+
     def connected(self) -> None:
         """The worker's response head arrived."""
         if self.attempt is not None and not self.connected_ns:
@@ -268,3 +290,13 @@ class RequestTrace:
                 {"http.response.status_code": status, "kvgate.outcome": "rejected"}
             )
         self.root.end()
+
+
+def end_replica(span: Any, outcome: str, error: str | None) -> None:
+    """A replica's span (:meth:`RequestTrace.start_replica`) ends with its outcome."""
+    span.set_attribute("kvgate.outcome", outcome)
+    if error is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()
