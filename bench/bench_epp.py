@@ -32,6 +32,9 @@ protocol's floor taken out).
     python -m bench.bench_epp --modes whole --runs 5 --seconds 6
     python -m bench.bench_epp --profile DIR            # the EPP under cProfile (DIR/epp-*.prof)
     python -m bench.bench_epp null --port 9009          # only the do-nothing ext_proc server
+
+Where the EPP's CPU goes (its own work by step, decide, tokenize, the gRPC floor):
+``python -m bench.epp_breakdown``.
 """
 
 from __future__ import annotations
