@@ -19,7 +19,11 @@ def _set(k: str, v: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def nested_pick(endpoint: str, sets: list[tuple[str, str]]) -> pb.ProcessingResponse:
+def nested_pick(
+    endpoint: str, sets: list[tuple[str, str]], prefill: str | None = None
+) -> pb.ProcessingResponse:
+    """``prefill``: the P/D answer's ``x-prefiller-host-port``; without it, the answer removes
+    a client's own."""
     md = struct_pb2.Struct()
     md.fields[P.LB_NAMESPACE].struct_value.fields[P.DESTINATION_HEADER].string_value = endpoint
     return pb.ProcessingResponse(
@@ -27,7 +31,9 @@ def nested_pick(endpoint: str, sets: list[tuple[str, str]]) -> pb.ProcessingResp
             response=pb.CommonResponse(
                 header_mutation=pb.HeaderMutation(
                     set_headers=[_set(P.DESTINATION_HEADER, endpoint)]
-                    + [_set(k, v) for k, v in sets]
+                    + ([] if prefill is None else [_set(P.PREFILL_HEADER, prefill)])
+                    + [_set(k, v) for k, v in sets],
+                    remove_headers=[P.PREFILL_HEADER] if prefill is None else [],
                 ),
                 clear_route_cache=True,
             )
@@ -75,6 +81,18 @@ def test_pick_answers_equal_the_nested_construction() -> None:
         first.SerializeToString()
         == nested_pick(ep, [("content-length", "120")]).SerializeToString()
     )
+
+
+def test_pd_pick_names_the_prefill_worker_and_leaves_the_template() -> None:
+    """A P/D pick sets x-prefiller-host-port and removes nothing; the template it was copied
+    from still removes the client's header for the next colocated pick."""
+    ep, pre = "10.0.1.7:8000", "10.0.2.9:8000"
+    pd = P.pick_response(ep, 12, prefill=pre)
+    assert pd == nested_pick(ep, [("content-length", "12")], prefill=pre)
+    assert P.pick_response(ep, 12) == nested_pick(ep, [("content-length", "12")])
+    assert list(
+        P.pick_response(ep, None).request_headers.response.header_mutation.remove_headers
+    ) == [P.PREFILL_HEADER]
 
 
 def test_body_answers_equal_the_nested_construction() -> None:

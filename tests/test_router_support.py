@@ -72,6 +72,7 @@ class FakeWorker:
     crash_after: int = 2  # chunks before dying (crash_mid)
     hold: asyncio.Event | None = None  # answers wait for this (keep requests in flight)
     delay_s: float = 0.0  # each answer takes this long first (a slow worker)
+    role: str = "both"  # disaggregated serving: both | prefill | decode (its heartbeats say)
     capacity: WorkerCapacity = field(
         default_factory=lambda: WorkerCapacity(
             block_size=BS, num_gpu_blocks=4096, max_num_seqs=64, max_model_len=8192
@@ -99,6 +100,7 @@ class FakeWorker:
             model=self.model,
             capacity=self.capacity,
             state=state,  # type: ignore[arg-type]
+            role=self.role,  # type: ignore[arg-type]
             ts=time.time(),
         )
 

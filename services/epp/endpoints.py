@@ -63,7 +63,12 @@ def _host_port(entry: str) -> tuple[str, str | None]:
 def outside(state: ClusterState, subset: Iterable[str]) -> set[str]:
     """Workers whose endpoint ``subset`` does not name: the ones a subset hint (or the
     conformance suite's selection header) excludes. An entry with a port names that endpoint;
-    a bare address names every port of that host (as GIE's lightweight EPP reads them)."""
+    a bare address names every port of that host (as GIE's lightweight EPP reads them).
+
+    The hint restricts the destination; a prefill-only worker never is one (the decode pod's
+    sidecar reaches it, not the gateway), so it is never excluded here: a P/D pick still
+    pairs a hinted decoder with any prefill worker. GIE's own EPP filters every scheduling
+    profile's candidates with the hint instead (services/epp/protocol.py, docs/deploy.md)."""
     exact, hosts = set(), set()
     for e in subset:
         host, port = _host_port(e)
@@ -73,6 +78,8 @@ def outside(state: ClusterState, subset: Iterable[str]) -> set[str]:
             exact.add(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     out = set()
     for wid, s in state.states.items():
+        if s.role == "prefill":
+            continue
         ep = endpoint_of(s.url)
         if ep is None or (ep not in exact and _host_port(ep)[0] not in hosts):
             out.add(wid)

@@ -17,6 +17,12 @@ PROTOCOL_ERRORS = Counter(
     ["reason"],
 )
 PICKED = PICKS.labels("picked")
+PD_PICKS = Counter(
+    "kvgate_epp_pd_picks_total",
+    "picks of a P/D policy, by where the prompt is prefilled: remote (x-prefiller-host-port "
+    "names the prefill worker for the decode pod's sidecar) or decoder (no header)",
+    ["prefill"],
+)
 SERVED_ELSEWHERE = Counter(
     "kvgate_epp_served_elsewhere_total",
     "responses whose served endpoint (x-gateway-destination-endpoint-served) was not the pick",

@@ -9,6 +9,15 @@ releases it (called once per stream, in ``finally``); every request, picked or r
 records exactly one outcome (in ``settle`` for a pick, at once for a refusal or a stream
 dropped while the request waited in the queue or behind its leader); a subset hint
 excludes every worker whose endpoint is outside it, so the pick is inside it or there is none.
+
+Disaggregated serving (a P/D policy's decision names a prefill worker): the pick is the
+decode worker and :attr:`Pick.prefill` the prefill worker's ``ip:port``, which the gateway
+hands to llm-d's routing sidecar on the decode pod (``x-prefiller-host-port``,
+services/epp/protocol.py); the sidecar sends the prefill there and decodes locally. The
+prefill worker's claim (``Ctx.pd_ticket``) is released at the decoder's first token (the
+prefill is over by then) or when the stream ends, whichever is first; a decision whose
+prefill worker has no ``ip:port`` is made again without it (another prefill worker, or the
+decoder alone, as the policy rules), as the router does when a prefill worker fails.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class Pick:
     ticket: Ticket
     endpoint: str  # the pick: where the ticket is
     value: str  # what the data plane is told: the pick, then any fallbacks, comma-separated
+    prefill: str | None = None  # P/D: the prefill worker's ip:port; None: the decoder prefills
 
 
 class Picker:
@@ -121,30 +131,49 @@ class Picker:
             return self._unavailable(ctx, "no worker is known to the picker")
         if subset is not None:
             ctx.excluded |= endpoints.outside(r.state, subset)
-            if not subset or len(ctx.excluded) >= len(r.state.states):
+            ex = ctx.excluded  # a prefill-only worker is never the destination
+            if not subset or all(w in ex or s.role == "prefill" for w, s in r.state.states.items()):
                 return self._unavailable(
                     ctx, f"no eligible endpoint in the subset hint ({len(subset)} endpoints)"
                 )
-        try:
-            d = await r.admission.decide_or_wait(ctx)
-        except asyncio.CancelledError:  # the data plane left while the request was queued
-            ctx.status, ctx.http_status = "cancelled", 499
-            r.recorder.record(ctx)
-            raise
-        if isinstance(d, Response):  # ctx carries the refusal's status and outcome
-            r.recorder.record(ctx)
-            M.PICKS.labels(str(d.status)).inc()
-            return d
-        ticket = r.dispatcher.dispatch(ctx, d)
+        while True:
+            try:
+                d = await r.admission.decide_or_wait(ctx)
+            except asyncio.CancelledError:  # the data plane left while the request was queued
+                ctx.status, ctx.http_status = "cancelled", 499
+                r.recorder.record(ctx)
+                raise
+            if isinstance(d, Response):  # ctx carries the refusal's status and outcome
+                r.recorder.record(ctx)
+                M.PICKS.labels(str(d.status)).inc()
+                return d
+            prefill = None
+            if d.prefill_worker is not None:
+                prefill = endpoints.worker_endpoint(r.state, d.prefill_worker)
+                if prefill is None:  # the sidecar cannot be told where: decide without it
+                    log.warning(
+                        "prefill worker has no ip:port endpoint; deciding without it",
+                        request_id=ctx.request_id,
+                        worker=d.prefill_worker,
+                    )
+                    ctx.excluded.add(d.prefill_worker)
+                    continue  # each pass excludes one more worker: bounded by the pool
+            break
+        ticket = r.dispatcher.dispatch(ctx, d)  # P/D: the prefill worker's claim in pd_ticket
         endpoint = endpoints.worker_endpoint(r.state, ticket.worker_id)
         if endpoint is None:  # its URL names no host:port a gateway could reach
-            r.dispatcher.release(ctx, ticket)
+            self._release(ctx, ticket)
             return self._unavailable(ctx, f"worker {ticket.worker_id} has no ip:port endpoint")
+        if getattr(ctx.arm.policy.impl, "disaggregated", False):
+            M.PD_PICKS.labels("decoder" if prefill is None else "remote").inc()
+        if prefill is not None:  # the pair, as the router's outcomes record it
+            ctx.prefill_worker = d.prefill_worker
+            ctx.pd_transfer_predicted = d.transfer_s
         r.circuits.sent(ticket.worker_id)
         try:
             await r.dispatcher.hold(d)
         except asyncio.CancelledError:  # left while holding behind its leader
-            r.dispatcher.release(ctx, ticket)
+            self._release(ctx, ticket)
             ctx.status, ctx.http_status = "cancelled", 499
             r.recorder.record(ctx)
             raise
@@ -152,7 +181,16 @@ class Picker:
         RM.INFLIGHT.inc()
         M.PICKED.inc()
         M.PICK_SECONDS.observe(time.perf_counter() - t0)
-        return Pick(ctx, ticket, endpoint, self._with_fallbacks(endpoint, ctx, d.scores))
+        value = self._with_fallbacks(endpoint, ctx, d.scores)
+        return Pick(ctx, ticket, endpoint, value, prefill)
+
+    def _release(self, ctx: Ctx, ticket: Ticket) -> None:
+        """The decoder's claim and, for a remote prefill not yet over, the prefill worker's."""
+        r = self.router
+        if ctx.pd_ticket is not None:
+            r.dispatcher.prefilled(ctx, ctx.pd_ticket, False)
+            ctx.pd_ticket = None
+        r.dispatcher.release(ctx, ticket)
 
     def _with_fallbacks(self, endpoint: str, ctx: Ctx, costs: dict[str, float]) -> str:
         """The pick, then up to ``fallbacks`` other candidates in the decision's cost order
@@ -198,8 +236,17 @@ class Picker:
         )
 
     def first_token(self, p: Pick) -> None:
-        p.ctx.ttft = time.perf_counter() - p.ctx.t0
-        self.router.dispatcher.first_token(p.ctx, p.ticket)
+        ctx = p.ctx
+        ctx.ttft = time.perf_counter() - ctx.t0
+        if ctx.pd_ticket is not None:
+            # the decoder's first token: the remote prefill is over. The EPP never sees the
+            # prefill's own answer (the sidecar gets it): the policy learns the prefill as
+            # this first token less the decision's predicted KV transfer, so that its
+            # prefill model plus its transfer model give the first token it observes
+            took = max(0.0, time.monotonic() - ctx.dispatched_at - ctx.pd_transfer_predicted)
+            self.router.dispatcher.prefilled(ctx, ctx.pd_ticket, True, took)
+            ctx.pd_ticket = None
+        self.router.dispatcher.first_token(ctx, p.ticket)
 
     def settle(self, p: Pick, finished: bool) -> None:
         """The stream ended: release the ticket, record the outcome (``finished``: the
@@ -211,7 +258,7 @@ class Picker:
                     r.dispatcher.decoded(p.ctx, p.ticket, time.perf_counter())
                 elif not finished and p.ctx.status == "ok":
                     p.ctx.status, p.ctx.http_status = "cancelled", 499
-                r.dispatcher.release(p.ctx, p.ticket)
+                self._release(p.ctx, p.ticket)
                 r.admission.ended(p.ctx)  # flow control: output charged, quota's in-flight freed
             finally:
                 RM.INFLIGHT.dec()

@@ -12,6 +12,14 @@ EPP -> data plane: the pick as the ``x-gateway-destination-endpoint`` request he
 ``clear_route_cache``); the body sent back unchanged as one streamed chunk; or an
 ImmediateResponse (503: no endpoint, 429: shed, 400 / 404: the router's answers).
 
+Disaggregated serving (a P/D policy): the pick is the decode worker, and the request header
+``x-prefiller-host-port: <ip:port>`` names the prefill worker, for llm-d's routing sidecar on
+the decode pod (llm-d/llm-d-inference-scheduler v0.8.0, ``pkg/common/routing/common.go``
+``PrefillEndpointHeader``; read in ``pkg/sidecar/proxy/chat_completions.go``). Every other
+answer removes that header: a client's own never reaches the sidecar (it would choose where
+the sidecar sends the prompt), as llm-d's EPP deletes it before it decides
+(``disagg_headers_handler.go``).
+
 The GIE conformance suite's test EPP (``kvgate epp --conformance-test-epp``; as
 kubernetes-sigs/gateway-api-inference-extension v1.6.0's lightweight EPP does,
 ``pkg/lwepp/handlers/request.go`` and ``response.go``, header names from
@@ -36,6 +44,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+PREFILL_HEADER = "x-prefiller-host-port"  # llm-d's routing sidecar: where to prefill
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
@@ -160,6 +169,7 @@ def _pick_template(endpoint: str) -> pb.ProcessingResponse:
         common = t.request_headers.response
         common.clear_route_cache = True
         _add(common.header_mutation.set_headers, DESTINATION_HEADER, endpoint)
+        common.header_mutation.remove_headers.append(PREFILL_HEADER)
         md = t.dynamic_metadata.fields[LB_NAMESPACE].struct_value
         md.fields[DESTINATION_HEADER].string_value = endpoint
         _PICK_TEMPLATES[endpoint] = t
@@ -171,14 +181,21 @@ def pick_response(
     body_len: int | None,
     echo: str | None = None,
     extra: dict[str, str] | None = None,
+    prefill: str | None = None,
 ) -> pb.ProcessingResponse:
     """The request-headers answer naming the pick (header + ``envoy.lb`` metadata). The
     client's own ``x-gateway-destination-endpoint`` is overwritten, never kept. ``echo``
     (the conformance test EPP): the endpoint the suite's echo server is asked to report.
-    ``extra``: more request headers for the engine (``traceparent`` while tracing is on)."""
+    ``extra``: more request headers for the engine (``traceparent`` while tracing is on).
+    ``prefill``: the prefill worker's ``ip:port`` (``x-prefiller-host-port``); None: the
+    client's ``x-prefiller-host-port``, if any, is removed."""
     out = pb.ProcessingResponse()
     out.CopyFrom(_pick_template(endpoint))
-    sets = out.request_headers.response.header_mutation.set_headers
+    mutation = out.request_headers.response.header_mutation
+    sets = mutation.set_headers
+    if prefill is not None:
+        del mutation.remove_headers[:]
+        _add(sets, PREFILL_HEADER, prefill)
     if extra:
         for k, v in extra.items():
             _add(sets, k, v)

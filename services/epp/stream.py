@@ -136,7 +136,8 @@ class EppStream:
             got.ctx.trace.headers_into(extra)
         elif got.ctx.traceparent is not None:  # not sampled: the engine is told so
             extra = {"traceparent": got.ctx.traceparent}
-        out = [P.pick_response(got.value, None if body is None else len(body), echo, extra)]
+        n = None if body is None else len(body)
+        out = [P.pick_response(got.value, n, echo, extra, got.prefill)]
         if body is not None:
             out.append(P.request_body_response(body))
         return out

@@ -95,6 +95,7 @@ class DebugViews:
                 "arm": arm.name,
                 "canary_id": arm.canary_id,
                 "worker": d.worker_id,
+                "prefill_worker": d.prefill_worker,  # P/D: None when the decoder prefills
                 "reason": d.reason,
                 "wait": d.wait,
                 "never_fits": d.never_fits,

@@ -123,16 +123,16 @@ class Dispatcher:
             )
         self.lifecycle.first_token(ctx.request_id, ticket, now)
 
-    def prefilled(self, ctx: Ctx, ticket: Ticket, ok: bool) -> None:
+    def prefilled(self, ctx: Ctx, ticket: Ticket, ok: bool, took_s: float | None = None) -> None:
         """A remote prefill ended: its claim on the prefill worker is released (once), and
-        when it succeeded the policy learns how long it took from dispatch."""
+        when it succeeded the policy learns how long it took (``took_s``; None: from dispatch
+        until now, the prefill's answer as the router sees it)."""
         if ticket.released:
             return
         now = time.monotonic()
         if ok:
-            self.lifecycle.prefilled(
-                ctx.arm.policy, ctx.request_id, ticket, now - ctx.dispatched_at, now
-            )
+            took = now - ctx.dispatched_at if took_s is None else took_s
+            self.lifecycle.prefilled(ctx.arm.policy, ctx.request_id, ticket, took, now)
         else:
             self.state.release(ticket)
         self.load.mark_dirty()
