@@ -79,6 +79,30 @@ async def test_sglang_prefill_role_and_bootstrap_port_from_server_info(
         finally:
             await rt.stop()
     assert (hb.role, hb.bootstrap_port) == ("prefill", 9001)
+    assert hb.url == http.url.rstrip("/")  # no --worker-url: the engine's own
+
+
+async def test_worker_url_is_announced_and_the_engine_probed_behind_it(
+    nats_url: str, subjects: Subjects
+) -> None:
+    """A decode pod behind llm-d's routing sidecar: heartbeats name the sidecar's address
+    (--worker-url), the engine is still read at --engine-url (its role from /server_info)."""
+    info = {"page_size": 16, "max_total_num_tokens": 4096, "disaggregation_mode": "decode"}
+    sidecar = "http://10.1.2.3:8000"
+    async with (
+        HttpEngine(page_size=16, server_info=info) as http,
+        connected(nats_url, subjects, "bridge") as b,
+    ):
+        rt = BridgeRuntime(
+            b, "sg-d", engine="sglang", model="m", engine_url=http.url, worker_url=sidecar
+        )
+        rt.heartbeat_s = 0.05
+        await rt.start()
+        try:
+            hb = await _heartbeat(b, "sg-d")
+        finally:
+            await rt.stop()
+    assert (hb.url, hb.role) == (sidecar, "decode")
 
 
 async def test_vllm_decode_role_from_the_kv_transfer_config(

@@ -60,6 +60,14 @@ OPTIONS = S.COMMON + (
         "engine's HTTP base URL (health, /metrics capacity; trtllm: /kv_cache_events)",
         env="KVGATE_BRIDGE_ENGINE_URL",
     ),
+    S.option(
+        "worker_url",
+        "",
+        "URL the heartbeats announce: where routers and the gateway send requests ('' = "
+        "--engine-url); set it when a proxy fronts the engine, e.g. llm-d's routing sidecar "
+        "on a P/D decode pod (the engine is still probed at --engine-url)",
+        env="KVGATE_BRIDGE_WORKER_URL",
+    ),
     S.option("model", "", "model name the engine serves", env="KVGATE_BRIDGE_MODEL"),
     S.option(
         "block_size",
@@ -192,6 +200,7 @@ async def serve(st, stop: asyncio.Event) -> None:
         engine=st.engine,
         model=st.model,
         engine_url=st.engine_url,
+        worker_url=st.worker_url,
         hash_seed=st.hash_seed,
         block_size=st.block_size or None,
         capacity=CapacityDefaults(

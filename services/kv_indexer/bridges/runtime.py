@@ -146,6 +146,7 @@ class BridgeRuntime:
         engine: str,
         model: str,
         engine_url: str = "",
+        worker_url: str = "",
         hash_seed: int = 0,
         block_size: int | None = None,
         capacity: CapacityDefaults | None = None,
@@ -164,6 +165,9 @@ class BridgeRuntime:
         self.model = model
         self.loras: tuple[str, ...] = ()  # from the engine's /v1/models (probe_engine)
         self.engine_url = engine_url.rstrip("/")
+        # what heartbeats announce (routers and the gateway send there): a proxy in front of
+        # the engine (llm-d's routing sidecar), or the engine itself
+        self.worker_url = worker_url.rstrip("/") or self.engine_url
         self.heartbeat_s = heartbeat_s
         self.defaults = capacity or CapacityDefaults()
         self._log = RateLimiter(60.0)
@@ -496,7 +500,7 @@ class BridgeRuntime:
         return WorkerHeartbeat(
             worker_id=self.worker_id,
             instance_id=self.instance_id,
-            url=self.engine_url,
+            url=self.worker_url,
             model=self.model,
             capacity=self.capacity(),
             engine=self.engine,
