@@ -14,11 +14,12 @@ ImmediateResponse (503: no endpoint, 429: shed, 400 / 404: the router's answers)
 
 Disaggregated serving (a P/D policy): the pick is the decode worker, and the request header
 ``x-prefiller-host-port: <ip:port>`` names the prefill worker, for llm-d's routing sidecar on
-the decode pod (llm-d/llm-d-inference-scheduler v0.8.0, ``pkg/common/routing/common.go``
-``PrefillEndpointHeader``; read in ``pkg/sidecar/proxy/chat_completions.go``). Every other
-answer removes that header: a client's own never reaches the sidecar (it would choose where
-the sidecar sends the prompt), as llm-d's EPP deletes it before it decides
-(``disagg_headers_handler.go``).
+the decode pod (llm-d/llm-d-inference-scheduler v0.8.0 ``pkg/common/common.go``
+``PrefillEndpointHeader``, ``pkg/common/routing/common.go`` on main at 520af47; read in
+``pkg/sidecar/proxy/chat_completions.go``). Every other answer removes that header: a
+client's own never reaches the sidecar (it would choose where the sidecar sends the prompt),
+as llm-d's EPP deletes it before it decides (``.../profilehandler/disagg/
+disagg_headers_handler.go``).
 
 The GIE conformance suite's test EPP (``kvgate epp --conformance-test-epp``; as
 kubernetes-sigs/gateway-api-inference-extension v1.6.0's lightweight EPP does,
