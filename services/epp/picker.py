@@ -242,9 +242,10 @@ class Picker:
             # the decoder's first token: the remote prefill is over. The EPP never sees the
             # prefill's own answer (the sidecar gets it): the policy learns the prefill as
             # this first token less the decision's predicted KV transfer, so that its
-            # prefill model plus its transfer model give the first token it observes
+            # prefill model plus its transfer model give the first token it observes (an
+            # error answer's first bytes teach it nothing)
             took = max(0.0, time.monotonic() - ctx.dispatched_at - ctx.pd_transfer_predicted)
-            self.router.dispatcher.prefilled(ctx, ctx.pd_ticket, True, took)
+            self.router.dispatcher.prefilled(ctx, ctx.pd_ticket, ctx.status == "ok", took)
             ctx.pd_ticket = None
         self.router.dispatcher.first_token(ctx, p.ticket)
 
