@@ -19,7 +19,8 @@ Scenarios (each on several seeds):
 - ``heavy``: a heavy batch tenant sends 10x its fair share (weights equal, share = 1 /
   tenants of the fleet's capacity) while light interactive tenants send well under theirs.
   Figure: the light tenants' TTFT p99 over their solo run (the same light requests with no
-  heavy tenant). Target <= 1.2x.
+  heavy tenant). Target <= 1.2x. Beside it, where their TTFT goes: router wait p99 (arrival
+  to dispatch) and in-engine p99 (dispatch to first token).
 - ``fair``: three tenants with weights 1 : 2 : 1, each sending more than its share (so all
   stay backlogged) for 150 s. Figure: the least Jain's index of weighted service / weight
   over 30 s windows 5 s apart, from 30 s (the lines have filled) to the end of arrivals
@@ -27,8 +28,9 @@ Scenarios (each on several seeds):
   weight's share in any of them (target <= 10 %). Service = prompt tokens + 2 x generated tokens (VTC's
   weights), counted when each token is computed.
 - ``priority``: critical, standard and sheddable tenants; the sheddable load doubles.
-  Figures: critical TTFT p99 at 2x sheddable over 1x (target <= 1.1x) and critical requests
-  refused while a sheddable one was dispatched (target 0).
+  Figures: critical TTFT p99 at 2x sheddable over 1x (target <= 1.1x), with its router wait
+  and in-engine p99s at each load, and critical requests refused while a sheddable one was
+  dispatched (target 0).
 
     python -m bench.bench_tenants                       # all scenarios, seeds 1-3
     python -m bench.bench_tenants --scenarios fair --seeds 1,2,3,4,5 --json out.json
@@ -181,6 +183,19 @@ def ttft_p99(run: SimRun, pred) -> float | None:
     return percentile(v, 99)
 
 
+def split_p99(run: SimRun, pred) -> tuple[float | None, float | None]:
+    """Where the TTFT of the requests ``pred`` picks goes, as p99s: (router wait: from arrival to
+    dispatch, in the engine: from dispatch to the first token)."""
+    waits, engine = [], []
+    for r in run.results:
+        if r.status != OK or r.ttft_s is None or not pred(r):
+            continue
+        w = run.dispatched_at[r.request_id] - r.send_s
+        waits.append(w)
+        engine.append(r.ttft_s - w)
+    return percentile(waits, 99), percentile(engine, 99)
+
+
 # ------------------------------------------------------------------------------ scenarios
 def heavy(args: argparse.Namespace, seed: int, cap: float) -> dict[str, Any]:
     n_light = 3
@@ -212,6 +227,7 @@ def heavy(args: argparse.Namespace, seed: int, cap: float) -> dict[str, Any]:
             "light_ttft_p99_s": p,
             "vs_solo": p / base if p and base else None,
             "light_queue_wait_p99_s": percentile(waits, 99),
+            "light_engine_p99_s": split_p99(run, is_light)[1],
             "light_refused": sum(r.status == REJECTED for r in lr),
             "light_requests": len(lr),
         }
@@ -327,10 +343,17 @@ def priority(args: argparse.Namespace, seed: int, cap: float) -> dict[str, Any]:
                     # a sheddable request dispatched while this critical one was waiting
                     if any(r.send_s <= t <= r.end_s for t in sent):
                         bad += 1
+        is_crit = lambda r: r.request_id in crit_ids  # noqa: E731
+        w1, e1 = split_p99(per_load[1.0][mode], is_crit)
+        w2, e2 = split_p99(per_load[2.0][mode], is_crit)
         out[mode] = {
             "critical_ttft_p99_1x_s": p1,
             "critical_ttft_p99_2x_s": p2,
             "ratio_2x_over_1x": p2 / p1 if p1 and p2 else None,
+            "critical_wait_p99_1x_s": w1,
+            "critical_wait_p99_2x_s": w2,
+            "critical_engine_p99_1x_s": e1,
+            "critical_engine_p99_2x_s": e2,
             "critical_refused": refused_crit,
             "critical_refused_while_sheddable_sent": bad,
         }

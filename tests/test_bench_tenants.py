@@ -25,6 +25,16 @@ def test_bench_tenants_small_fleet(tmp_path) -> None:
     assert fair["kvgate"]["max_share_deviation"] < 0.1
     assert prio["kvgate"]["critical_refused_while_sheddable_sent"] == 0
     assert prio["kvgate"]["critical_ttft_p99_2x_s"] < prio["fcfs"]["critical_ttft_p99_2x_s"]
+    # the TTFT split: each part is at most the whole; FCFS's light tail is its router wait
+    for mode in ("fcfs", "kvgate"):
+        h = heavy[mode]
+        assert 0 < h["light_engine_p99_s"] <= h["light_ttft_p99_s"]
+        assert h["light_queue_wait_p99_s"] <= h["light_ttft_p99_s"]
+        for load in ("1x", "2x"):
+            p = prio[mode]
+            assert 0 < p[f"critical_engine_p99_{load}_s"] <= p[f"critical_ttft_p99_{load}_s"]
+            assert 0 <= p[f"critical_wait_p99_{load}_s"] <= p[f"critical_ttft_p99_{load}_s"]
+    assert heavy["fcfs"]["light_queue_wait_p99_s"] > heavy["fcfs"]["light_engine_p99_s"]
 
 
 def test_loadgen_names_tenant_and_band_as_a_gateway_would() -> None:
