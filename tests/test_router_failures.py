@@ -287,3 +287,40 @@ async def test_cordon_drain_uncordon(nats_url, subjects, bus: Bus) -> None:
                 assert (await resp.json())["workers"] == 1
     finally:
         await _teardown(router, workers, beats)
+
+
+async def test_replica_cancelled_by_router_stop_is_counted_cancelled(
+    nats_url, subjects, bus: Bus
+) -> None:
+    """A hot-prefix copy still in flight when the router stops (its task cancelled) is
+    ``kvgate_router_replicas_total{outcome="cancelled"}``, not ``ok``."""
+    from services.core.policy import Decision
+
+    router, workers, beats = await _cluster(nats_url, subjects, bus, n=2)
+    try:
+        workers[1].mode = "hang"  # the copy's worker never answers
+        r = router.router
+        ctx = await r.path.intake(
+            b'{"model": "m", "prompt": "a hot prefix", "max_tokens": 4}',
+            {},
+            "/v1/completions",
+            False,
+            0.0,
+        )
+        assert hasattr(ctx, "request_id"), ctx  # a Ctx, not a 400
+        ok0, cancelled0 = M.REPLICAS.labels("ok").value, M.REPLICAS.labels("cancelled").value
+        before = set(r.spawner._tasks)
+        ticket = r.dispatcher.dispatch(ctx, Decision("w0", replicate_to=("w1",)))
+        copies = set(r.spawner._tasks) - before
+        assert len(copies) == 1
+        await asyncio.wait_for(workers[1].started.wait(), 10)  # the copy reached its worker
+        (copy,) = copies
+        copy.cancel()  # what stopping the router does to the tasks it leaves
+        with pytest.raises(asyncio.CancelledError):
+            await copy
+        r.dispatcher.release(ctx, ticket)
+        assert M.REPLICAS.labels("cancelled").value == cancelled0 + 1
+        assert M.REPLICAS.labels("ok").value == ok0
+        assert r.state.states["w1"].inflight == 0  # the copy's claim was released
+    finally:
+        await _teardown(router, workers, beats)

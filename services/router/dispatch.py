@@ -194,12 +194,12 @@ class Dispatcher:
         except (UpstreamError, aiohttp.ClientError, OSError, TimeoutError) as exc:
             outcome, error = "error", str(exc) or type(exc).__name__
             log.warning("replica failed", request_id=rid, worker=wid, error=str(exc))
-        except asyncio.CancelledError:  # the router stops: the span says so
-            error = "cancelled"
+        except asyncio.CancelledError:  # the router stops: counted and traced as cancelled
+            outcome = error = "cancelled"
             raise
         finally:
             if span is not None:
-                end_replica(span, "cancelled" if error == "cancelled" else outcome, error)
+                end_replica(span, outcome, error)
             M.child(M.REPLICAS, outcome).inc()
             self.lifecycle.end(rid, rep.ticket)
             self.load.mark_dirty()
