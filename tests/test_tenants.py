@@ -327,7 +327,7 @@ async def test_tenant_keys_reload_usage_and_isolation(
         # the router's per-tenant metric counts the same engine figure
         from services.router.tenant_metrics import TENANT_CACHED_TOKENS
 
-        assert TENANT_CACHED_TOKENS.labels("beta")._value.get() >= cached["beta"]
+        assert TENANT_CACHED_TOKENS.labels("beta").value >= cached["beta"]
         # the untrusted header named no tenant; an unknown tenant has no usage
         assert (await api.call("GET", "/api/v1/tenants/gw-x/usage"))[0] == 404
     finally:

@@ -4,36 +4,36 @@ the same figure the admin API bills: services.api.usage), and completion tokens.
 
 Invariant: the ``tenant`` label takes at most ``MAX_TENANT_LABELS`` distinct values per
 process (a trusted gateway may name any number of tenants); later ones share ``_other``.
-Tenant-less requests are ``_default`` (services.common.tenancy.DEFAULT_TENANT).
+Tenant-less requests are ``_default`` (services.common.tenancy.DEFAULT_TENANT). Updated from
+the event loop only (services.common.loop_metrics: no lock per update).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import Counter
-
+from services.common.loop_metrics import LoopCounter
 from services.common.tenancy import RequestTenancy
 
 MAX_TENANT_LABELS = 1000
 OTHER = "_other"
 
-TENANT_REQUESTS = Counter(
+TENANT_REQUESTS = LoopCounter(
     "kvgate_tenant_requests_total",
     "Finished requests per tenant, priority band and status",
     ["tenant", "priority", "status"],
 )
-TENANT_PROMPT_TOKENS = Counter(
+TENANT_PROMPT_TOKENS = LoopCounter(
     "kvgate_tenant_prompt_tokens_total",
     "Prompt tokens of successful requests per tenant",
     ["tenant"],
 )
-TENANT_CACHED_TOKENS = Counter(
+TENANT_CACHED_TOKENS = LoopCounter(
     "kvgate_tenant_cached_tokens_total",
     "Prompt tokens the engine reported served from its prefix cache, per tenant",
     ["tenant"],
 )
-TENANT_COMPLETION_TOKENS = Counter(
+TENANT_COMPLETION_TOKENS = LoopCounter(
     "kvgate_tenant_completion_tokens_total",
     "Completion tokens of successful requests per tenant",
     ["tenant"],
