@@ -24,7 +24,8 @@ Measured on the same request (``bench.bench_router``'s, one bench worker, the sa
 
   and, apart, ``decide()`` alone (``Decider.decide_for`` on the same parsed request and state)
   and parse + tokenize alone (JSON decode and ``RequestParser.parse``): the work both front
-  doors share.
+  doors share; and ``decide()`` as admission calls it in the staged requests (each one's
+  dispatch and release changing the state it reads), with admission's own work beside it.
 
 The router's decide and tokenize are the same code on the same state, so what an EPP in
 another language would still pay per request is at least ``decide`` + ``tokenize`` (the
@@ -234,7 +235,38 @@ async def epp_parts(picker: Any, msgs: Messages, n: int, timer: float) -> dict[s
     shared = await shared_parts(picker.router, msgs, n)
     out["decide"] = shared["decide"] / 1e3
     out["tokenize"] = shared["tokenize"] / 1e3
+    out["decide_in_flow"], out["admission_own"] = await decide_in_flow(picker, msgs, n, timer)
     return out
+
+
+async def decide_in_flow(picker: Any, msgs: Messages, n: int, timer: float) -> tuple[float, float]:
+    """``decide()`` (``Decider.decide_for``) as admission calls it in the staged requests,
+    between dispatches and releases that change the state it reads (its caches kept warm
+    by ``shared_parts``'s loop are not), and admission's own work beside it, µs each: a pass
+    of its own, since timing the call adds a clock read to the admission step."""
+    decider = picker.router.decider
+    inner = decider.decide_for
+    spent = [0]
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = _clock()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += _clock() - t
+
+    acc = dict.fromkeys(STAGES, 0)
+    decider.decide_for = timed
+    try:
+        for i in range(n):
+            await staged(picker, msgs, 1 << 20, acc)
+            if i % 250 == 249:
+                await asyncio.sleep(0)
+    finally:
+        del decider.decide_for  # the class's method again
+    decide = max(0.0, spent[0] / n - timer) / 1e3
+    # the admission step's interval holds its own clock read and the wrapper's two
+    return decide, max(0.0, acc["admission"] / n - 3 * timer) / 1e3 - decide
 
 
 async def _profile(picker: Any, msgs: Messages, n: int, path: Path) -> None:
@@ -375,6 +407,7 @@ def _print_run(run: int, row: dict[str, float]) -> None:
     steps = "  ".join(f"{k} {row[f'epp_{k}_us']:.1f}" for k in STAGES)
     print(
         f"run {run}: router {row['router_cpu_us']:.0f} us/request (decide {row['epp_decide_us']:.1f},"
+        f" in the flow {row['epp_decide_in_flow_us']:.1f},"
         f" tokenize {row['epp_tokenize_us']:.1f}); grpc floor {row['floor_cpu_us']:.0f} us; EPP own"
         f" work {row['epp_total_us']:.1f} us (steps: {steps}; sum {row['epp_steps_sum_us']:.1f})",
         flush=True,
@@ -404,6 +437,10 @@ def _summary(res: dict[str, Any]) -> None:
         print(f"    {k:10s}                          {med(f'epp_{k}_us'):7.1f}")
     print(f"  of which the router's shared core     {shared:7.1f}  ({' + '.join(SHARED)})")
     print(f"    decide() alone                      {decide:7.1f}")
+    print(
+        f"    decide() in the flow (in admission) {med('epp_decide_in_flow_us'):7.1f}"
+        f"  (admission's own work beside it: {med('epp_admission_own_us'):.1f})"
+    )
     print(f"    parse + tokenize alone              {tok:7.1f}")
     print(f"  of which ext_proc reading / answers   {specific:7.1f}  ({' + '.join(OWN)})")
     print(f"  Python gRPC floor (do-nothing server) {floor:7.1f}  ({floor / router:.2f}x)")
