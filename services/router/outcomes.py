@@ -155,6 +155,11 @@ class OutcomeRecorder:
         # per (policy, arm, worker, status): the labelled metric children a request of that
         # kind updates, found in one lookup (six label lookups were a µs per request)
         self._children: dict[tuple[str, str, str, str], tuple[Any, ...]] = {}
+        # the reuse attribution's counters without a varying label, bound once
+        self._available, self._captured, self._delivered, self._unpredicted = (
+            M.PREFIX_TOKENS.labels(kind)
+            for kind in ("available", "captured", "delivered", "unpredicted")
+        )
 
     def _metric_children(self, pol: str, arm: str, wid: str, status: str) -> tuple[Any, ...]:
         key = (pol, arm, wid, status)
@@ -172,6 +177,7 @@ class OutcomeRecorder:
 
     def record(self, ctx: Ctx) -> None:
         e2e = time.perf_counter() - ctx.t0
+        prompt = len(ctx.parsed.token_ids)
         pol = ctx.arm.policy.name
         requests, arm_requests, e2e_h, arm_ttft, itl, ttft = self._metric_children(
             pol, ctx.arm.name, ctx.worker_id or "none", ctx.status
@@ -201,7 +207,6 @@ class OutcomeRecorder:
                 ttft.observe(ctx.ttft)
             if ctx.prefill_worker is not None:
                 _observe_pd(ctx)
-            prompt = len(ctx.parsed.token_ids)
             M.PROMPT_TOKENS.inc(prompt)
             self.hit_pred.add(ctx.predicted_cached, prompt)
             if ctx.cached_reported is not None:
@@ -218,13 +223,7 @@ class OutcomeRecorder:
             M.TIMEOUTS.inc()
             M.TIMEOUTS_ALIAS.inc()
         tenancy = ctx.tenancy
-        self.tenants.record(
-            tenancy,
-            ctx.status,
-            len(ctx.parsed.token_ids),
-            ctx.cached_reported,
-            ctx.completion_tokens,
-        )
+        self.tenants.record(tenancy, ctx.status, prompt, ctx.cached_reported, ctx.completion_tokens)
         self.publisher.submit(
             RouterOutcome(
                 request_id=ctx.request_id,
@@ -238,7 +237,7 @@ class OutcomeRecorder:
                 worker_id=ctx.worker_id,
                 status=ctx.status,  # type: ignore[arg-type]
                 http_status=ctx.http_status,
-                prompt_tokens=len(ctx.parsed.token_ids),
+                prompt_tokens=prompt,
                 completion_tokens=ctx.completion_tokens,
                 predicted_cached_tokens=ctx.predicted_cached,
                 cached_tokens=ctx.cached_reported,
@@ -266,18 +265,18 @@ class OutcomeRecorder:
         as ``unpredicted``."""
         available, captured = ctx.available_cached, ctx.predicted_cached
         arm = ctx.arm.name
-        M.child(M.PREFIX_TOKENS, "available").inc(available)
-        M.child(M.PREFIX_TOKENS, "captured").inc(captured)
+        self._available.inc(available)
+        self._captured.inc(captured)
         if available > captured:
             M.child(M.PREFIX_LOST, ctx.lost_reason or "filtered", arm).inc(available - captured)
         delivered = ctx.cached_reported
         if delivered is None:
             return
-        M.child(M.PREFIX_TOKENS, "delivered").inc(delivered)
+        self._delivered.inc(delivered)
         if delivered < captured:
             M.child(M.PREFIX_LOST, "engine", arm).inc(captured - delivered)
         elif delivered > captured:
-            M.child(M.PREFIX_TOKENS, "unpredicted").inc(delivered - captured)
+            self._unpredicted.inc(delivered - captured)
 
 
 def _handoff_s(ctx: Ctx) -> float | None:
