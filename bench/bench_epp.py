@@ -63,6 +63,7 @@ from bench.bench_router import (
     pct,
     start_bench_worker,
 )
+from bench.common import write_result
 from services.core.policy import DEFAULT_POLICY
 
 RESULTS = Path(__file__).parent / "results" / "epp"
@@ -496,11 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         prof.mkdir(parents=True, exist_ok=True)
     res = {"ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count()}
     res.update(asyncio.run(bench(a.requests, a.seconds, a.conns, a.runs, modes, a.policy, prof)))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_epp_{int(time.time())}.json"
-    path.write_text(json.dumps(res, indent=2))
-    print(f"results: {path}")
+    write_result(a.out, "bench_epp", res)
     return 0
 
 

@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import write_result
 from services.core.policy import DEFAULT_POLICY
 
 RESULTS = Path(__file__).parent / "results" / "router"
@@ -1039,11 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
                 a.peered,
             )
         )
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_router_{int(time.time())}.json"
-    path.write_text(json.dumps(res, indent=2))
-    print(f"results: {path}")
+    write_result(a.out, "bench_router", res)
     return 0
 
 

@@ -175,3 +175,14 @@ def _split_top(text: str) -> list[str]:
 def results_dir(args: argparse.Namespace, kind: str, workload: str) -> tuple[str, Path]:
     name = args.name or f"{kind}-{workload}-{time.strftime('%Y%m%d-%H%M%S')}"
     return name, Path(args.out_dir) / name
+
+
+def write_result(out_dir: str | Path, name: str, result: dict[str, Any]) -> Path:
+    """Write a benchmark's JSON result as ``<out_dir>/<name>_<unix seconds>.json`` (the
+    folder made if missing), say where, and return the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}_{int(time.time())}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"results: {path}")
+    return path

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -59,6 +58,7 @@ from bench.bench_router import (
     heartbeat_worker,
     start_bench_worker,
 )
+from bench.common import write_result
 from services.core.policy import DEFAULT_POLICY
 from services.epp import endpoints
 from services.epp import metrics as M
@@ -491,11 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     )
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"epp_breakdown_{int(time.time())}.json"
-    path.write_text(json.dumps(res, indent=2))
-    print(f"results: {path}")
+    write_result(a.out, "epp_breakdown", res)
     return 0
 
 
