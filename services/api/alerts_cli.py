@@ -46,13 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     S.add_options(parser, OPTIONS)
     sub = parser.add_subparsers(dest="action", metavar="{tail}", required=True)
     tail = sub.add_parser("tail", help="print alerts as they fire and resolve")
-    for opt in OPTIONS:  # also accepted after 'tail'; SUPPRESS keeps a value given before it
-        tail.add_argument(
-            opt.cli_flag,
-            dest=opt.name,
-            default=argparse.SUPPRESS,
-            help=f"{opt.help} [env {opt.env_var}]",
-        )
+    S.add_options_after_subcommand(tail, OPTIONS)
     when = tail.add_mutually_exclusive_group()
     when.add_argument(
         "--replay",

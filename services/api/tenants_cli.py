@@ -100,13 +100,7 @@ def when(text: str) -> float:
 
 def _common(p: argparse.ArgumentParser) -> None:
     """The connection flags, also after the subcommand (SUPPRESS keeps one given before)."""
-    for opt in OPTIONS:
-        p.add_argument(
-            opt.cli_flag,
-            dest=opt.name,
-            default=argparse.SUPPRESS,
-            help=f"{opt.help} [env {opt.env_var}]",
-        )
+    S.add_options_after_subcommand(p, OPTIONS)
     p.add_argument(
         "--json",
         action="store_true",

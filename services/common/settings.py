@@ -202,6 +202,23 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
         )
 
 
+def add_options_after_subcommand(
+    parser: argparse.ArgumentParser, options: Iterable[Option]
+) -> None:
+    """Accept the same flags after a subcommand too (``kvgate alerts tail --nats-url ...``):
+    SUPPRESS as the default, so a value given before the subcommand is not overwritten."""
+    for opt in options:
+        parser.add_argument(
+            opt.cli_flag,
+            dest=opt.name,
+            default=argparse.SUPPRESS,
+            type=opt.type,
+            choices=opt.choices,
+            metavar=placeholder(opt),
+            help=f"{opt.help} [env {opt.env_var}]",
+        )
+
+
 def resolve(
     args: argparse.Namespace | None,
     options: Iterable[Option],

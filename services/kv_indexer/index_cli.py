@@ -48,13 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description=__doc__.split("Examples::", 1)[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for opt in OPTIONS:  # also accepted after 'verify'; SUPPRESS keeps a value given before it
-        verify.add_argument(
-            opt.cli_flag,
-            dest=opt.name,
-            default=argparse.SUPPRESS,
-            help=f"{opt.help} [env {opt.env_var}]",
-        )
+    S.add_options_after_subcommand(verify, OPTIONS)
     verify.add_argument(
         "--worker", action="append", default=[], help="check only this worker (repeatable)"
     )
