@@ -60,12 +60,22 @@ def _snapshot(ws) -> tuple[ClusterSnapshot, dict[str, int]]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(cluster, request, st.floats(0, 4), st.floats(0, 100), st.floats(0, 500))
-def test_kv_aware_scores_are_its_documented_formula(ws, rq, uw, dw, kw) -> None:
+@given(
+    cluster,
+    request,
+    st.floats(0, 4),
+    st.floats(0, 100),
+    st.floats(0, 500),
+    st.sampled_from([0.0, 0.5, 1.7]),
+)
+def test_kv_aware_scores_are_its_documented_formula(ws, rq, uw, dw, kw, iw) -> None:
     # cost(w) = queued + uncached_weight x uncached + decode_weight x inflight
     #           + kv_pressure_weight x kv_usage
+    #           + imposed_weight x decoding x prefill(w) / prefill_token_s
     prompt, out = rq
     params = {"uncached_weight": uw, "decode_weight": dw, "kv_pressure_weight": kw, **NO_HOT}
+    if iw:
+        params["imposed_weight"] = iw
     pol = build_policy({"name": "kv_aware", "params": params})
     snap, ov = _snapshot(ws)
     d = decide(pol, RequestInfo("r", "m", prompt, out), snap, ov)
@@ -73,7 +83,24 @@ def test_kv_aware_scores_are_its_documented_formula(ws, rq, uw, dw, kw) -> None:
         uncached = max(0, prompt - ov[wid] * BS)
         usage = 1.0 - w.kv_blocks_free / BLOCKS
         ref = w.pending_prefill_tokens + uw * uncached + dw * w.inflight + kw * usage
+        # the prefill stall: slo_aware's imposed term (the latency model's prefill time of
+        # this prompt, each decoding request waits it) in prefill tokens; nothing of this
+        # policy's own is queued, so every request in flight decodes
+        _, _, prefill = _predict(0, 0, uncached, prompt, out)
+        ref += iw * w.inflight * prefill / PRIOR["prefill_token_s"]
         assert math.isclose(d.scores[wid], ref, rel_tol=1e-9, abs_tol=1e-6), wid
+
+
+def test_kv_aware_stall_is_off_by_default_and_moves_a_prompt_off_decoders() -> None:
+    # w0: nothing queued, 30 requests decoding; w1: 4k prompt tokens queued, 2 decoding. By
+    # its TTFT alone the new 6k-token prompt goes to w0; with the stall (30 decoders each
+    # waiting its prefill) to w1
+    snap, ov = _snapshot([(0, 30, 4096, 0), (4000, 2, 4096, 0)])
+    req = RequestInfo("r", "m", 6000, 20)
+    plain = decide(build_policy({"name": "kv_aware", "params": NO_HOT}), req, snap, ov)
+    assert plain.worker_id == "w0"
+    stall = build_policy({"name": "kv_aware", "params": {"imposed_weight": 0.5, **NO_HOT}})
+    assert decide(stall, req, snap, ov).worker_id == "w1"
 
 
 def _predict(q: float, dec: int, u: float, prompt: int, out: int) -> tuple[float, float, float]:

@@ -188,13 +188,23 @@ def test_fast_path_with_a_policy_cap(seq) -> None:
     _run(seq, {"name": "kv_aware", "params": {"max_inflight": 3, "routed_ttl": 16}})
 
 
-@pytest.mark.parametrize("name", ["kv_aware", "slo_aware"])
-def test_long_random_sequence_same_decisions(name: str) -> None:
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.booleans())
+def test_fast_path_with_the_prefill_stall(seq, roomy) -> None:
+    # the stall term is >= 0 and 0 without uncached tokens: the bounds stay lower bounds
+    _run(seq, {"name": "kv_aware", "params": {"imposed_weight": 1.0}}, roomy=roomy)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("kv_aware", {}), ("kv_aware", {"imposed_weight": 1.0}), ("slo_aware", {})],
+)
+def test_long_random_sequence_same_decisions(name: str, params: dict) -> None:
     rng = random.Random(7)
     names = ["decide"] * 5 + ["first", "first", "end", "end", "load", "ctl", "brk", "t", "itl"]
     seq = [(rng.choice(names), rng.randrange(10_000), rng.randrange(10_000)) for _ in range(4000)]
     for roomy in (False, True):
-        chosen = _run(seq, {"name": name, "params": {}}, n=24, roomy=roomy)
+        chosen = _run(seq, {"name": name, "params": params}, n=24, roomy=roomy)
         assert chosen > 500  # the comparison covered real picks, not only waits
 
 

@@ -147,6 +147,15 @@ def predict_fast(
     return ttft, ov + decode_step + own, prefill_s + output * own, prefill_s
 
 
+def prefill_s(th: list[float], uncached: float, prompt: float) -> float:
+    """This prompt's own compute time on a worker (its ``uncached`` tokens of a ``prompt``):
+    the per-token and attention terms of the steps that carry them, ``prefill_s`` of
+    :func:`predict_fast` (written inline there, on the decision path). Every request
+    decoding there waits this much more in total (its chunks share their steps): the prefill
+    stall ``slo_aware`` and ``kv_aware`` (``imposed_weight``) charge per decoding request."""
+    return th[1] * uncached + th[2] * uncached * (prompt - uncached / 2.0)
+
+
 def step_s(
     c: StepCoefficients | list[float],
     decoding: int,

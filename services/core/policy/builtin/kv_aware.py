@@ -4,8 +4,21 @@
             + uncached_weight * uncached(w)   # this prompt minus the prefix w holds (or will)
             + decode_weight * inflight(w)     # each running sequence slows every step
             + kv_pressure_weight * kv_usage(w)
+            + imposed_weight * decoding(w) * prefill(w) / prefill_token_s   # the stall it imposes
 
 ``inflight`` is the snapshot's global figure (every router replica).
+
+**Prefill stall** (``imposed_weight``, 0 = off by default). The terms above price the new
+request's own time to first token. Its prompt also shares its engine steps with every request
+decoding on the worker, and each of those waits its compute time more for its next tokens:
+``prefill(w)`` is that time by the latency model (:func:`services.core.latency.prefill_s`:
+``prefill_token_s x uncached + prefill_attn_s x uncached x (prompt - uncached / 2)``, the
+engine model's default coefficients), ``decoding(w)`` the worker's requests past their first
+token (in flight minus what this policy sent there without a first token yet), and dividing
+by ``prefill_token_s`` puts the stall in this cost's unit (prefill tokens). It is
+``slo_aware``'s ``imposed_weight x decoding x prefill`` term in those units. Where the TPOT SLO
+binds on short answers (every worker busy, prompts of thousands of tokens), without it a worker
+whose requests all decode looks cheapest, and the prompt sent there stalls them all.
 
 **Prefill clock.** ``pending_prefill_tokens`` (the router's count of uncached prompt tokens of
 requests without a first token) drops only at the first token, so a worker that is 90% through
@@ -108,6 +121,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from services.core.latency import PREFILL_TOKEN, StepCoefficients, prefill_s
 from services.core.policy.base import PolicyImpl, PolicyState, register
 from services.core.policy.builtin import kv_fast
 from services.core.policy.demand import ColdEntry, Demand, HolderDemand
@@ -132,6 +146,8 @@ def _int(desc: str, default: int, minimum: int = 1) -> dict:
     return {"type": "integer", "minimum": minimum, "default": default, "description": desc}
 
 
+# the latency model's coefficients the prefill stall is priced with: the engine model's defaults
+STALL_THETA = StepCoefficients().as_list()
 AGE_CAP = 1000  # decisions of queue age the tie-break counts at most (KvAware.AGE_WEIGHT)
 ROUTED_STRIDE = 8  # routed-prefix memory: one block key every 8 blocks (128 tokens)
 ROUTED_MAX_KEYS = 200_000  # bound on its size (oldest entries go first)
@@ -149,6 +165,13 @@ class KvAware(PolicyImpl):
             2.0,
         ),
         "kv_pressure_weight": _num("prefill-token equivalents at 100% KV usage", 256.0),
+        "imposed_weight": _num(
+            "weight of the prefill stall this request imposes on each request decoding on the "
+            "worker (decoding x this prompt's compute time by the latency model, in "
+            "prefill-token equivalents), against its own TTFT; slo_aware's term of that name; "
+            "0 = off (the new request's TTFT alone)",
+            0.0,
+        ),
         "hot_min_blocks": _int("matched blocks from which the hot-prefix rule applies", 2),
         "spread_margin": _int(
             "holders' in-flight excess over the least loaded that spreads a prefix whose "
@@ -650,12 +673,21 @@ class KvAware(PolicyImpl):
         and the large-fleet path both call it). ``slo_aware`` replaces it with its latency
         model."""
         p = self.p
-        return (
+        cost = (
             queued
             + p["uncached_weight"] * uncached
             + p["decode_weight"] * w.inflight
             + p["kv_pressure_weight"] * kv_usage(w)
         )
+        iw = p["imposed_weight"]
+        if iw > 0.0 and uncached > 0:
+            # the prefill stall (module docstring): decoding = in flight past the first token
+            fifo = self._clock(state).fifo.get(w.worker_id)
+            d = w.inflight - len(fifo) if fifo else w.inflight
+            if d > 0:
+                th = STALL_THETA
+                cost += iw * d * prefill_s(th, uncached, req.prompt_tokens) / th[PREFILL_TOKEN]
+        return cost
 
 
 def kv_usage(w: WorkerState) -> float:
