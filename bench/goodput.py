@@ -10,6 +10,15 @@ multiplier between ``--min-rate`` and ``--max-rate`` (``--max-rate`` first, then
 ``rate`` x m for Poisson workloads (conversations: m x the sessions at m x the session rate, so
 the load grows with m), ``time_scale`` / m for traces.
 
+``--max-rate auto``: each search starts at x4 and, while it meets the target there, doubles its
+upper end (at most ``--auto-max``) until it misses, then bisects that doubling.
+``--scale-count``: the multiplier also scales the request count (``num_requests`` or
+``groups``), the same arrival window with m x the requests, which a burst needs (once the whole
+burst is in flight a higher rate adds no load)::
+
+    python -m bench.goodput -w shared-system-prompt -p num_requests=1200 -p rate=2400 \
+        -p warmup_s=0.1 --profile default --ttft 2 --scale-count --max-rate auto
+
 Printed: per policy, per seed the goodput (offered requests/s of the workload at that
 multiplier, and the multiplier), the median over seeds, its ratio to the best peer rule's
 median, and beneath them what :mod:`bench.latency_bound` proves for that SLO (the share of
@@ -61,6 +70,7 @@ from bench.goodput_search import (
     Search,
     attainment,
     bisect_rate,
+    count_key,
     offered_rate,
     rate_knob,
     slo_ceiling,
@@ -99,6 +109,7 @@ QUICK = {"sessions": 80}
 PEERS = "sglang_cache_aware,dynamo_kv,llmd_default,llmd_kv_util"
 POLICIES = f"slo_aware,kv_aware,{PEERS},round_robin"
 PD_PEERS = "pd_dynamo,pd_llmd,pd_sglang,pd_round_robin"
+AUTO_START = 4.0  # --max-rate auto: where each search's upper end starts doubling from
 
 _SHARED: dict[str, Any] = {}  # what forked search processes read
 
@@ -194,7 +205,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="percent of all requests that must meet both (default 90)",
     )
     s.add_argument("--min-rate", type=float, default=0.5, help="lowest multiplier (0.5)")
-    s.add_argument("--max-rate", type=float, default=4.0, help="highest multiplier (4.0)")
+    s.add_argument(
+        "--max-rate",
+        default="4.0",
+        help="highest multiplier (4.0), or 'auto': start at 4 and, while a search meets the "
+        "target there, double its upper end (at most --auto-max) until it misses, then bisect "
+        "that doubling; every policy's goodput is bracketed unless it meets --auto-max",
+    )
+    s.add_argument(
+        "--auto-max",
+        type=float,
+        default=256.0,
+        help="with --max-rate auto: the highest multiplier tried (default 256)",
+    )
+    s.add_argument(
+        "--scale-count",
+        action="store_true",
+        help="scale the request count (num_requests, or groups) with the rate: the same "
+        "arrival window with m x the requests (bursts need it: once a whole burst is in "
+        "flight a higher rate adds no load)",
+    )
     s.add_argument(
         "--steps", type=int, default=5, help="bisection steps after the two ends (default 5)"
     )
@@ -243,7 +273,17 @@ def resolve(a: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--attain must be in (0, 100]")
     if a.ttft <= 0 or a.tpot <= 0:
         raise ValueError("--ttft and --tpot must be > 0")
-    if not 0 < a.min_rate < a.max_rate:
+    grow_to = None
+    if str(a.max_rate).strip().lower() == "auto":
+        max_rate, grow_to = AUTO_START, a.auto_max
+        if not grow_to > max_rate:
+            raise ValueError(f"--auto-max must be above {AUTO_START:g} (where auto starts)")
+    else:
+        try:
+            max_rate = float(a.max_rate)
+        except ValueError:
+            raise ValueError(f"--max-rate: a number or 'auto', not {a.max_rate!r}") from None
+    if not 0 < a.min_rate < max_rate:
         raise ValueError("need 0 < --min-rate < --max-rate")
     if not 0 <= steps <= 30:
         raise ValueError("--steps must be in 0..30")
@@ -255,6 +295,8 @@ def resolve(a: argparse.Namespace) -> dict[str, Any]:
     policies = parse_policies(a.policies)
     peers = [p.strip() for p in a.peers.split(",") if p.strip()]
     rate_knob(a.workload, params)  # the workload has a rate to scale
+    if a.scale_count:  # ... and a count to scale with it
+        count_key(a.workload)
     make_engine_config(engine)
     return {
         "workload": a.workload,
@@ -272,7 +314,9 @@ def resolve(a: argparse.Namespace) -> dict[str, Any]:
         "tpot_s": a.tpot,
         "target": a.attain / 100.0,
         "min_rate": a.min_rate,
-        "max_rate": a.max_rate,
+        "max_rate": max_rate,
+        "grow_to": grow_to,
+        "scale_count": a.scale_count,
         "queue_timeout_s": a.queue_timeout,
         "request_timeout_s": a.request_timeout,
         "progress": not a.no_progress,
@@ -283,7 +327,9 @@ def evaluate_point(
     conf: dict[str, Any], spec: dict[str, Any], seed: int, m: float
 ) -> dict[str, Any]:
     """One simulated run of the workload at multiplier ``m``: its attainment and misses."""
-    wl = workload_at(conf["workload"], {**conf["params"], "seed": seed}, m)
+    wl = workload_at(
+        conf["workload"], {**conf["params"], "seed": seed}, m, conf.get("scale_count", False)
+    )
     pre, dec = conf.get("pd") or (0, 0)
     opts = SimOptions(
         num_workers=conf["workers"],
@@ -330,7 +376,13 @@ def search_one(conf: dict[str, Any], label: str, spec: dict[str, Any], seed: int
             )
 
     s = bisect_rate(
-        evaluate, conf["target"], conf["min_rate"], conf["max_rate"], conf["steps"], show
+        evaluate,
+        conf["target"],
+        conf["min_rate"],
+        conf["max_rate"],
+        conf["steps"],
+        show,
+        grow_to=conf.get("grow_to"),
     )
     req_s = next((p["req_s"] for p in points if p["multiplier"] == s.goodput), None)
     return {
@@ -365,6 +417,12 @@ def run_searches(conf: dict[str, Any], jobs: int) -> list[dict]:
         _SHARED.clear()
 
 
+def top_rate(conf: dict[str, Any]) -> float:
+    """The highest multiplier the searches went to: ``--max-rate``, or with ``auto`` the
+    highest any search evaluated (``searched_max``, set once they ran)."""
+    return max(conf["max_rate"], conf.get("searched_max") or 0.0)
+
+
 def ceilings(conf: dict[str, Any]) -> list[dict[str, Any]]:
     """Per seed, the latency bound's ceiling (:func:`bench.goodput_search.slo_ceiling`) over
     the searched multipliers."""
@@ -382,11 +440,13 @@ def ceilings(conf: dict[str, Any]) -> list[dict[str, Any]]:
             conf["ttft_s"],
             conf["tpot_s"],
             conf["min_rate"],
-            conf["max_rate"],
+            top_rate(conf),
+            scale_count=conf.get("scale_count", False),
         )
         req_s = None
         if c.multiplier > 0:
-            req_s = offered_rate(workload_at(conf["workload"], params, c.multiplier).requests)
+            wl = workload_at(conf["workload"], params, c.multiplier, conf.get("scale_count", False))
+            req_s = offered_rate(wl.requests)
         out.append(
             {
                 "seed": seed,
@@ -453,13 +513,19 @@ def table(conf: dict[str, Any], searches: list[dict], ceils: list[dict]) -> str:
             cc.append(f"{pre}{c['req_s']:.3f} (x{c['multiplier']:.3f})")
     lines.append("| ceiling (latency bound, any policy) | " + " | ".join(cc) + " | | |")
     share = min(c["possible_share"] for c in ceils)
+    grown = ""
+    if conf.get("grow_to"):
+        grown = (
+            f" (auto: an upper end met doubles, up to x{conf['grow_to']:g}; highest "
+            f"evaluated x{top_rate(conf):g})"
+        )
     notes = [
         "",
         f"SLO: TTFT <= {conf['ttft_s']:g} s and TPOT <= {1000 * conf['tpot_s']:g} ms for >= "
         f"{100 * conf['target']:g} % of all requests (refused / shed / timed out = missed); "
-        f"multipliers {conf['min_rate']:g}-{conf['max_rate']:g}, {conf['steps']} steps; "
-        f"best peer: {best_peer or '–'}.",
-        f"Latency bound: at x{conf['max_rate']:g} at most {100 * share:.1f} % of the requests "
+        f"multipliers {conf['min_rate']:g}-{conf['max_rate']:g}{grown}, {conf['steps']} "
+        f"steps; best peer: {best_peer or '–'}.",
+        f"Latency bound: at x{top_rate(conf):g} at most {100 * share:.1f} % of the requests "
         "can meet the SLO (each one's prefill and decode alone on an idle engine); ceiling = "
         "the highest multiplier at which the fleet can still compute the prefill of the "
         "cheapest target share between the first arrival and the last + the TTFT SLO ('>=': "
@@ -630,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out_dir) / name
     t0 = time.perf_counter()
     searches = run_searches(conf, max(1, a.jobs))
+    if conf.get("grow_to"):
+        conf["searched_max"] = max(p["multiplier"] for r in searches for p in r["points"])
     out.mkdir(parents=True, exist_ok=True)  # the searches are kept even if what follows fails
     (out / "searches.json").write_text(json.dumps(_finite(searches), indent=1) + "\n")
     ceils = ceilings(conf)

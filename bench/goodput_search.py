@@ -8,7 +8,8 @@ Invariants:
 - the bisection keeps a bracket ``lo`` (met) < ``hi`` (missed) that only narrows: ``lo`` never
   decreases, ``hi`` never increases, every point lies inside the bracket, and the goodput it
   returns is the highest multiplier it saw meet the target (``None`` when even ``min_rate``
-  missed). It assumes attainment falls as the rate grows; the evaluated points (the results'
+  missed); with ``grow_to`` the upper end first doubles while met, so the bracket's ``lo``
+  rises to the last doubling met and ``hi`` is set at the first missed, then only narrows. It assumes attainment falls as the rate grows; the evaluated points (the results'
   CSV and plot) show where a workload breaks that;
 - the ceiling is a necessary condition for *any* policy: a multiplier above it cannot meet the
   target (see :func:`slo_ceiling` for what it assumes).
@@ -71,15 +72,23 @@ def bisect_rate(
     max_rate: float,
     steps: int,
     on_point: Callable[[Search, float, float], None] | None = None,
+    grow_to: float | None = None,
 ) -> Search:
     """The highest multiplier in [``min_rate``, ``max_rate``] whose attainment
     (``evaluate(m)``) is >= ``target``: ``max_rate`` first (met: done), then ``min_rate``
     (missed: none), then ``steps`` geometric halvings of the bracket (the resolution is
-    (max_rate / min_rate) ** (1 / 2 ** steps)). ``on_point`` sees each point."""
+    (max_rate / min_rate) ** (1 / 2 ** steps)). ``on_point`` sees each point.
+
+    ``grow_to`` (> ``max_rate``): when ``max_rate`` is met, the upper end doubles (capped at
+    ``grow_to``) until a multiplier misses, and the ``steps`` halvings narrow that last
+    doubling (resolution 2 ** (1 / 2 ** steps)); met at ``grow_to`` too: goodput >= it.
+    ``Search.max_rate`` is then the highest multiplier evaluated."""
     if not 0 < min_rate < max_rate:
         raise ValueError("need 0 < min_rate < max_rate")
     if steps < 0:
         raise ValueError("steps must be >= 0")
+    if grow_to is not None and grow_to <= max_rate:
+        raise ValueError("grow_to must be above max_rate")
     s = Search(target, min_rate, max_rate)
 
     def probe(m: float) -> bool:
@@ -91,11 +100,19 @@ def bisect_rate(
 
     if probe(max_rate):
         s.goodput = s.lo = max_rate
-        return s
-    s.hi = max_rate
-    if not probe(min_rate):
-        return s
-    s.lo = min_rate
+        while grow_to is not None and s.lo < grow_to and s.hi is None:
+            m = s.max_rate = min(2.0 * s.lo, grow_to)
+            if probe(m):
+                s.goodput = s.lo = m
+            else:
+                s.hi = m
+        if s.hi is None:
+            return s
+    else:
+        s.hi = max_rate
+        if not probe(min_rate):
+            return s
+        s.lo = min_rate
     for _ in range(steps):
         mid = math.sqrt(s.lo * s.hi)  # geometric: the same relative resolution at any rate
         if probe(mid):
@@ -127,22 +144,48 @@ def rate_knob(name: str, params: dict[str, Any]) -> tuple[str, float]:
     raise ValueError(f"workload {name!r} has no arrival rate to scale (no rate or time_scale)")
 
 
-def workload_at(name: str, params: dict[str, Any], multiplier: float) -> Workload:
+# a Poisson workload's count of conversations (always scaled with the rate), or of requests
+# or groups of them (scaled with ``scale_count``)
+COUNTS = ("sessions", "num_requests", "groups")
+
+
+def workload_at(
+    name: str, params: dict[str, Any], multiplier: float, scale_count: bool = False
+) -> Workload:
     """``name`` built with its arrival rate x ``multiplier`` (same seed).
 
     A workload of conversations (a ``sessions`` parameter) gets ``multiplier`` x the sessions
     at ``multiplier`` x the session rate: the same window of session starts, ``multiplier``
     x the conversations in it. Scaling the session rate alone would only start the same
     conversations sooner; each waits for its own previous turn, so the load would stop
-    growing once every conversation is under way."""
+    growing once every conversation is under way.
+
+    ``scale_count``: the same for a workload of a fixed count of requests (``num_requests``,
+    or ``groups`` of them): ``multiplier`` x the count at ``multiplier`` x the rate, the same
+    arrival window with ``multiplier`` x the requests. A burst (a window shorter than a
+    request's life: every request in flight at once) needs it: at a fixed count a higher rate
+    only shrinks the window, and once the whole burst is in flight it adds no load."""
     knob, base = rate_knob(name, params)
     value = base * multiplier if knob == "rate" else base / multiplier
     scaled: dict[str, Any] = {**params, knob: value}
     defaults = workload_params(name)
-    if knob == "rate" and "sessions" in defaults:
-        sessions = int(params.get("sessions", defaults["sessions"]))
-        scaled["sessions"] = max(1, round(sessions * multiplier))
+    if (knob == "rate" and "sessions" in defaults) or scale_count:
+        key = count_key(name)
+        scaled[key] = max(1, round(int(params.get(key, defaults[key])) * multiplier))
     return build_workload(name, scaled)
+
+
+def count_key(name: str) -> str:
+    """The parameter ``scale_count`` scales for ``name`` (:data:`COUNTS`); ValueError when it
+    has none, or no Poisson rate to scale it with."""
+    defaults = workload_params(name)
+    key = next((k for k in COUNTS if k in defaults), None)
+    if "rate" not in defaults or key is None:
+        raise ValueError(
+            f"workload {name!r} has no request count to scale with its rate "
+            f"({' or '.join(COUNTS)} and rate)"
+        )
+    return key
 
 
 def offered_rate(requests: Sequence[BenchRequest]) -> float:
@@ -208,6 +251,7 @@ def slo_ceiling(
     min_rate: float,
     max_rate: float,
     steps: int = 12,
+    scale_count: bool = False,
 ) -> Ceiling:
     """The ceiling (see :class:`Ceiling`), by geometric bisection over the multiplier like the
     policies' search (the work grows and the arrival span shrinks with the rate). Assumes
@@ -216,7 +260,7 @@ def slo_ceiling(
     bound at the schedule."""
 
     def at(m: float) -> tuple[bool, float, float]:
-        reqs = workload_at(name, params, m).requests
+        reqs = workload_at(name, params, m, scale_count).requests
         if not reqs:
             raise ValueError("the workload has no requests")
         return _fits(reqs, keys_of(reqs), cfg, workers, target, ttft_s, tpot_max_s)

@@ -8,12 +8,14 @@ Each configuration is one ``bench.goodput`` run under ``<out>/<workload>-<profil
 (skipped when its ``goodput.json`` is there: an interrupted suite resumes; ``--summary`` only
 reads them). Workload sizes are small enough for two shared cores (see :data:`WORKLOADS`);
 32 workers get 4x the requests at 4x the rate (traces: 4x the requests from the same start,
-replayed 4x faster). The SLO pair per
+replayed 4x faster); the bursts (shared prompt, shared prefixes) are searched with the count
+scaled with the rate (``--scale-count``). The SLO pair per
 profile: TTFT <= 2 s (default engine) or 6.25 s (prefill-bound), TPOT <= 50 ms, >= 90 % of all
 requests::
 
     python -m bench.goodput_suite                                   # everything (long)
     python -m bench.goodput_suite --workloads mt,ta --workers 8 --profiles prefill-bound
+    python -m bench.goodput_suite --workloads ssp,gsp --workers 8 --steps 5 --max-rate auto
     python -m bench.goodput_suite --summary                         # the table of what ran
 """
 
@@ -34,8 +36,11 @@ TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 # base load, multiplier 1, placed so that the knee falls inside 0.5-4 x, or "_rates": the
 # multipliers searched), whether the workload
 # reuses prefixes). Sizes: ~300-1,200 requests at x1 on 8 workers (two shared cores). The shared prompt and the
-# shared prefixes are bursts at these sizes (every request in flight at once): their goodput is
-# the rate at which the fleet still absorbs the burst within the SLO.
+# shared prefixes are bursts at these sizes (every request in flight at once): a higher rate
+# alone would only shrink the burst's window (every policy meets the SLO with the whole burst
+# at once), so their multiplier scales the count with the rate (BURSTS: bench.goodput
+# --scale-count), the same window with m x the requests: their goodput is the rate at which
+# the fleet still absorbs the burst within the SLO.
 WORKLOADS: dict[str, tuple[str, dict[str, dict[str, Any]], bool]] = {
     "ssp": (
         "shared-system-prompt",
@@ -73,6 +78,7 @@ WORKLOADS: dict[str, tuple[str, dict[str, dict[str, Any]], bool]] = {
         False,
     ),
 }
+BURSTS = ("ssp", "gsp")  # searched with --scale-count
 TRACE_FILES = {"mc": "synthetic_trace.jsonl", "az": "AzureLLMInferenceTrace_code.csv"}
 SLO_TTFT = {"default": 2.0, "prefill-bound": 6.25}
 # Mooncake's long prompts: the 90th percentile (~33 k tokens) alone takes ~2.8 s to prefill on
@@ -125,6 +131,10 @@ def config_args(
     ttft = (SLO_TTFT_MC if short == "mc" else SLO_TTFT)[profile]
     argv += ["--ttft", str(ttft), "--tpot", "0.05"]
     argv += ["--min-rate", str(lo), "--max-rate", str(hi)]
+    if short in BURSTS:
+        argv += ["--scale-count"]
+    if str(hi) == "auto":
+        argv += ["--auto-max", str(getattr(a, "auto_max", 256.0))]
     argv += ["--steps", str(a.steps), "--seeds", seeds, "--policies", a.policies]
     argv += ["--peers", a.peers, "-j", str(a.jobs), "--no-plots", "--no-progress"]
     return argv
@@ -196,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--min-rate", type=float, default=0.5)
-    ap.add_argument("--max-rate", type=float, default=4.0)
+    ap.add_argument(
+        "--max-rate", default="4.0", help="highest multiplier, or 'auto' (see bench.goodput)"
+    )
+    ap.add_argument("--auto-max", type=float, default=256.0, help="with --max-rate auto")
     ap.add_argument("--jobs", "-j", type=int, default=2)
     ap.add_argument("--traces", default=str(TRACES), help="folder of the trace files")
     ap.add_argument("--out", default=str(DEFAULT_RESULTS / "goodput-suite"))

@@ -60,6 +60,26 @@ def test_bisection_ends_met_at_max_or_missed_at_min() -> None:
         bisect_rate(_step(1.0, []), 0.9, 2.0, 1.0, steps=3)
 
 
+def test_auto_upper_end_doubles_while_met_then_bisects_the_last_doubling() -> None:
+    calls: list[float] = []
+    s = bisect_rate(_step(20.0, calls), 0.9, 0.5, 4.0, steps=3, grow_to=256.0)
+    assert calls[:4] == [4.0, 8.0, 16.0, 32.0]  # met at 4, 8, 16; missed at 32
+    assert len(calls) == 4 + 3 and all(16.0 < m < 32.0 for m in calls[4:])
+    assert s.outcome == "bracketed" and s.max_rate == 32.0
+    assert s.goodput == s.lo <= 20.0 < s.hi and s.hi / s.lo == pytest.approx(2 ** (1 / 8))
+    # met everywhere: doubles up to the cap (the last doubling capped at it), goodput >= it
+    calls.clear()
+    top = bisect_rate(_step(1e9, calls), 0.9, 0.5, 4.0, steps=3, grow_to=100.0)
+    assert calls == [4.0, 8.0, 16.0, 32.0, 64.0, 100.0]
+    assert (top.outcome, top.goodput, top.hi) == ("at-max", 100.0, None)
+    # missed at the start: the plain search below it, nothing grows
+    calls.clear()
+    low = bisect_rate(_step(1.0, calls), 0.9, 0.5, 4.0, steps=2, grow_to=256.0)
+    assert calls[:2] == [4.0, 0.5] and len(calls) == 4 and low.max_rate == 4.0
+    with pytest.raises(ValueError):
+        bisect_rate(_step(1.0, []), 0.9, 0.5, 4.0, steps=3, grow_to=4.0)
+
+
 def test_refused_shed_timed_out_and_failed_requests_are_misses() -> None:
     def done(i: int, status: str = OK, ttft: float = 0.1) -> RequestResult:
         return RequestResult(
@@ -200,11 +220,40 @@ def test_the_command_prints_the_table_and_writes_its_files(tmp_path, capsys) -> 
     assert (tmp_path / "gp" / "attainment.png").stat().st_size > 0
 
 
+def test_max_rate_auto_brackets_every_policy_above_the_start(tmp_path, capsys) -> None:
+    # the tiny conversations at an eighth of the rate: both policies meet at x4, miss by x64
+    tiny = [x if x != "rate=4" else "rate=0.5" for x in TINY]
+    argv = ["-w", "multi-turn", *tiny, "--profile", "default", "-n", "2", "--seeds", "0"]
+    argv += ["--steps", "1", "--policies", "round_robin,kv_aware", "--peers", "round_robin"]
+    argv += ["--min-rate", "0.25", "--max-rate", "auto", "--auto-max", "64", "--ttft", "0.5"]
+    argv += ["-j", "1", "--out-dir", str(tmp_path), "--name", "gp", "--no-progress"]
+    argv += ["--no-plots"]
+    assert main(argv) == 0
+    assert "(auto: an upper end met doubles, up to x64;" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "gp" / "goodput.json").read_text())
+    assert doc["config"]["max_rate"] == 4.0 and doc["config"]["grow_to"] == 64.0
+    for s in doc["searches"]:
+        ms = [p["multiplier"] for p in s["points"]]
+        grown = ms[:-1]  # 4, 8, ... up to the first miss, then the one bisection step
+        assert grown == [4.0 * 2**k for k in range(len(grown))] and len(grown) >= 2
+        assert s["points"][-2]["attainment"] < 0.9 <= s["points"][-3]["attainment"]
+        assert s["outcome"] == "bracketed" and grown[-2] < ms[-1] < grown[-1]
+        lo, hi = s["bracket"]
+        assert lo == s["goodput_multiplier"] > 4.0 and hi / lo == pytest.approx(2**0.5)
+    assert doc["config"]["searched_max"] == max(
+        p["multiplier"] for s in doc["searches"] for p in s["points"]
+    )
+
+
 def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
     assert main(["-w", "shared-system-prompt", "--out-dir", str(tmp_path)]) == 2
     assert "sends everything at once" in capsys.readouterr().err
     assert main(["--min-rate", "2", "--max-rate", "1", "--out-dir", str(tmp_path)]) == 2
     assert "--min-rate" in capsys.readouterr().err
+    assert main(["--max-rate", "fast", "--out-dir", str(tmp_path)]) == 2
+    assert "a number or 'auto'" in capsys.readouterr().err
+    assert main(["--max-rate", "auto", "--auto-max", "3", "--out-dir", str(tmp_path)]) == 2
+    assert "--auto-max must be above 4" in capsys.readouterr().err
 
 
 def test_suite_scales_configurations_and_summarises_trace_windows(tmp_path) -> None:
@@ -249,3 +298,19 @@ def test_suite_scales_configurations_and_summarises_trace_windows(tmp_path) -> N
     assert "`peer_b`" in az and "1.30x" in az and "| >= 1x | yes |" in az
     mt = next(r for r in rows if r.startswith("| mt-prefill-bound-n8 "))
     assert "`peer_a`" in mt and "0.00x" in mt and "MISSED" in mt
+
+
+def test_scale_count_keeps_a_bursts_window_and_multiplies_its_requests() -> None:
+    params = {"num_requests": 100, "rate": 200.0, "warmup_s": 0.1, "seed": 0}
+    base = workload_at("shared-system-prompt", params, 1.0).requests
+    # the rate alone: the same 100 requests in a quarter of the window
+    fast = workload_at("shared-system-prompt", params, 4.0).requests
+    assert len(fast) == 100 and fast[-1].arrival_s < 0.5 * base[-1].arrival_s
+    # with the count: 400 requests in about the same window
+    more = workload_at("shared-system-prompt", params, 4.0, scale_count=True).requests
+    assert len(more) == 400
+    assert more[-1].arrival_s == pytest.approx(base[-1].arrival_s, rel=0.3)
+    gsp = {"groups": 8, "prompts_per_group": 4, "rate": 100.0, "seed": 0}
+    assert len(workload_at("generated-shared-prefix", gsp, 2.0, scale_count=True).requests) == 64
+    with pytest.raises(ValueError, match="no request count"):
+        workload_at("azure", {"path": "/nonexistent", "time_scale": 1.0}, 2.0, scale_count=True)
