@@ -52,7 +52,7 @@ from bench.workloads import BenchRequest, poisson_arrivals, random_text
 from services.common.tenancy import Priority, Tenant, TenantQuota
 
 OUTPUT_COST = 2.0  # VTC's weight of a generated token (services.core.flow.vtc)
-MODES = ("fcfs", "rate_limit", "kvgate", "kvgate_vllm", "kvgate_sglang")
+MODES = ("fcfs", "rate_limit", "kvgate", "kvgate_room", "kvgate_vllm", "kvgate_sglang")
 # the modes whose engines schedule by the router's ``priority`` (services.core.flow.engine_priority)
 # -> the engines' preemption threshold (None: vLLM's priority policy, which never preempts for a
 # waiting request; 0: SGLang's with --priority-scheduling-preemption-threshold 0)
@@ -164,6 +164,14 @@ def run_modes(
                 for t, ten in tenants.items()
             }
             opts = fleet_opts(args, flow="fcfs", tenants=ts)
+        elif mode == "kvgate_room":
+            opts = fleet_opts(
+                args,
+                flow="kvgate",
+                tenants=tenants,
+                protect_prefill=True,
+                protect_quantile=args.protect_quantile,
+            )
         else:
             opts = fleet_opts(args, flow=mode, tenants=tenants)
         out[mode] = simulate(reqs, policy(args, mode), opts)
@@ -423,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue-timeout", type=float, default=30.0)
     ap.add_argument("--light-load", type=float, default=0.3, help="x a light tenant's share")
     ap.add_argument("--sheddable-load", type=float, default=0.3, help="x capacity at 1x")
+    ap.add_argument(
+        "--protect-quantile",
+        type=float,
+        default=0.99,
+        help="kvgate_room: the router's --protect-quantile (services/core/flow/prefill_room.py)",
+    )
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s]

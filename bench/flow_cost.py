@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=30, help="interleaved (with, without) pairs")
     ap.add_argument("--block", type=int, default=1000, help="requests per arm per pair")
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument(
+        "--protect-prefill",
+        action="store_true",
+        help="with the router's --protect-prefill (the prefill room, at its default quantile)",
+    )
     a = ap.parse_args(argv)
 
     from services.core.index import PrefixIndex
@@ -61,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         s.inflight = 0
         s.pending_prefill_tokens = 0
     router.flow.quota_of = lambda t: QUOTA if t == "metered" else TenantQuota()
+    if a.protect_prefill:  # as FlowControl builds it with --protect-prefill
+        from services.core.flow import Holdings, PrefillRoom
+        from services.core.flow.prefill_room import DEFAULT_QUANTILE, DEFAULT_WINDOW_S
+
+        router.flow.holdings = router.flow.holdings or Holdings()
+        router.flow.room = PrefillRoom(DEFAULT_WINDOW_S, DEFAULT_QUANTILE)
+        router.dispatcher.wake_on_first_token = True
     parser, decider, dispatcher = router.parser, router.decider, router.dispatcher
     admission, policies = router.admission, router.policies
     pc = time.perf_counter
@@ -112,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         ev.close()
     print(
         f"admission per request, µs ({a.pairs} interleaved pairs of {a.block} requests; "
-        f"{a.workers} idle workers, round_robin)"
+        f"{a.workers} idle workers, round_robin"
+        + (", --protect-prefill)" if a.protect_prefill else ")")
     )
     print(
         f"{'case':20s} {'with flow':>10s} {'decide only':>12s} {'flow control':>13s} {'p10-p90':>14s}"

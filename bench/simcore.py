@@ -56,15 +56,20 @@ from bench.workloads import BenchRequest
 from services.common import schemas
 from services.common.tenancy import NO_TENANT, Priority, RequestTenancy, Tenant
 from services.core import engine as eng_mod
+from services.core import latency
 from services.core.cluster import ClusterState, Ticket
 from services.core.flow import (
     FlowQueue,
     Holdings,
+    PrefillRoom,
     QuotaBook,
     Verdict,
     VirtualCounters,
+    decide_in_room,
     engine_priority,
+    is_protected,
     on_arrival,
+    prefill_s,
     verdict,
 )
 from services.core.index import PrefixIndex
@@ -124,6 +129,11 @@ class SimOptions:
     # (``max_num_seqs``); they wait in the engine's own queue (with engine priority: in the
     # router's order, and may preempt running ones where the engine does that)
     engine_queue: int = 0
+    # the router's --protect-prefill (services.core.flow.prefill_room): workers kept free of
+    # best-effort prompt work for protected requests, sized by the measured protected load
+    protect_prefill: bool = False
+    protect_quantile: float = 0.99
+    protect_window_s: float = 10.0
 
 
 @dataclass
@@ -165,6 +175,7 @@ class _Live:
     waited: bool = False  # joined the queue (its quota is checked again when dispatched)
     engine_priority: int = 0  # the ``priority`` its engine requests carry
     holding: bool = False  # counted in the router's holdings until it ends
+    room_held: bool = False  # its last decision was held by the prefill room
 
 
 def for_policy(opts: SimOptions, spec: dict[str, Any]) -> SimOptions:
@@ -312,7 +323,12 @@ def simulate(
         order.clear()
 
     counters = VirtualCounters()
-    holdings = Holdings() if opts.engine_priority else None
+    holdings = Holdings() if opts.engine_priority or opts.protect_prefill else None
+    room = (
+        PrefillRoom(opts.protect_window_s, opts.protect_quantile) if opts.protect_prefill else None
+    )
+    coef = latency.StepCoefficients.from_engine(cfg).as_list()
+    budget = cfg.max_num_batched_tokens
     queue: FlowQueue[_Live] = FlowQueue(counters, opts.queue_size, opts.queue_timeout_s)
     quotas = (
         QuotaBook() if any(t.quota != Tenant("").quota for t in opts.tenants.values()) else None
@@ -458,6 +474,17 @@ def simulate(
         overlaps = index.find_matches(lv.keys) if lv.keys else {}
         decisions += 1
         d = life.decide(policy, info, overlaps, t)
+        if room is not None and d.worker_id is not None and not policy.impl.disaggregated:
+            held = decide_in_room(
+                d, state.states, overlaps, req.prompt_tokens, protected(lv), room.room(t)
+            )
+            lv.room_held = held is None
+            if held is None:  # as if every worker were full: wait, or shed (sheddable)
+                if verdict(lv.tenancy.priority, False) is Verdict.QUEUE:
+                    return False
+                finish(lv, REJECTED, t, "shed (429): the prefill room is held")
+                return True
+            d = held
         if d.worker_id is None:
             if d.wait or d.shed:
                 if verdict(lv.tenancy.priority, d.shed) is Verdict.QUEUE:
@@ -470,9 +497,10 @@ def simulate(
         ten = lv.tenancy
         counters.dispatched(ten.flow, ten.weight, req.prompt_tokens)
         if holdings is not None:
-            lv.engine_priority = engine_priority(
-                ten.priority.rank, holdings.over_share(ten.flow, ten.weight)
-            )
+            if opts.engine_priority:
+                lv.engine_priority = engine_priority(
+                    ten.priority.rank, holdings.over_share(ten.flow, ten.weight)
+                )
             holdings.add(ten.flow, ten.weight)
             lv.holding = True
         if quotas is not None and req.tenant is not None:
@@ -595,8 +623,32 @@ def simulate(
                 queue.leave(lv)
                 continue
             if not try_route(lv, t):
+                if lv.room_held:
+                    pass_held(t)
                 return
             queue.leave(lv)
+
+    def protected(lv: _Live) -> bool:
+        ten = lv.tenancy
+        return is_protected(
+            ten.priority, holdings is None or holdings.over_share(ten.flow, ten.weight)
+        )
+
+    def pass_held(t: float) -> None:
+        """The head is held by the prefill room: protected waiters pass it (each flow's oldest,
+        by band then first come, until none can go)."""
+        moved = True
+        while moved:
+            moved = False
+            for e in queue.flow_heads():
+                if e.room_held or not protected(e) or queue.expired(e, t):
+                    continue
+                if not try_route(e, t):
+                    if not e.room_held:
+                        return  # no capacity for it: none for those behind it either
+                    continue
+                queue.leave(e)
+                moved = True
 
     total = len(lives)
     while heap and done < total:
@@ -610,13 +662,18 @@ def simulate(
             lv.result.send_s = t
             if over_quota(lv, t):
                 continue
+            if room is not None and protected(lv):
+                room.arrived(t, prefill_s(coef, lv.req.prompt_tokens, budget))
             v = on_arrival(lv.tenancy.priority, queue)
             if v is Verdict.SHED:
                 finish(lv, REJECTED, t, "shed (429): requests wait for capacity")
             elif v is Verdict.QUEUE:
                 enqueue(lv, t)
-                if queue.head() is lv:  # ahead of every waiter (its flow is owed): its turn
+                head = queue.head()
+                if head is lv:  # ahead of every waiter (its flow is owed): its turn
                     drain_queue(t)
+                elif head is not None and head.room_held and lv in queue:
+                    pass_held(t)
             elif not try_route(lv, t):
                 enqueue(lv, t)
         elif kind == _EXPIRE:
@@ -654,6 +711,7 @@ def simulate(
                     index.apply_removed(w, ev.keys, ev.tier)
                 elif isinstance(ev, schemas.AllBlocksCleared):
                     index.clear_worker(w)
+            prompt_done = False
             for rid, toks in out.tokens.items():
                 if not toks or rid in pre_by_id:  # a remote prefill's token is not streamed
                     continue
@@ -662,6 +720,7 @@ def simulate(
                     continue
                 if lv.first is None:
                     lv.first = t
+                    prompt_done = True
                     assert lv.ticket is not None
                     # followers go after this engine's next step has started: the live router
                     # learns of the token from the stream, and the engine does not wait for it
@@ -675,7 +734,7 @@ def simulate(
                 elif lv.last is not None:
                     lv.result.itl_s.append(t - lv.last)
                 lv.last = t
-            freed = False
+            freed = room is not None and prompt_done  # a prompt ended: the room may reopen
             for fin in out.finished:
                 lv = pre_by_id.pop(fin.request_id, None)
                 if lv is not None:  # a remote prefill is done: its KV goes to the decoder

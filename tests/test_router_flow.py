@@ -308,3 +308,66 @@ async def test_epp_picks_count_against_the_tenants_concurrency(nats_url, subject
         await epp.stop()
         await beats.stop()
         await w.stop()
+
+
+async def test_protect_prefill_a_protected_request_passes_a_held_best_effort_one(
+    nats_url, subjects, bus
+) -> None:
+    """--protect-prefill (services/core/flow/prefill_room.py) on one worker whose answers are
+    held (its prompts stay queued): once critical requests arrive the room is 1, so an
+    over-share tenant's request is held at the head of the line; a light tenant's request
+    (under its share: protected) joins behind it and passes it to the worker."""
+    from services.common.schemas import WorkerCapacity
+
+    hold = asyncio.Event()
+    cap = WorkerCapacity(block_size=16, num_gpu_blocks=1000, max_num_seqs=64, max_model_len=8192)
+    w = await FakeWorker("w0", hold=hold, capacity=cap).start(bus)
+    beats = Beats(bus, [w]).start()
+    router = await RouterProc(
+        nats_url, subjects, protect_prefill=True, protect_quantile=0.9, queue_timeout=2.0
+    ).start()
+    trust_tenant_headers(router)
+    await router.wait_workers(1)
+    r = router.router
+    try:
+        async with aiohttp.ClientSession() as s:
+            url = router.url + "/v1/completions"
+
+            def send(prompt: str, tenant: str, prio: str = "standard") -> asyncio.Task:
+                return asyncio.create_task(
+                    post(
+                        s,
+                        url,
+                        {"model": "m", "prompt": prompt, "max_tokens": 4},
+                        {"x-kvgate-tenant": tenant, "x-kvgate-priority": prio},
+                    )
+                )
+
+            async def served(n: int, what: str) -> None:
+                await wait_until(lambda: len(w.served) == n, what=what)
+
+            # no protected arrivals yet: room 0, heavy's requests go straight to the worker
+            first = [send("h1", "heavy"), send("h2", "heavy")]
+            await served(2, "h1, h2 sent")
+            # two critical arrivals: a stream of protected requests, the room is 1
+            first += [send("c1", "crit", "critical"), send("c2", "crit", "critical")]
+            await served(4, "c1, c2 sent")
+            assert r.flow.room is not None and r.flow.room.room(time.monotonic()) == 1
+            # heavy holds 2 of 4 in flight (over its share): best-effort, held by the room
+            held = send("h3", "heavy")
+            await wait_until(lambda: r.queue_len == 1, what="h3 held in the line")
+            # light (under its share) joins behind h3 (same band) and passes it
+            light = send("l1", "light")
+            await served(5, "l1 sent past h3")
+            assert order_served(w) == ["h1", "h2", "c1", "c2", "l1"]
+            assert r.queue_len == 1  # h3 still waits
+            hold.set()
+            assert [t[0] for t in await asyncio.gather(*first, light)] == [200] * 5
+            # one worker, room 1: h3 is never let onto it; it waits out the queue timeout
+            st, _, body = await held
+            assert st == 429 and "prefill room" in json.loads(body)["error"]["message"]
+            assert "h3" not in order_served(w)
+    finally:
+        await router.stop()
+        await beats.stop()
+        await w.stop()

@@ -10,6 +10,12 @@ band, then the tenant with the least virtual token counter, then first come; onl
 of the line asks the policy again, each time the capacity signal fires (at least every
 0.5 s), and when it leaves the next head is woken.
 
+With ``--protect-prefill`` (services/core/flow/prefill_room.py) a decision is also placed in
+the prefill room: a best-effort request the room holds waits as if every worker were full
+(a sheddable one is shed), and while the head of the line is so held a protected request
+behind it asks the policy too (it passes it); a first token wakes the line (the room may
+have reopened).
+
 Invariants: at most ``queue_size`` requests wait per model (a request that finds its
 model's line full takes the place of the youngest one of a lower band, which gets 429, or
 gets 429 itself); a request waits at most ``queue_timeout`` seconds (then 429 with the
@@ -30,7 +36,7 @@ from typing import Any
 from services.common.aio import wait_event
 from services.common.tenancy import Priority
 from services.core.cluster import ClusterState
-from services.core.flow import FlowQueue, Verdict, on_arrival, verdict
+from services.core.flow import FlowQueue, Verdict, decide_in_room, on_arrival, verdict
 from services.core.policy import Decision
 from services.router import metrics as M
 from services.router.decide import Decider
@@ -39,15 +45,23 @@ from services.router.http_server import Response
 from services.router.proxy import Ctx, reject
 from services.router.signals import CapacitySignal
 
+ROOM_HELD = "held for the prefill room: workers kept free of prompt work for protected requests"
+
+
+def _held(head: _Waiter | None) -> bool:
+    """Is the head of the line held by the prefill room (a protected request may pass it)?"""
+    return head is not None and head.room_held
+
 
 class _Waiter:
     """A request's place in its model's line."""
 
-    __slots__ = ("bumped", "since")
+    __slots__ = ("bumped", "room_held", "since")
 
     def __init__(self, since: float) -> None:
         self.since = since
         self.bumped = False  # a higher band took its place: answer 429
+        self.room_held = False  # its last decision was held by the prefill room
 
 
 class Admission:
@@ -82,6 +96,14 @@ class Admission:
             if refusal is not None:
                 return self._refuse(ctx, refusal.message, refusal.retry_after_s)
         lane = fc.lane(ctx.parsed.model)
+        room = fc.room
+        # --protect-prefill: protected requests pass a head the room holds and are placed on
+        # a worker computing no prompt (services/core/flow/prefill_room.py)
+        prot = room is not None and (
+            fc.arrived(ten, len(ctx.parsed.token_ids), time.monotonic())
+            if first
+            else fc.protected(ten)
+        )
         me: _Waiter | None = None
         last: Decision | None = None  # its last decision (why it waits)
         tr = ctx.trace  # services.router.trace (None: not traced)
@@ -97,7 +119,7 @@ class Admission:
                 if refused is not None:
                     return refused
             while True:
-                if me is None or lane.head() is me:
+                if me is None or lane.head() is me or (prot and _held(lane.head())):
                     if me is not None and first:  # it waited: its quota again
                         refusal = fc.over_quota(ten, len(ctx.parsed.token_ids), time.monotonic())
                         if refusal is not None:
@@ -117,6 +139,25 @@ class Admission:
                     if tr is not None:
                         tr.decided(ns, time.time_ns(), ctx, d, ctx.overlaps)
                     last = d
+                    held = False  # by the prefill room
+                    if (
+                        room is not None
+                        and d.worker_id is not None
+                        and not ctx.arm.policy.impl.disaggregated
+                    ):
+                        placed = decide_in_room(
+                            d,
+                            self.state.states,
+                            ctx.overlaps,
+                            len(ctx.parsed.token_ids),
+                            prot,
+                            0 if prot else room.room(time.monotonic()),
+                        )
+                        held = placed is None
+                        if held:  # as if every worker were full: wait, or shed (sheddable)
+                            d = Decision(None, wait=True, reason=ROOM_HELD, policy=d.policy)
+                        else:
+                            d = placed
                     if d.worker_id is not None:
                         if first:
                             ctx.engine_priority = fc.dispatched(
@@ -133,13 +174,17 @@ class Admission:
                         if d.shed:  # the policy predicts no worker meets the request's SLO
                             ctx.shed = True
                             return self._refuse(ctx, d.reason)
-                        return self._refuse(
-                            ctx, f"every worker is at capacity; {prio} requests are shed"
+                        why = (
+                            "the prefill room is held for protected requests"
+                            if held
+                            else "every worker is at capacity"
                         )
+                        return self._refuse(ctx, f"{why}; {prio} requests are shed")
                     if me is None:  # saturated: wait in the bounded line
                         me, refused = self._join(ctx, lane, prio)
                         if refused is not None:
                             return refused
+                    me.room_held = held
                 elif me.bumped:
                     me = None  # no longer in the line
                     shed(prio, "bumped")
@@ -156,10 +201,16 @@ class Admission:
                     M.QUEUE_REJECTED.labels("timeout").inc()
                     why = sorted(last.filtered.items())[:8] if last is not None else []
                     reasons = "; ".join(f"{k}: {v}" for k, v in why)
+                    if me.room_held:
+                        reasons = ROOM_HELD
                     return self._refuse(
                         ctx,
                         f"no worker could take the request within {self.st.queue_timeout}s"
-                        + (f" (all at capacity: {reasons})" if reasons else ""),
+                        + (
+                            f" ({'' if me.room_held else 'all at capacity: '}{reasons})"
+                            if reasons
+                            else ""
+                        ),
                         max(1, math.ceil(self.st.retry_after)),
                     )
                 await wait_event(self.capacity.event, min(left, 0.5))

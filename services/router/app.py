@@ -159,6 +159,11 @@ class Router:
             st.queue_timeout,
             self.state.remote_ttl_s,
             bool(getattr(st, "engine_priority", False)),
+            protect_quantile=(
+                float(getattr(st, "protect_quantile", 0.9))
+                if getattr(st, "protect_prefill", False)
+                else None
+            ),
         )
         self.capacity = CapacitySignal(self.flow)
         self.spawner = Spawner()
@@ -194,6 +199,8 @@ class Router:
         self.dispatcher = Dispatcher(
             self.lifecycle, self.load, self.capacity, self.spawner, self.fast, st
         )
+        # with --protect-prefill a first token ends a prompt: the room may reopen
+        self.dispatcher.wake_on_first_token = self.flow.room is not None
         self.sender = Sender(self.state, self.circuits, self.dispatcher, self.fast, st)
         self.sender.migrator = Migrator(
             self.decider, self.dispatcher, self.sender, self.circuits, st.max_migrations

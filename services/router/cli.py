@@ -87,6 +87,22 @@ OPTIONS = S.COMMON + (
         "--enable-priority-scheduling --schedule-low-priority-values-first",
         env="KVGATE_ROUTER_ENGINE_PRIORITY",
     ),
+    S.option(
+        "protect_prefill",
+        False,
+        "keep workers free of best-effort prompt work for protected requests (critical, or "
+        "standard from a tenant under its share), as many as the measured protected load calls "
+        "for at --protect-quantile; best-effort requests wait meanwhile (sheddable ones are "
+        "shed). See docs/router.md, Tenants and flow control",
+        env="KVGATE_ROUTER_PROTECT_PREFILL",
+    ),
+    S.option(
+        "protect_quantile",
+        0.9,
+        "with --protect-prefill: the probability that a protected request finds a worker "
+        "computing no prompt (sizes the room; in (0, 1))",
+        env="KVGATE_ROUTER_PROTECT_QUANTILE",
+    ),
     S.option("retry_after", 1, "Retry-After seconds on 429 / 503", env="KVGATE_ROUTER_RETRY_AFTER"),
     S.option(
         "pd_handshake",

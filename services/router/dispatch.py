@@ -55,6 +55,7 @@ class Dispatcher:
         self.capacity = capacity
         self.spawner = spawner
         self.fast = fast
+        self.wake_on_first_token = False  # --protect-prefill: a first token may reopen the room
         self.request_timeout_s = st.request_timeout
         self.whole_timeout = aiohttp.ClientTimeout(
             total=st.request_timeout, sock_connect=st.connect_timeout, sock_read=st.request_timeout
@@ -122,6 +123,8 @@ class Dispatcher:
                 policy, ctx.request_id, ticket.worker_id, now - ctx.dispatched_at
             )
         self.lifecycle.first_token(ctx.request_id, ticket, now)
+        if self.wake_on_first_token:
+            self.capacity.notify()
 
     def prefilled(self, ctx: Ctx, ticket: Ticket, ok: bool, took_s: float | None = None) -> None:
         """A remote prefill ended: its claim on the prefill worker is released (once), and

@@ -29,11 +29,20 @@ from services.common.tenancy import Priority, RequestTenancy, TenantQuota
 from services.core.flow import (
     FlowQueue,
     Holdings,
+    PrefillRoom,
     QuotaBook,
     Refusal,
     VirtualCounters,
     engine_priority,
+    is_protected,
+    prefill_s,
 )
+from services.core.flow.prefill_room import DEFAULT_WINDOW_S
+from services.core.latency import StepCoefficients
+
+# the engines' tokens per step (vLLM's max_num_batched_tokens default; the workers do not
+# report theirs): sizes a protected prompt's predicted time on an idle worker
+PROMPT_BUDGET = 8192
 
 UNLIMITED = TenantQuota()
 _PRIORITIES = [p.value for p in Priority]
@@ -68,8 +77,18 @@ class FlowControl:
         queue_timeout_s: float,
         peer_ttl_s: float,
         engine_priority: bool = False,
+        protect_quantile: float | None = None,
     ) -> None:
-        self.holdings = Holdings() if engine_priority else None
+        # holdings: who is over its share (engine priority's +1, the prefill room's protected)
+        self.holdings = Holdings() if engine_priority or protect_quantile is not None else None
+        self.engine_priority = engine_priority
+        # --protect-prefill: the room kept free of best-effort prompt work (None: off)
+        self.room = (
+            PrefillRoom(DEFAULT_WINDOW_S, protect_quantile)
+            if protect_quantile is not None
+            else None
+        )
+        self.prefill_coef = StepCoefficients.from_engine().as_list()
         self.queue_size = queue_size
         self.queue_timeout_s = queue_timeout_s
         self.counters = VirtualCounters()
@@ -102,9 +121,10 @@ class FlowControl:
         prio = None
         h = self.holdings
         if h is not None:
-            prio = engine_priority(
-                tenancy.priority.rank, h.over_share(tenancy.flow, tenancy.weight)
-            )
+            if self.engine_priority:
+                prio = engine_priority(
+                    tenancy.priority.rank, h.over_share(tenancy.flow, tenancy.weight)
+                )
             h.add(tenancy.flow, tenancy.weight)
         self.counters.dispatched(tenancy.flow, tenancy.weight, prompt_tokens)
         tenant = tenancy.tenant_id
@@ -114,6 +134,21 @@ class FlowControl:
         if self._dispatches % 4096 == 0 and len(self.counters.counters) > 1024:
             self._forget()
         return prio
+
+    def protected(self, tenancy: RequestTenancy) -> bool:
+        """Does the prefill room protect this request (critical, or under its share)?"""
+        h = self.holdings
+        return is_protected(
+            tenancy.priority, h is None or h.over_share(tenancy.flow, tenancy.weight)
+        )
+
+    def arrived(self, tenancy: RequestTenancy, prompt_tokens: int, now: float) -> bool:
+        """A request arrives (not a retry): with the room on, counts a protected one's prompt
+        in the protected load. Returns whether it is protected (False: room off)."""
+        if self.room is None or not self.protected(tenancy):
+            return False
+        self.room.arrived(now, prefill_s(self.prefill_coef, prompt_tokens, PROMPT_BUDGET))
+        return True
 
     def ended(self, tenancy: RequestTenancy, completion_tokens: int, now: float) -> None:
         """A dispatched request ended having generated ``completion_tokens``."""

@@ -132,6 +132,14 @@ class FlowQueue(Generic[Q]):
         self._head, self._head_at = head, self.counters.version
         return head
 
+    def flow_heads(self) -> list[Q]:
+        """Each backlogged flow's oldest entry per band, by band, then first come (a copy: the
+        caller may leave entries while it walks it). O(flows): for passing a held head (the
+        entries of a flow in a band share its tenancy)."""
+        where = self._where
+        heads = [fifo[0] for flows in self._bands for fifo in flows.values()]
+        return sorted(heads, key=lambda e: (where[e][1], where[e][3]))
+
     def left_s(self, entry: Q, now: float) -> float:
         """Seconds ``entry`` may still wait (<= 0: it waited ``timeout_s``)."""
         return self._where[entry][0] + self.timeout_s - now
