@@ -78,9 +78,10 @@ def test_best_effort_keeps_the_room() -> None:
     assert place("b", ["b", "a"], Q, False, 0, 2) == "b"  # room 0: the policy's choice
     assert place("a", ["a", "c"], Q, False, 1, 2) == "a"  # 1 prompt-free left after it
     assert place("a", ["a", "c"], Q, False, 2, 2) is None  # would leave 1 < 2: held
-    # onto a worker computing a prompt: held too (its prompt would delay a protected one
-    # sent there when the room is used up; measured: stacking is worse, docs/router.md)
-    assert place("b", ["b", "a", "c"], Q, False, 1, 2) is None
+    # the choice computes a prompt: the first prompt-free candidate in the policy's order
+    # (never stacked onto a prompt: measured worse, docs/router.md)
+    assert place("b", ["b", "d", "c", "a"], Q, False, 1, 2) == "c"
+    assert place("b", ["b", "d", "c", "a"], Q, False, 2, 2) is None
 
 
 def _workers(queued: dict[str, int]) -> dict[str, WorkerState]:

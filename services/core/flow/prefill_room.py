@@ -30,11 +30,12 @@ own order of preference, best first):
 - a **protected** request goes to the policy's choice when that worker computes no prompt;
   else to the first eligible candidate, in the policy's order, that computes no prompt; else
   to the eligible candidate with the fewest queued prompt tokens (ties: the policy's order);
-- a **best-effort** request goes to the policy's choice when r = 0, or when that worker
-  already computes a prompt (the prompt-free count does not change), or when at least r
-  workers would still compute no prompt after it; else it is *held* (it waits in the line, and
-  a protected request may pass it there). A first token ends a prompt: callers re-try held
-  requests then, as on a released slot.
+- a **best-effort** request goes to the policy's choice when r = 0. Else only while at least
+  r candidates would still compute no prompt after it, and then to a worker computing none:
+  the policy's choice when it computes none, else the first such candidate in the policy's
+  order. Otherwise it is *held* (it waits in the line, and a protected request may pass it
+  there). A first token ends a prompt: callers re-try held requests then, as on a released
+  slot.
 
 Pure: no I/O, no clock (``now`` is an argument).
 """
@@ -149,9 +150,13 @@ def place(
                 if not q:
                     break
         return best
-    if room <= 0 or (not busy and prompt_free - 1 >= room):
+    if room <= 0:
         return chosen
-    return None
+    if prompt_free - 1 < room:
+        return None
+    if not busy:
+        return chosen
+    return next(w for w in ranked if queued.get(w, 0) <= 0)
 
 
 def decide_in_room(
