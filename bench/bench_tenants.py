@@ -32,6 +32,11 @@ Scenarios (each on several seeds):
   and in-engine p99s at each load, and critical requests refused while a sheddable one was
   dispatched (target 0).
 
+Mode ``kvgate_room`` is kvgate with the router's ``--protect-prefill`` (the prefill room,
+services/core/flow/prefill_room.py, at ``--protect-quantile``). Its cost shows as the work done
+per second (prompt + 2 x generated tokens of requests served within the span) by the heavy
+tenant (``heavy_work_per_s``) and by the standard and sheddable tenants (``std_shed_work_*``).
+
     python -m bench.bench_tenants                       # all scenarios, seeds 1-3
     python -m bench.bench_tenants --scenarios fair --seeds 1,2,3,4,5 --json out.json
 """
@@ -191,6 +196,17 @@ def ttft_p99(run: SimRun, pred) -> float | None:
     return percentile(v, 99)
 
 
+def work_per_s(run: SimRun, pred, span_s: float) -> float:
+    """Work done (cost units: prompt + OUTPUT_COST x generated tokens) per second for the
+    requests ``pred`` picks that were served and ended within the arrivals' span."""
+    done = [
+        r
+        for r in run.results
+        if r.status == OK and r.e2e_s is not None and r.send_s + r.e2e_s <= span_s and pred(r)
+    ]
+    return sum(r.prompt_tokens + OUTPUT_COST * r.completion_tokens for r in done) / span_s
+
+
 def split_p99(run: SimRun, pred) -> tuple[float | None, float | None]:
     """Where the TTFT of the requests ``pred`` picks goes, as p99s: (router wait: from arrival to
     dispatch, in the engine: from dispatch to the first token)."""
@@ -237,6 +253,9 @@ def heavy(args: argparse.Namespace, seed: int, cap: float) -> dict[str, Any]:
             "light_queue_wait_p99_s": percentile(waits, 99),
             "light_engine_p99_s": split_p99(run, is_light)[1],
             "light_refused": sum(r.status == REJECTED for r in lr),
+            "heavy_work_per_s": work_per_s(
+                run, lambda r: r.request_id.startswith("heavy"), args.span
+            ),
             "light_requests": len(lr),
         }
     return out
@@ -354,7 +373,10 @@ def priority(args: argparse.Namespace, seed: int, cap: float) -> dict[str, Any]:
         is_crit = lambda r: r.request_id in crit_ids  # noqa: E731
         w1, e1 = split_p99(per_load[1.0][mode], is_crit)
         w2, e2 = split_p99(per_load[2.0][mode], is_crit)
+        best_effort = lambda r: r.request_id.startswith(("std-", "shed-"))  # noqa: E731
         out[mode] = {
+            "std_shed_work_per_s_1x": work_per_s(per_load[1.0][mode], best_effort, args.span),
+            "std_shed_work_per_s_2x": work_per_s(per_load[2.0][mode], best_effort, args.span),
             "critical_ttft_p99_1x_s": p1,
             "critical_ttft_p99_2x_s": p2,
             "ratio_2x_over_1x": p2 / p1 if p1 and p2 else None,
@@ -434,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--protect-quantile",
         type=float,
-        default=0.99,
+        default=0.8,
         help="kvgate_room: the router's --protect-quantile (services/core/flow/prefill_room.py)",
     )
     ap.add_argument("--json", default="", help="write the results here")

@@ -132,7 +132,7 @@ class SimOptions:
     # the router's --protect-prefill (services.core.flow.prefill_room): workers kept free of
     # best-effort prompt work for protected requests, sized by the measured protected load
     protect_prefill: bool = False
-    protect_quantile: float = 0.99
+    protect_quantile: float = 0.8
     protect_window_s: float = 10.0
 
 

@@ -51,6 +51,7 @@ from services.common.streams import raise_alert, require_outcomes_stream
 from services.common.tenancy import RequestTenancy
 from services.common.tokenizer import load_tokenizer
 from services.core.cluster import ClusterState
+from services.core.flow.prefill_room import DEFAULT_QUANTILE
 from services.core.lifecycle import RequestLifecycle
 from services.core.policy import DEFAULT_POLICY, build_policy
 from services.core.url_pin import DEFAULT_KEEP_DEPARTED_S, UrlPins, parse_allowlist
@@ -160,7 +161,7 @@ class Router:
             self.state.remote_ttl_s,
             bool(getattr(st, "engine_priority", False)),
             protect_quantile=(
-                float(getattr(st, "protect_quantile", 0.9))
+                float(getattr(st, "protect_quantile", DEFAULT_QUANTILE))
                 if getattr(st, "protect_prefill", False)
                 else None
             ),

@@ -98,7 +98,7 @@ OPTIONS = S.COMMON + (
     ),
     S.option(
         "protect_quantile",
-        0.9,
+        0.8,
         "with --protect-prefill: the probability that a protected request finds a worker "
         "computing no prompt (sizes the room; in (0, 1))",
         env="KVGATE_ROUTER_PROTECT_QUANTILE",

@@ -51,7 +51,7 @@ from services.common.tenancy import Priority
 from services.core.policy.types import Decision, WorkerState
 
 DEFAULT_WINDOW_S = 10.0
-DEFAULT_QUANTILE = 0.9
+DEFAULT_QUANTILE = 0.8
 
 
 def poisson_room(mean: float, quantile: float) -> int:
