@@ -69,7 +69,7 @@ from services.core.flow import (
     engine_priority,
     is_protected,
     on_arrival,
-    prefill_s,
+    protected_prompt_s,
     verdict,
 )
 from services.core.index import PrefixIndex
@@ -663,7 +663,7 @@ def simulate(
             if over_quota(lv, t):
                 continue
             if room is not None and protected(lv):
-                room.arrived(t, prefill_s(coef, lv.req.prompt_tokens, budget))
+                room.arrived(t, protected_prompt_s(coef, lv.req.prompt_tokens, budget))
             v = on_arrival(lv.tenancy.priority, queue)
             if v is Verdict.SHED:
                 finish(lv, REJECTED, t, "shed (429): requests wait for capacity")

@@ -194,14 +194,16 @@ def test_sim_without_protected_traffic_decides_as_today() -> None:
     assert on.dispatched_at == off.dispatched_at
 
 
-def test_prefill_s_is_the_latency_models_ttft_on_an_idle_worker() -> None:
-    from services.core.flow import prefill_s
+def test_protected_prompt_s_is_the_latency_models_ttft_on_an_idle_worker() -> None:
+    from services.core.flow import protected_prompt_s
     from services.core.latency import StepCoefficients, predict_fast
 
     c = StepCoefficients.from_engine().as_list()
     for n in (1, 256, 8192, 8193, 20000):
-        assert prefill_s(c, n, 8192) == pytest.approx(
+        assert protected_prompt_s(c, n, 8192) == pytest.approx(
             predict_fast(c, 0.0, 0, 0.0, 8192, n, n, 1)[0], rel=1e-12
         )
     # 256 tokens: 6.5 ms overhead + 256 x 40 µs + 2.5e-9 x 256^2 / 2 = 16.82 ms
-    assert prefill_s(c, 256, 8192) == pytest.approx(0.0065 + 256 * 4e-5 + 2.5e-9 * 256**2 / 2)
+    assert protected_prompt_s(c, 256, 8192) == pytest.approx(
+        0.0065 + 256 * 4e-5 + 2.5e-9 * 256**2 / 2
+    )

@@ -35,7 +35,7 @@ from services.core.flow import (
     VirtualCounters,
     engine_priority,
     is_protected,
-    prefill_s,
+    protected_prompt_s,
 )
 from services.core.flow.prefill_room import DEFAULT_WINDOW_S
 from services.core.latency import StepCoefficients
@@ -147,7 +147,7 @@ class FlowControl:
         in the protected load. Returns whether it is protected (False: room off)."""
         if self.room is None or not self.protected(tenancy):
             return False
-        self.room.arrived(now, prefill_s(self.prefill_coef, prompt_tokens, PROMPT_BUDGET))
+        self.room.arrived(now, protected_prompt_s(self.prefill_coef, prompt_tokens, PROMPT_BUDGET))
         return True
 
     def ended(self, tenancy: RequestTenancy, completion_tokens: int, now: float) -> None:

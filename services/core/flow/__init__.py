@@ -21,7 +21,7 @@ from services.core.flow.prefill_room import (
     decide_in_room,
     is_protected,
     poisson_room,
-    prefill_s,
+    protected_prompt_s,
 )
 from services.core.flow.queue import FlowQueue, Joined
 from services.core.flow.quota import QuotaBook, Refusal, Usage
@@ -43,6 +43,6 @@ __all__ = [
     "is_protected",
     "on_arrival",
     "poisson_room",
-    "prefill_s",
+    "protected_prompt_s",
     "verdict",
 ]

@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from services.common.tenancy import Priority
+from services.core import latency
 from services.core.policy.types import Decision, WorkerState
 
 DEFAULT_WINDOW_S = 10.0
@@ -69,14 +70,14 @@ def poisson_room(mean: float, quantile: float) -> int:
     return r
 
 
-def prefill_s(coefficients: list[float], prompt_tokens: int, budget: int) -> float:
+def protected_prompt_s(coefficients: list[float], prompt_tokens: int, budget: int) -> float:
     """``s``: how long a protected prompt keeps a worker computing it, the latency model's TTFT
-    of the whole prompt on an idle worker (one step per ``budget`` tokens): :func:`~services.
-    core.latency.predict_fast` with nothing queued or decoding, in closed form (per request)."""
-    ov, pt, pa = coefficients[0], coefficients[1], coefficients[2]
+    of the whole prompt on an idle worker: one step's overhead per ``budget`` tokens plus the
+    prompt's own compute (:func:`services.core.latency.prefill_s`); :func:`~services.core.
+    latency.predict_fast` with nothing queued or decoding."""
     n = prompt_tokens
     steps = -(-n // budget) if n > budget else 1
-    return steps * ov + pt * n + pa * n * n / 2.0
+    return steps * coefficients[0] + latency.prefill_s(coefficients, n, n)
 
 
 def is_protected(priority: Priority, over_share: bool) -> bool:
