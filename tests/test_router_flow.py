@@ -329,6 +329,13 @@ async def test_protect_prefill_a_protected_request_passes_a_held_best_effort_one
     trust_tenant_headers(router)
     await router.wait_workers(1)
     r = router.router
+    from prometheus_client import REGISTRY
+
+    def room_held() -> float:
+        labels = {"priority": "standard"}
+        return REGISTRY.get_sample_value("kvgate_flow_room_held_total", labels) or 0.0
+
+    held_before = room_held()
     try:
         async with aiohttp.ClientSession() as s:
             url = router.url + "/v1/completions"
@@ -367,6 +374,8 @@ async def test_protect_prefill_a_protected_request_passes_a_held_best_effort_one
             st, _, body = await held
             assert st == 429 and "prefill room" in json.loads(body)["error"]["message"]
             assert "h3" not in order_served(w)
+            # h3 was asked again at every wake-up, but it is one request the room held
+            assert room_held() == held_before + 1
     finally:
         await router.stop()
         await beats.stop()

@@ -40,7 +40,7 @@ from services.core.flow import FlowQueue, Verdict, decide_in_room, on_arrival, v
 from services.core.policy import Decision
 from services.router import metrics as M
 from services.router.decide import Decider
-from services.router.flow_control import QUEUED, WAIT, FlowControl, shed
+from services.router.flow_control import QUEUED, ROOM_HELD_COUNT, WAIT, FlowControl, shed
 from services.router.http_server import Response
 from services.router.proxy import Ctx, reject
 from services.router.signals import CapacitySignal
@@ -154,6 +154,8 @@ class Admission:
                             0 if prot else room.room(time.monotonic()),
                         )
                         held = placed is None
+                        if held and (me is None or not me.room_held):
+                            ROOM_HELD_COUNT.labels(prio.value).inc()  # once per request
                         if held:  # as if every worker were full: wait, or shed (sheddable)
                             d = Decision(None, wait=True, reason=ROOM_HELD, policy=d.policy)
                         else:
@@ -170,7 +172,7 @@ class Admission:
                     if not (d.wait or d.shed):
                         return self._no_worker(ctx, d)
                     if verdict(prio, d.shed) is Verdict.SHED:
-                        shed(prio, "slo" if d.shed else "saturated")
+                        shed(prio, "slo" if d.shed else "room" if held else "saturated")
                         if d.shed:  # the policy predicts no worker meets the request's SLO
                             ctx.shed = True
                             return self._refuse(ctx, d.reason)

@@ -63,6 +63,12 @@ WAIT = LoopHistogram(
     ["priority"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+ROOM_HELD_COUNT = LoopCounter(
+    "kvgate_flow_room_held_total",
+    "Requests the prefill room held (--protect-prefill: they waited for a prompt-free worker, "
+    "or were shed if sheddable), counted once per request, by priority",
+    ["priority"],
+)
 QUOTA_REFUSED = LoopCounter(
     "kvgate_tenant_quota_refused_total",
     "Requests refused (429) over their tenant's quota, by tenant and limit",
