@@ -165,6 +165,12 @@ async def test_over_budget_tenant_is_reported_alerted_and_demoted(
                 return (await usage(over))["over_cache_budget"] is True
 
             await wait_until_async(reported, 5, "usage reports over budget")
+
+            # the under tenant's blocks may ride a later report than the over tenant's
+            async def under_reported() -> bool:
+                return (await usage(under))["cache_blocks_held"] == led.held[under]
+
+            await wait_until_async(under_reported, 5, "usage reports the under tenant's blocks")
             uo, uu = await usage(over), await usage(under)
             assert (uo["cache_blocks_held"], uo["cache_budget_blocks"]) == (blocks, 1)
             assert uu["over_cache_budget"] is False and uu["cache_budget_blocks"] == 10**6
