@@ -15,6 +15,7 @@ import time
 import aiohttp
 import msgspec
 import pytest
+from multidict import CIMultiDict
 
 from services.api.testing import start_api
 from services.common.schemas import (
@@ -451,3 +452,112 @@ async def test_epp_takes_the_tenant_from_its_directory(nats_url, subjects, bus) 
         await sub.unsubscribe()
         await epp_shutdown(("epp", epp.stop()), ("beats", beats.stop()))
         await w0.stop()
+
+
+# --------------------------------------------------------------------------- If-Match
+async def test_tenant_etag_and_if_match(database_url, nats_url, subject_prefix) -> None:
+    """GET names the version in ETag; PUT and DELETE with If-Match write only over that
+    version (else 412, nothing changed); without If-Match they write as before."""
+    api = await start_api(database_url, nats_url, subject_prefix)
+    assert api.session is not None
+    auth = {"Authorization": f"Bearer {api.admin}"}
+    url = f"{api.url}/api/v1/tenants/im"
+
+    async def req(method: str, body=None, **headers: str) -> tuple[int, dict, CIMultiDict]:
+        async with api.session.request(method, url, json=body, headers={**auth, **headers}) as r:
+            return r.status, await r.json(content_type=None), CIMultiDict(r.headers)
+
+    try:
+        st, _ = await api.call("POST", "/api/v1/tenants", {"tenant_id": "im", "spec": {}})
+        assert st == 201
+        st, t, h = await req("GET")
+        assert (st, h.get("ETag"), t["version"]) == (200, '"1"', 1)
+
+        # the right version: written, and the ETag moves with the new version
+        st, t, h = await req("PUT", {"spec": {"weight": 2}}, **{"If-Match": '"1"'})
+        assert (st, t["version"], h.get("ETag")) == (200, 2, '"2"'), t
+        st, _, h = await req("GET")
+        assert h.get("ETag") == '"2"'
+
+        # a stale version (another writer came between): 412 in the API's error shape, the
+        # current ETag named, and nothing changed (no version, no spec, no audit entry)
+        _, audit_before = await api.call("GET", "/api/v1/audit?target_type=tenant&target_id=im")
+        st, err, h = await req("PUT", {"spec": {"weight": 5}}, **{"If-Match": '"1"'})
+        assert st == 412 and err["error"]["code"] == "precondition_failed", err
+        assert err["error"]["field"] == "If-Match" and h.get("ETag") == '"2"'
+        assert "version 2" in err["error"]["message"]
+        st, t, _ = await req("PUT", {"description": "x"}, **{"If-Match": 'W/"2"'})
+        assert st == 412, t  # a weak tag never matches (strong comparison)
+        _, t, h = await req("GET")
+        assert (t["version"], t["spec"]["weight"], t["description"]) == (2, 2, "")
+        assert len(t["versions"]) == 2 and h.get("ETag") == '"2"'
+        _, audit_after = await api.call("GET", "/api/v1/audit?target_type=tenant&target_id=im")
+        assert audit_after == audit_before
+
+        # any of a list, and *, match; a malformed header is a 400 naming it
+        st, t, _ = await req("PUT", {"spec": {"weight": 3}}, **{"If-Match": '"9", "2"'})
+        assert (st, t["version"]) == (200, 3), t
+        st, t, _ = await req("PUT", {"spec": {"weight": 4}}, **{"If-Match": "*"})
+        assert (st, t["version"]) == (200, 4), t
+        st, err, _ = await req("PUT", {"spec": {"weight": 1}}, **{"If-Match": "4"})
+        assert st == 400 and err["error"]["field"] == "If-Match", err
+
+        # without If-Match: unconditional, as before
+        st, t, h = await req("PUT", {"spec": {"weight": 6}})
+        assert (st, t["version"], t["spec"]["weight"], h.get("ETag")) == (200, 5, 6, '"5"')
+
+        # DELETE: a stale version keeps the tenant, the current one deletes it
+        st, err, _ = await req("DELETE", **{"If-Match": '"4"'})
+        assert st == 412 and err["error"]["code"] == "precondition_failed", err
+        assert (await api.call("GET", "/api/v1/tenants/im"))[0] == 200
+        st, out, _ = await req("DELETE", **{"If-Match": '"5"'})
+        assert (st, out["deleted"]) == (200, "im"), out
+        assert (await api.call("GET", "/api/v1/tenants/im"))[0] == 404
+
+        # the OpenAPI document says so
+        _, doc = await api.call("GET", "/api/v1/openapi.json", token=None)
+        ops = doc["paths"]["/api/v1/tenants/{id}"]
+        assert "ETag" in ops["get"]["responses"]["200"]["headers"]
+        assert "ETag" in ops["put"]["responses"]["200"]["headers"]
+        for method in ("put", "delete"):
+            assert "412" in ops[method]["responses"], method
+            (p,) = [p for p in ops[method]["parameters"] if p["in"] == "header"]
+            assert (p["name"], p["required"]) == ("If-Match", False)
+    finally:
+        await api.close()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        '"7"',
+        '"6", "7"',
+        ' "7" ,',
+        "*",
+        'W/"7"',
+        '""',
+        "7",
+        '"7" "8"',
+        '"7",,"8"',
+        '*, "7"',
+        '"a\\"b"',
+        "",
+    ],
+)
+def test_if_match_parser_accepts_what_the_documented_pattern_does(value: str) -> None:
+    """The OpenAPI document's If-Match pattern is the parser's grammar: a value the document
+    calls valid is never a 400, and one it calls invalid always is."""
+    import re
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from services.api.framework import IF_MATCH_PATTERN, ApiError, if_match
+
+    request = make_mocked_request("PUT", "/", headers={"If-Match": value})
+    try:
+        if_match(request)
+        accepted = True
+    except ApiError as exc:
+        assert (exc.status, exc.field) == (400, "If-Match")
+        accepted = False
+    assert accepted == bool(value and re.search(IF_MATCH_PATTERN, value)), value

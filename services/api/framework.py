@@ -91,6 +91,71 @@ def conflict(message: str) -> ApiError:
     return ApiError(409, "conflict", message)
 
 
+# ----------------------------------------------------------------------------- preconditions
+# RFC 9110 8.8.3 and 13.1.1: an entity tag is a quoted string, ``W/`` marks a weak one;
+# If-Match is ``*`` or a comma-separated list of them, compared strongly (weak ones never match).
+_ENTITY_TAG = re.compile(r'\s*(W/)?"([\x21\x23-\x7e]*)"\s*(?:,|$)')
+# the same grammar as one JSON Schema pattern (the OpenAPI document's): what if_match accepts
+IF_MATCH_PATTERN = r'^\s*(\*|(W/)?"[!#-~]*"(\s*,\s*(W/)?"[!#-~]*")*\s*,?)\s*$'
+
+
+def etag(version: int) -> str:
+    """The entity tag naming a version: ``"7"``."""
+    return f'"{version}"'
+
+
+def if_match(request: web.Request) -> list[str] | None:
+    """The strong entity tags an ``If-Match`` header names (``["*"]`` for any), or None when
+    the request has none. A malformed header is a 400 (field ``If-Match``)."""
+    values = request.headers.getall("If-Match", [])
+    if not values:
+        return None
+    raw = ",".join(values).strip()
+    if raw == "*":
+        return ["*"]
+    bad = ApiError(
+        400,
+        "invalid_header",
+        'If-Match must be * or quoted entity tags, e.g. "7" (the ETag of a GET)',
+        "If-Match",
+    )
+    if not raw:
+        raise bad
+    tags: list[str] = []
+    pos = 0
+    while pos < len(raw):
+        m = _ENTITY_TAG.match(raw, pos)
+        if m is None:
+            raise bad
+        if m.group(1) is None:
+            tags.append(f'"{m.group(2)}"')
+        pos = m.end()
+    return tags
+
+
+def check_precondition(tags: list[str] | None, what: str, current: int) -> None:
+    """412 unless ``tags`` (from :func:`if_match`) is None, ``*`` or names version
+    ``current``. Call it after locking the row, inside the transaction that writes it."""
+    if tags is None or "*" in tags or etag(current) in tags:
+        return
+    raise ApiError(
+        412,
+        "precondition_failed",
+        f"{what} is at version {current} now, not the one If-Match names "
+        f"({', '.join(tags) or 'a weak tag'}): it changed since it was read; read it again",
+        "If-Match",
+        headers={"ETag": etag(current)},
+    )
+
+
+@dataclass
+class Reply:
+    """A handler's JSON answer with response headers (e.g. ETag)."""
+
+    body: Any
+    headers: dict[str, str]
+
+
 @dataclass
 class Req:
     """What a handler gets: validated inputs and who is asking."""
@@ -121,6 +186,8 @@ class Route:
     status: int = 200
     description: str = ""
     response: dict[str, Any] | None = None  # JSON Schema of the success body
+    etag: str = ""  # what the success answer's ETag header names (none: no ETag)
+    if_match: str = ""  # what an If-Match header must name (none: not honoured)
 
     @property
     def operation_id(self) -> str:
@@ -341,6 +408,10 @@ def _wrap(
             result = await route.handler(req)
             if isinstance(result, web.StreamResponse):
                 return result
+            if isinstance(result, Reply):
+                return web.json_response(
+                    result.body, status=route.status, headers=result.headers, dumps=_dumps
+                )
             return web.json_response(result, status=route.status, dumps=_dumps)
         except ApiError as exc:
             return exc.response()

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from services.api import bodies
-from services.api.framework import MAX_JSON_DEPTH, Route
+from services.api.framework import IF_MATCH_PATTERN, MAX_JSON_DEPTH, Route
 
 REF = "#/components/schemas/{name}"
 
@@ -114,6 +114,22 @@ def build_document(
             params.append(
                 {"name": name, "in": "query", "required": False, "schema": _param_schema(typ)}
             )
+        if route.if_match:
+            params.append(
+                {
+                    "name": "If-Match",
+                    "in": "header",
+                    "required": False,
+                    "description": f"only if the ETag is still this: {route.if_match} "
+                    "(`*`: any; several, comma-separated: any of them); else 412",
+                    "schema": {
+                        "type": "string",
+                        "minLength": 1,
+                        "maxLength": 1024,
+                        "pattern": IF_MATCH_PATTERN,
+                    },
+                }
+            )
         _describe_no_nul(params)
         if params:
             op["parameters"] = params
@@ -153,6 +169,10 @@ def _responses(route: Route) -> dict[str, Any]:
             "content": {"application/json": {"schema": ok_schema}},
         }
     }
+    if route.etag:
+        out[str(route.status)]["headers"] = {
+            "ETag": {"description": route.etag, "schema": {"type": "string"}}
+        }
     if route.body is not None or route.path_params or route.query:
         what = "invalid input (the field is named)"
         if route.body is not None:
@@ -178,6 +198,13 @@ def _responses(route: Route) -> dict[str, Any]:
         out["404"] = {"description": "not found", "content": err}
     if route.method != "GET":
         out["409"] = {"description": "conflicts with the current state", "content": err}
+    if route.if_match:
+        out["412"] = {
+            "description": "If-Match does not name the current version (code "
+            "precondition_failed; nothing changed; the ETag header names the current one)",
+            "headers": {"ETag": {"description": route.if_match, "schema": {"type": "string"}}},
+            "content": err,
+        }
     if route.body is not None:
         out["413"] = {"description": "body too large", "content": err}
     out["503"] = {"description": "PostgreSQL unavailable (retry later)", "content": err}

@@ -24,13 +24,25 @@ from sqlalchemy import func, select
 
 from services.api import audit, bodies
 from services.api.context import ApiContext
-from services.api.framework import ApiError, Req, Route, conflict, not_found
+from services.api.framework import (
+    ApiError,
+    Reply,
+    Req,
+    Route,
+    check_precondition,
+    conflict,
+    etag,
+    if_match,
+    not_found,
+)
 from services.api.framework import hash_token as key_digest
 from services.api.models import TenantKey, TenantRow, TenantUsage, TenantVersion
 from services.api.routes.common import V1, iso, version_history
 from services.api.tenant_cache import budget_of
 from services.api.tenants import bump_revision, key_dict, new_key, new_salt
 from services.core.flow.cache_budget import over_budget
+
+VERSION_TAG = 'the tenant\'s version, quoted (`"7"`); a description-only update keeps it'
 
 
 def spec_dict(spec: bodies.TenantSpec) -> dict[str, Any]:
@@ -124,16 +136,21 @@ def routes(ctx: ApiContext) -> list[Route]:
             audit.record(s, r.actor, "tenant.create", "tenant", t.id, None, out)
         return {**out, "revision": revision, "published": await publish()}
 
-    async def get_tenant(r: Req) -> dict[str, Any]:
+    async def get_tenant(r: Req) -> Reply:
         async with db.session() as s:
-            return await tenant_out(s, await tenant_row(s, r.path["id"]), with_versions=True)
+            t = await tenant_row(s, r.path["id"])
+            out = await tenant_out(s, t, with_versions=True)
+        return Reply(out, {"ETag": etag(out["version"])})
 
-    async def update_tenant(r: Req) -> dict[str, Any]:
+    async def update_tenant(r: Req) -> Reply:
         b: bodies.TenantUpdate = r.body
         if b.spec is None and b.description is None:
             raise ApiError(400, "invalid_body", "give spec and/or description", "spec")
+        expected = if_match(r.request)
         async with db.transaction() as s:
+            # the row lock orders writers: the version checked is the one this write replaces
             t = await tenant_row(s, r.path["id"], lock=True)
+            check_precondition(expected, f"tenant {t.id!r}", t.version)
             before = await tenant_out(s, t)
             if b.description is not None:
                 t.description = b.description
@@ -160,11 +177,16 @@ def routes(ctx: ApiContext) -> list[Route]:
                 before,
                 {k: v for k, v in out.items() if k != "versions"},
             )
-        return {**out, "revision": revision, "published": await publish()}
+        published = await publish()
+        return Reply(
+            {**out, "revision": revision, "published": published}, {"ETag": etag(out["version"])}
+        )
 
     async def delete_tenant(r: Req) -> dict[str, Any]:
+        expected = if_match(r.request)
         async with db.transaction() as s:
             t = await tenant_row(s, r.path["id"], lock=True)
+            check_precondition(expected, f"tenant {t.id!r}", t.version)
             before = await tenant_out(s, t, with_versions=True)
             await s.delete(t)  # its keys and versions go with it (ON DELETE CASCADE)
             revision = await bump_revision(s)
@@ -295,6 +317,7 @@ def routes(ctx: ApiContext) -> list[Route]:
             "a tenant with all versions",
             "tenants",
             path_params=id_p,
+            etag=VERSION_TAG,
         ),
         Route(
             "PUT",
@@ -305,6 +328,11 @@ def routes(ctx: ApiContext) -> list[Route]:
             role="admin",
             body=bodies.TenantUpdate,
             path_params=id_p,
+            etag=VERSION_TAG,
+            if_match=VERSION_TAG,
+            description="With `If-Match` (the ETag of a GET) the update is made only if the "
+            "tenant is still at that version, else 412 and nothing changes: a read-modify-write "
+            "cannot lose another writer's change. Without it, the update is unconditional.",
         ),
         Route(
             "DELETE",
@@ -314,6 +342,7 @@ def routes(ctx: ApiContext) -> list[Route]:
             "tenants",
             role="admin",
             path_params=id_p,
+            if_match=VERSION_TAG,
         ),
         Route(
             "GET",
