@@ -179,3 +179,52 @@ async def test_tenants_cli_against_the_admin_api(
         assert rc == 1 and "no admin API answers" in err
     finally:
         await api.close()
+
+
+async def test_update_refused_when_the_tenant_changed_since_it_was_read(
+    database_url, nats_url, subject_prefix, monkeypatch, capsys, _no_stack
+) -> None:
+    """Another writer's update lands between the CLI's read and its write: the CLI's PUT
+    (If-Match: the version it read) is refused, exit 1 with the reason, and the other
+    writer's change stands. The race is made real: the CLI's client makes the other update
+    through the API right after its GET, and the CLI runs in a thread so this loop serves."""
+    from services.api import tenants_cli
+
+    api = await start_api(database_url, nats_url, subject_prefix)
+    monkeypatch.setenv("KVGATE_API_URL", api.url)
+    monkeypatch.setenv("KVGATE_API_TOKEN", api.admin)
+    try:
+        rc, _, err = await kvgate("create", "race", "--rpm", "100")
+        assert rc == 0, err
+        rc, out, err = await kvgate("update", "race", "--rpm", "150")  # no race: version 2
+        assert (rc, out.strip()) == (0, "updated tenant race (version 2)"), err
+
+        class OtherWriterAfterRead(tenants_cli.Client):
+            def exchange(self, method, path, body=None, headers=None):
+                answer = super().exchange(method, path, body, headers)
+                if method == "GET":  # the other writer, between this read and the write
+                    super().exchange("PUT", path, {"spec": {"weight": 3.0}})
+                return answer
+
+        real = tenants_cli.connection
+        monkeypatch.setattr(
+            tenants_cli, "connection", lambda _args: OtherWriterAfterRead(api.url, api.admin)
+        )
+        rc = await asyncio.to_thread(cli.main, ["tenants", "update", "race", "--rpm", "200"])
+        err = capsys.readouterr().err
+        assert rc == 1, err
+        assert "changed by someone else since it was read (version 2)" in err, err
+        assert "run it again" in err
+        _, t = await api.call("GET", "/api/v1/tenants/race")
+        # the other writer's spec (weight 3, no quota) is version 3; the CLI's rpm is not in
+        assert (t["version"], t["spec"]["weight"]) == (3, 3.0), t
+        assert t["spec"]["quota"]["requests_per_min"] is None, t
+
+        # run again (no one in between): it applies over the current version
+        monkeypatch.setattr(tenants_cli, "connection", real)
+        rc, out, err = await kvgate("update", "race", "--rpm", "200")
+        assert (rc, out.strip()) == (0, "updated tenant race (version 4)"), err
+        _, t = await api.call("GET", "/api/v1/tenants/race")
+        assert (t["spec"]["weight"], t["spec"]["quota"]["requests_per_min"]) == (3.0, 200)
+    finally:
+        await api.close()

@@ -36,6 +36,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,11 @@ QUOTA_FLAGS = {
 
 
 class CliError(Exception):
-    """A failure to print on stderr (exit status 1)."""
+    """A failure to print on stderr (exit status 1); ``status``: the API's HTTP status."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -208,6 +213,12 @@ class Client:
         self.timeout_s = timeout_s
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
+        return self.exchange(method, path, body)[0]
+
+    def exchange(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> tuple[Any, Message]:
+        """(the JSON answer, the response headers) of one call with extra ``headers``."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base + path, data=data, method=method)
         req.add_header("Accept", "application/json")
@@ -215,11 +226,13 @@ class Client:
             req.add_header("Content-Type", "application/json")
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
+        for name, value in (headers or {}).items():
+            req.add_header(name, value)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:  # noqa: S310
-                return json.loads(r.read() or b"null")
+                return json.loads(r.read() or b"null"), r.headers
         except urllib.error.HTTPError as exc:
-            raise CliError(api_error(exc.code, exc.read())) from None
+            raise CliError(api_error(exc.code, exc.read()), exc.code) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise CliError(f"no admin API answers at {self.base}: {reason}") from None
@@ -415,14 +428,27 @@ def run(args: argparse.Namespace, client: Client) -> tuple[Any, str]:
         out = client.call("POST", "/tenants", body)
         return out, f"created tenant {out['tenant_id']} (version {out['version']})"
     if action == "update":
-        current = client.call("GET", f"/tenants/{tid}")
+        current, headers = client.exchange("GET", f"/tenants/{tid}")
         spec = spec_from(args, current["spec"])
         body = {} if spec == current["spec"] else {"spec": spec}
         if args.description is not None:
             body["description"] = args.description
         if not body:
             raise CliError("nothing to change: give a flag (see --help)")
-        out = client.call("PUT", f"/tenants/{tid}", body)
+        # only over the version read: another writer's change in between is a 412, not lost
+        tag = headers.get("ETag")
+        try:
+            out, _ = client.exchange(
+                "PUT", f"/tenants/{tid}", body, {"If-Match": tag} if tag else None
+            )
+        except CliError as exc:
+            if exc.status != 412:
+                raise
+            raise CliError(
+                f"tenant {args.tenant_id} was changed by someone else since it was read "
+                f"(version {current['version']}); nothing was changed: run it again",
+                412,
+            ) from None
         return out, f"updated tenant {out['tenant_id']} (version {out['version']})"
     if action == "delete":
         if not args.yes:
