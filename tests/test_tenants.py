@@ -510,7 +510,17 @@ async def test_tenant_etag_and_if_match(database_url, nats_url, subject_prefix) 
         st, err, _ = await req("DELETE", **{"If-Match": '"4"'})
         assert st == 412 and err["error"]["code"] == "precondition_failed", err
         assert (await api.call("GET", "/api/v1/tenants/im"))[0] == 200
-        st, out, _ = await req("DELETE", **{"If-Match": '"5"'})
+        # two writers over the same version at once: the row lock orders them, one wins and
+        # the other's check sees the winner's version
+        both = await asyncio.gather(
+            *(req("PUT", {"spec": {"weight": w}}, **{"If-Match": '"5"'}) for w in (7, 8))
+        )
+        assert sorted(st for st, _, _ in both) == [200, 412], both
+        (won,) = [t for st, t, _ in both if st == 200]
+        _, t, _ = await req("GET")
+        assert (t["version"], t["spec"]["weight"]) == (6, won["spec"]["weight"])
+
+        st, out, _ = await req("DELETE", **{"If-Match": '"6"'})
         assert (st, out["deleted"]) == (200, "im"), out
         assert (await api.call("GET", "/api/v1/tenants/im"))[0] == 404
 
