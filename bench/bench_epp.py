@@ -293,13 +293,11 @@ async def bench(
     import grpc
 
     from services.common.bus import Bus
-    from services.common.embedded import EmbeddedNats
+    from services.common.embedded import EmbeddedNats, env_without_proxy
     from services.common.subjects import Subjects
 
     machine_ns = _machine_ns()
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost"}
-    for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
-        env.pop(v, None)
+    env = env_without_proxy()
     state = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvgate-bench-epp-{os.getpid()}"
     nats = EmbeddedNats(state / "nats")
     nats.start()

@@ -557,15 +557,13 @@ async def bench_proxy(
     peered: bool = False,
 ) -> dict[str, Any]:
     from services.common.bus import Bus
-    from services.common.embedded import EmbeddedNats
+    from services.common.embedded import EmbeddedNats, env_without_proxy
     from services.common.subjects import Subjects
 
     machine_ns = _machine_ns()  # before anything of the bench runs
     procs: list[subprocess.Popen] = []
     profiled: list[int] = []  # indexes in procs of py-spy wrappers
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost"}
-    for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
-        env.pop(v, None)
+    env = env_without_proxy()
     state = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvgate-bench-router-{os.getpid()}"
     nats = EmbeddedNats(state / "nats")
     nats.start()

@@ -107,12 +107,10 @@ async def run(
     seed: int,
 ) -> dict[str, Any]:
     from services.common.bus import Bus
-    from services.common.embedded import EmbeddedNats
+    from services.common.embedded import EmbeddedNats, env_without_proxy
     from services.common.subjects import Subjects
 
-    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost"}
-    for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
-        env.pop(v, None)
+    env = env_without_proxy()
     for v in [k for k in env if k.startswith("OTEL_")]:
         env.pop(v)  # the targets' tracing is what the bench sets, nothing inherited
     state = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvgate-bench-tracing-{os.getpid()}"
