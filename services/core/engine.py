@@ -551,7 +551,7 @@ class Engine:
         vllm_mode = c.admission == "vllm"
         preemptions_before = self.num_preemptions
         by_priority = c.scheduling == "priority"
-        if vllm_mode and by_priority:
+        if vllm_mode:
             for s in list(running):
                 if budget <= 0:
                     break
@@ -561,23 +561,13 @@ class Engine:
                 n = (left if left < budget else budget) if left > 0 else 1
                 before = self.num_preemptions
                 grown = self._grow(s, n)
-                if self.num_preemptions != before:
-                    # the victim may have been scheduled earlier in this step
+                if by_priority and self.num_preemptions != before:
+                    # by priority the victim may have been scheduled earlier in this step
+                    # (first come first served preempts the last request, never one before s)
                     budget += self._unschedule(scheduled, self.running)
                 if not grown:
-                    continue  # s was the lowest priority: the ones after it may still fit
-                scheduled.append((s, n))
-                budget -= n
-            running = self.running
-        elif vllm_mode:
-            for s in list(running):
-                if budget <= 0:
-                    break
-                if s not in self.running:  # preempted earlier in this loop
-                    continue
-                left = s.prefill_target - s.num_computed
-                n = (left if left < budget else budget) if left > 0 else 1
-                if not self._grow(s, n):
+                    if by_priority:
+                        continue  # s was the lowest priority: the ones after it may still fit
                     break  # s itself was preempted
                 scheduled.append((s, n))
                 budget -= n
