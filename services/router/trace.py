@@ -150,17 +150,10 @@ class RequestTrace:
         """An attempt on ``worker_id`` begins: its span is the engine's parent."""
         if not self.recording:
             return
-        from opentelemetry.trace import SpanKind
-
-        self.attempt = self.tracer.start_span(
-            f"{self.prefix}.upstream",
-            context=self.parent,
-            kind=SpanKind.CLIENT,
-            attributes={
-                "kvgate.worker": worker_id,
-                "server.address": url,
-                "kvgate.attempt": attempt,
-            },
+        self.attempt = self._client_span(
+            "upstream",
+            self.parent,
+            {"kvgate.worker": worker_id, "server.address": url, "kvgate.attempt": attempt},
         )
         self.connected_ns = self.first_ns = 0
 
@@ -170,17 +163,18 @@ class RequestTrace:
         whose context the engine gets; None when the request is not recording."""
         if not self.recording:
             return None
+        return self._client_span(
+            "replicate",
+            self.root_ctx,
+            {"kvgate.worker": worker_id, "server.address": url, "kvgate.request_id": request_id},
+        )
+
+    def _client_span(self, name: str, context: Any, attributes: dict[str, Any]) -> Any:
+        """A CLIENT span ``<prefix>.<name>`` under ``context``: a call this request makes."""
         from opentelemetry.trace import SpanKind
 
         return self.tracer.start_span(
-            f"{self.prefix}.replicate",
-            context=self.root_ctx,
-            kind=SpanKind.CLIENT,
-            attributes={
-                "kvgate.worker": worker_id,
-                "server.address": url,
-                "kvgate.request_id": request_id,
-            },
+            f"{self.prefix}.{name}", context=context, kind=SpanKind.CLIENT, attributes=attributes
         )
 
     def connected(self) -> None:
