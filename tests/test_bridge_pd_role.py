@@ -45,17 +45,23 @@ def test_every_engine_role_word_maps_to_ours():
     assert role_from_server_info({"page_size": 1}) is None
 
 
-async def _heartbeat(bus, worker: str) -> WorkerHeartbeat:
+async def _heartbeat(bus, rt: BridgeRuntime, worker: str) -> WorkerHeartbeat:
+    """Run the bridge ``rt`` (heartbeats every 50 ms) until it announces ``worker`` once."""
     got: asyncio.Queue[WorkerHeartbeat] = asyncio.Queue()
 
     async def on(hb: WorkerHeartbeat, _msg) -> None:
         got.put_nowait(hb)
 
-    sub = await bus.subscribe(bus.subjects.heartbeat(worker), WorkerHeartbeat, on)
+    rt.heartbeat_s = 0.05
+    await rt.start()
     try:
-        return await asyncio.wait_for(got.get(), 10)
+        sub = await bus.subscribe(bus.subjects.heartbeat(worker), WorkerHeartbeat, on)
+        try:
+            return await asyncio.wait_for(got.get(), 10)
+        finally:
+            await sub.unsubscribe()
     finally:
-        await sub.unsubscribe()
+        await rt.stop()
 
 
 async def test_sglang_prefill_role_and_bootstrap_port_from_server_info(
@@ -72,12 +78,7 @@ async def test_sglang_prefill_role_and_bootstrap_port_from_server_info(
         connected(nats_url, subjects, "bridge") as b,
     ):
         rt = BridgeRuntime(b, "sg-p", engine="sglang", model="m", engine_url=http.url)
-        rt.heartbeat_s = 0.05
-        await rt.start()
-        try:
-            hb = await _heartbeat(b, "sg-p")
-        finally:
-            await rt.stop()
+        hb = await _heartbeat(b, rt, "sg-p")
     assert (hb.role, hb.bootstrap_port) == ("prefill", 9001)
     assert hb.url == http.url.rstrip("/")  # no --worker-url: the engine's own
 
@@ -96,12 +97,7 @@ async def test_worker_url_is_announced_and_the_engine_probed_behind_it(
         rt = BridgeRuntime(
             b, "sg-d", engine="sglang", model="m", engine_url=http.url, worker_url=sidecar
         )
-        rt.heartbeat_s = 0.05
-        await rt.start()
-        try:
-            hb = await _heartbeat(b, "sg-d")
-        finally:
-            await rt.stop()
+        hb = await _heartbeat(b, rt, "sg-d")
     assert (hb.url, hb.role) == (sidecar, "decode")
 
 
@@ -111,10 +107,5 @@ async def test_vllm_decode_role_from_the_kv_transfer_config(
     role = role_from_flags("auto", '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}')
     async with connected(nats_url, subjects, "bridge") as b:
         rt = BridgeRuntime(b, "vl-d", engine="vllm", model="m", block_size=16, role=role)
-        rt.heartbeat_s = 0.05
-        await rt.start()
-        try:
-            hb = await _heartbeat(b, "vl-d")
-        finally:
-            await rt.stop()
+        hb = await _heartbeat(b, rt, "vl-d")
     assert (hb.role, hb.bootstrap_port) == ("decode", 0)
