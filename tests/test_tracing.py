@@ -149,9 +149,11 @@ async def test_one_request_router_to_sim_worker_is_one_trace(
 
 
 @pytest.fixture
-async def fake_engines(nats_url, subjects, bus: Bus):
-    """Two scripted HTTP engines (tests.test_router_support.FakeWorker) announced by
-    heartbeats on the real NATS server: the engine is stand-in, the bus is not."""
+async def scripted_engines(nats_url, subjects, bus: Bus):
+    """Two scripted HTTP engines (tests.test_router_support.FakeWorker: canned OpenAI answers
+    that record the headers they got) announced by heartbeats through ``bus``, a connection to
+    the real NATS server of this test run; the router under test hears them there. Nothing of
+    NATS is mocked: only the GPU engine is a stand-in."""
     workers = [await FakeWorker(f"w{i}").start() for i in range(2)]
     beats = Beats(bus, workers).start()
     yield workers
@@ -159,7 +161,7 @@ async def fake_engines(nats_url, subjects, bus: Bus):
 
 
 async def test_tracing_off_no_spans_and_client_traceparent_untouched(
-    nats_url, subjects, fake_engines: list[FakeWorker]
+    nats_url, subjects, scripted_engines: list[FakeWorker]
 ) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider(sampler=ALWAYS_ON)
@@ -178,7 +180,7 @@ async def test_tracing_off_no_spans_and_client_traceparent_untouched(
         assert st1 == st2 == 200
     finally:
         await shutdown(("router", router.stop()))
-    got = [r["headers"] for w in fake_engines for r in w.served]
+    got = [r["headers"] for w in scripted_engines for r in w.served]
     assert len(got) == 2
     with_tp = [h for h in got if "traceparent" in h]
     assert len(with_tp) == 1  # only the request that came with one
@@ -188,7 +190,7 @@ async def test_tracing_off_no_spans_and_client_traceparent_untouched(
 
 
 async def test_unsampled_client_trace_records_nothing_but_propagates(
-    nats_url, subjects, fake_engines: list[FakeWorker], spans: InMemorySpanExporter
+    nats_url, subjects, scripted_engines: list[FakeWorker], spans: InMemorySpanExporter
 ) -> None:
     router = await RouterProc(nats_url, subjects, policy="round_robin").start()
     try:
@@ -209,7 +211,7 @@ async def test_unsampled_client_trace_records_nothing_but_propagates(
     finally:
         await shutdown(("router", router.stop()))
     got = sorted(
-        (r["headers"]["traceparent"] for w in fake_engines for r in w.served),
+        (r["headers"]["traceparent"] for w in scripted_engines for r in w.served),
         key=lambda tp: CLIENT_TRACE not in tp,
     )
     version, trace_id, span_id, flags = got[0].split("-")
@@ -224,9 +226,9 @@ async def test_unsampled_client_trace_records_nothing_but_propagates(
 
 
 async def test_migration_is_a_span_with_the_continuation_under_it(
-    nats_url, subjects, fake_engines: list[FakeWorker], spans: InMemorySpanExporter
+    nats_url, subjects, scripted_engines: list[FakeWorker], spans: InMemorySpanExporter
 ) -> None:
-    broken, other = fake_engines
+    broken, other = scripted_engines
     broken.mode, broken.chunks, other.chunks = "crash_mid", 6, 6
     router = await RouterProc(nats_url, subjects, policy="round_robin").start()
     try:
@@ -335,7 +337,7 @@ def test_setup_reads_the_standard_variables() -> None:
 
 
 async def test_epp_pick_is_traced_and_the_engine_gets_its_context(
-    nats_url, subjects, fake_engines: list[FakeWorker], spans: InMemorySpanExporter
+    nats_url, subjects, scripted_engines: list[FakeWorker], spans: InMemorySpanExporter
 ) -> None:
     import json
 
@@ -572,7 +574,7 @@ def replicating_policy() -> Iterator[str]:
 async def test_hot_prefix_replica_is_a_span_and_its_engine_continues_the_trace(
     nats_url,
     subjects,
-    fake_engines: list[FakeWorker],
+    scripted_engines: list[FakeWorker],
     spans: InMemorySpanExporter,
     replicating_policy: str,
 ) -> None:
@@ -589,14 +591,14 @@ async def test_hot_prefix_replica_is_a_span_and_its_engine_continues_the_trace(
             assert status2 == 200
         await wait_until(
             lambda: (
-                sum(len(w.served) for w in fake_engines) == 4
+                sum(len(w.served) for w in scripted_engines) == 4
                 and any(s.name == "router.replicate" for s in spans.get_finished_spans())
             ),
             what="both replicas answered and the sampled one's span ended",
         )
     finally:
         await shutdown(("router", router.stop()))
-    served = {w.worker_id: w.served for w in fake_engines}
+    served = {w.worker_id: w.served for w in scripted_engines}
     copies = [
         (wid, {k.lower(): v for k, v in r["headers"].items()})
         for wid, rs in served.items()
