@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import sys
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from services.common import settings as S
@@ -30,14 +29,6 @@ from services.common.subjects import check_token
 OPTIONS = (S.NATS_URL, *S.NATS_AUTH, S.SUBJECT_PREFIX, S.STATE_DIR)
 SEVERITIES = ("info", "warning", "critical")
 _COLORS = {"critical": "\033[31;1m", "warning": "\033[33m", "info": "\033[36m"}
-
-
-def parse_duration(text: str) -> timedelta:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 30m, 2h, 1d)")
-    value, unit = float(m.group(1)), m.group(2) or "s"
-    return timedelta(seconds=value * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     when.add_argument(
         "--since",
-        type=parse_duration,
+        type=S.parse_duration,
         default=None,
         help="replay alerts newer than this (e.g. 30m, 2h)",
     )

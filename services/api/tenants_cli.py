@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import urllib.error
@@ -90,14 +89,13 @@ def quota_value(text: str) -> int | None:
 
 def when(text: str) -> float:
     """``--since`` / ``--until``: unix seconds, or an age like 90s, 30m, 2h, 1d."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", text)
-    if m:
-        return (
-            time.time() - float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-        )
     try:
-        return float(text)
+        return float(text)  # a bare number is unix seconds
     except ValueError:
+        pass
+    try:
+        return time.time() - S.parse_duration(text).total_seconds()
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"not unix seconds nor an age: {text!r} (e.g. 1732780800, 90s, 30m, 2h, 1d)"
         ) from None

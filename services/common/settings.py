@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 ENV_PREFIX = "KVGATE_"
@@ -200,6 +202,18 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
             metavar=placeholder(opt),
             help=help_text,
         )
+
+
+_SECONDS_PER = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """A command-line duration: a number with an optional unit s / m / h / d (90s, 30m, 2h,
+    1d; a bare number is seconds)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 30m, 2h, 1d)")
+    return timedelta(seconds=float(m.group(1)) * _SECONDS_PER[m.group(2) or "s"])
 
 
 def add_options_after_subcommand(
