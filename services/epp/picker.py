@@ -186,11 +186,8 @@ class Picker:
 
     def _release(self, ctx: Ctx, ticket: Ticket) -> None:
         """The decoder's claim and, for a remote prefill not yet over, the prefill worker's."""
-        r = self.router
-        if ctx.pd_ticket is not None:
-            r.dispatcher.prefilled(ctx, ctx.pd_ticket, False)
-            ctx.pd_ticket = None
-        r.dispatcher.release(ctx, ticket)
+        self.router.dispatcher.drop_prefill_claim(ctx)
+        self.router.dispatcher.release(ctx, ticket)
 
     def _with_fallbacks(self, endpoint: str, ctx: Ctx, costs: dict[str, float]) -> str:
         """The pick, then up to ``fallbacks`` other candidates in the decision's cost order

@@ -126,6 +126,14 @@ class Dispatcher:
         if self.wake_on_first_token:
             self.capacity.notify()
 
+    def drop_prefill_claim(self, ctx: Ctx) -> None:
+        """The request's claim on a prefill worker (``ctx.pd_ticket``), if it still holds one,
+        is released without a prefill to learn from (the decoder prefills after all, or the
+        request ended before the remote prefill did)."""
+        if ctx.pd_ticket is not None:
+            self.prefilled(ctx, ctx.pd_ticket, False)
+            ctx.pd_ticket = None
+
     def prefilled(self, ctx: Ctx, ticket: Ticket, ok: bool, took_s: float | None = None) -> None:
         """A remote prefill ended: its claim on the prefill worker is released (once), and
         when it succeeded the policy learns how long it took (``took_s``; None: from dispatch

@@ -262,9 +262,7 @@ class RequestPath:
                     reply = await self.pd.send(request, ctx, ticket, d)
                 else:
                     ctx.prefill_worker = ctx.pd_fields = None  # a retry may be colocated
-                    if ctx.pd_ticket is not None:  # (no P/D sender: the decoder alone)
-                        self.dispatcher.prefilled(ctx, ctx.pd_ticket, False)
-                        ctx.pd_ticket = None
+                    self.dispatcher.drop_prefill_claim(ctx)  # (no P/D sender: decoder alone)
                     reply = await self.sender.send(request, ctx, ticket)
                 ctx.answered = ticket  # released once the reply is out (_settle)
                 if tr is not None:
