@@ -139,27 +139,14 @@ class Admission:
                     if tr is not None:
                         tr.decided(ns, time.time_ns(), ctx, d, ctx.overlaps)
                     last = d
-                    held = False  # by the prefill room
-                    if (
-                        room is not None
-                        and d.worker_id is not None
-                        and not ctx.arm.policy.impl.disaggregated
-                    ):
-                        placed = decide_in_room(
-                            d,
-                            self.state.states,
-                            ctx.overlaps,
-                            len(ctx.parsed.token_ids),
-                            prot,
-                            0 if prot else room.room(time.monotonic()),
-                        )
-                        held = placed is None
-                        if held and (me is None or not me.room_held):
+                    placed = d if room is None else self._in_room(ctx, d, prot)
+                    held = placed is None  # by the prefill room
+                    if placed is None:  # as if every worker were full: wait, or shed
+                        if me is None or not me.room_held:
                             ROOM_HELD_COUNT.labels(prio.value).inc()  # once per request
-                        if held:  # as if every worker were full: wait, or shed (sheddable)
-                            d = Decision(None, wait=True, reason=ROOM_HELD, policy=d.policy)
-                        else:
-                            d = placed
+                        d = Decision(None, wait=True, reason=ROOM_HELD, policy=d.policy)
+                    else:
+                        d = placed
                     if d.worker_id is not None:
                         if first:
                             ctx.engine_priority = fc.dispatched(
@@ -228,6 +215,22 @@ class Admission:
                 M.QUEUE_LEN.set(len(fc))
                 if lane:  # the next head decides now
                     self.capacity.notify()
+
+    def _in_room(self, ctx: Ctx, d: Decision, protected: bool) -> Decision | None:
+        """The decision placed in the prefill room (services/core/flow/prefill_room.py); None:
+        the room holds the request. Unchanged with the room off, for a decision that names no
+        worker, and for a P/D policy's (the room is for colocated workers)."""
+        room = self.flow.room
+        if room is None or d.worker_id is None or ctx.arm.policy.impl.disaggregated:
+            return d
+        return decide_in_room(
+            d,
+            self.state.states,
+            ctx.overlaps,
+            len(ctx.parsed.token_ids),
+            protected,
+            0 if protected else room.room(time.monotonic()),
+        )
 
     def _join(
         self, ctx: Ctx, lane: FlowQueue, prio: Priority
