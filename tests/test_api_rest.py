@@ -225,6 +225,104 @@ async def test_policy_lifecycle_versions_activation_and_audit(api: ApiHarness, b
     assert st == 400 and err["error"]["field"] == "actor", err
 
 
+async def test_policy_etag_and_if_match(api: ApiHarness, bus: Bus) -> None:
+    """As a tenant's: GET names the latest version in ETag; PUT, DELETE and activation with
+    If-Match write only over that version (else 412 in the error shape, nothing changed);
+    two writers over one version: one wins, the other is a 412; without If-Match, as before."""
+    from multidict import CIMultiDict
+
+    assert api.session is not None
+    auth = {"Authorization": f"Bearer {api.admin}"}
+    url = f"{api.url}/api/v1/policies/im"
+    spec = {"name": "kv_aware", "params": {"decode_weight": 8}}
+
+    async def req(method: str, body=None, path: str = "", **headers: str):
+        async with api.session.request(
+            method, url + path, json=body, headers={**auth, **headers}
+        ) as r:
+            return r.status, await r.json(content_type=None), CIMultiDict(r.headers)
+
+    def weight(p: dict) -> int:
+        return p["spec"]["params"]["decode_weight"]
+
+    st, _ = await api.call("POST", "/api/v1/policies", {"name": "im", "spec": spec})
+    assert st == 201
+    st, p, h = await req("GET")
+    assert (st, h.get("ETag"), p["latest_version"]) == (200, '"1"', 1)
+
+    # the version read: written, the ETag moves with the new version
+    put = {"spec": {**spec, "params": {"decode_weight": 4}}}
+    st, p, h = await req("PUT", put, **{"If-Match": '"1"'})
+    assert (st, p["latest_version"], h.get("ETag")) == (200, 2, '"2"'), p
+
+    # stale: 412 naming the current ETag, and nothing changed (no version, no audit entry)
+    _, audit_before = await api.call("GET", "/api/v1/audit?target_type=policy&target_id=im")
+    stale = {"spec": {**spec, "params": {"decode_weight": 2}}, "description": "lost"}
+    st, err, h = await req("PUT", stale, **{"If-Match": '"1"'})
+    assert st == 412 and err["error"]["code"] == "precondition_failed", err
+    assert set(err["error"]) == {"message", "code", "field"}, err
+    assert err["error"]["field"] == "If-Match" and h.get("ETag") == '"2"'
+    assert "version 2" in err["error"]["message"]
+    st, _, _ = await req("PUT", {"description": "weak"}, **{"If-Match": 'W/"2"'})
+    assert st == 412  # a weak tag never matches
+    st, err, _ = await req("PUT", {"description": "bad"}, **{"If-Match": "2"})
+    assert st == 400 and err["error"]["field"] == "If-Match", err
+    _, p, h = await req("GET")
+    assert (p["latest_version"], weight(p), p["description"], h.get("ETag")) == (2, 4, "", '"2"')
+    assert len(p["versions"]) == 2
+    _, audit_after = await api.call("GET", "/api/v1/audit?target_type=policy&target_id=im")
+    assert audit_after == audit_before
+
+    # a list and * match; without If-Match the write is unconditional
+    st, p, _ = await req("PUT", {"spec": spec}, **{"If-Match": '"9", "2"'})
+    assert (st, p["latest_version"]) == (200, 3), p
+    st, p, h = await req("PUT", {"spec": {**spec, "params": {"decode_weight": 5}}})
+    assert (st, p["latest_version"], h.get("ETag")) == (200, 4, '"4"'), p
+
+    # two writers over the same version at once: the row lock orders them, one wins and the
+    # other's check sees the winner's version
+    both = await asyncio.gather(
+        *(
+            req("PUT", {"spec": {**spec, "params": {"decode_weight": w}}}, **{"If-Match": '"4"'})
+            for w in (6, 7)
+        )
+    )
+    assert sorted(st for st, _, _ in both) == [200, 412], both
+    (won,) = [p for st, p, _ in both if st == 200]
+    _, p, _ = await req("GET")
+    assert (p["latest_version"], weight(p)) == (5, weight(won))
+
+    # activation: "the latest" only while it is still the version read
+    st, err, h = await req("POST", {}, "/activate", **{"If-Match": '"4"'})
+    assert st == 412 and err["error"]["code"] == "precondition_failed", err
+    assert h.get("ETag") == '"5"'
+    _, active = await api.call("GET", "/api/v1/active-policy")
+    assert active["name"] != "im"  # nothing activated
+    st, act, _ = await req("POST", {}, "/activate", **{"If-Match": '"5"'})
+    assert (st, act["name"], act["version"]) == (200, "im", 5), act
+
+    # DELETE: a stale version keeps it; the current one deletes it (once it is not active)
+    await api.call("POST", "/api/v1/policies", {"name": "im2", "spec": spec})
+    assert (await api.call("POST", "/api/v1/policies/im2/activate"))[0] == 200
+    st, err, _ = await req("DELETE", **{"If-Match": '"4"'})
+    assert st == 412 and err["error"]["code"] == "precondition_failed", err
+    assert (await api.call("GET", "/api/v1/policies/im"))[0] == 200
+    st, out, _ = await req("DELETE", **{"If-Match": '"5"'})
+    assert (st, out["deleted"]) == (200, "im"), out
+    assert (await api.call("GET", "/api/v1/policies/im"))[0] == 404
+
+    # the OpenAPI document says so
+    _, doc = await api.call("GET", "/api/v1/openapi.json", token=None)
+    ops = doc["paths"]["/api/v1/policies/{name}"]
+    assert "ETag" in ops["get"]["responses"]["200"]["headers"]
+    assert "ETag" in ops["put"]["responses"]["200"]["headers"]
+    activate = doc["paths"]["/api/v1/policies/{name}/activate"]["post"]
+    for op in (ops["put"], ops["delete"], activate):
+        assert "412" in op["responses"], op["operationId"]
+        (hp,) = [x for x in op["parameters"] if x["in"] == "header"]
+        assert (hp["name"], hp["required"]) == ("If-Match", False)
+
+
 async def test_policy_resync_republishes_a_lost_notice(api: ApiHarness, bus: Bus) -> None:
     await api.call("POST", "/api/v1/policies", {"name": "rr", "spec": {"name": "round_robin"}})
     _, act = await api.call("POST", "/api/v1/policies/rr/activate")

@@ -8,6 +8,9 @@ Invariants:
   change. A policy that is active or in an open canary cannot be deleted.
 - Activation bumps the policy-state revision in the same transaction as its audit entry and
   publishes only after the commit.
+- A policy's ETag is its latest version (:func:`services.api.framework.etag`). A PUT, DELETE
+  or activation with ``If-Match`` checks it under the policy row's lock, in the transaction
+  that writes: a stale tag is a 412 and nothing changes.
 """
 
 from __future__ import annotations
@@ -19,10 +22,22 @@ from sqlalchemy import select
 
 from services.api import audit, bodies
 from services.api.context import ApiContext
-from services.api.framework import ApiError, Req, Route, conflict, not_found
+from services.api.framework import (
+    ApiError,
+    Reply,
+    Req,
+    Route,
+    check_precondition,
+    conflict,
+    etag,
+    if_match,
+    not_found,
+)
 from services.api.models import Policy, PolicyState, PolicyVersion
 from services.api.publisher import lock_state, open_canary
 from services.api.routes.common import V1, iso, version_history
+
+VERSION_TAG = 'the policy\'s latest version, quoted (`"7"`); a description-only update keeps it'
 
 
 def validate_spec(name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -105,9 +120,10 @@ def routes(ctx: ApiContext) -> list[Route]:
             audit.record(s, r.actor, "policy.create", "policy", b.name, None, out)
         return out
 
-    async def get_policy(r: Req) -> dict[str, Any]:
+    async def get_policy(r: Req) -> Reply:
         async with db.session() as s:
-            return await policy_out(s, await policy_row(s, r.path["name"]), with_versions=True)
+            out = await policy_out(s, await policy_row(s, r.path["name"]), with_versions=True)
+        return Reply(out, {"ETag": etag(out["latest_version"])})
 
     async def get_policy_version(r: Req) -> dict[str, Any]:
         async with db.session() as s:
@@ -121,13 +137,16 @@ def routes(ctx: ApiContext) -> list[Route]:
                 "created_by": v.created_by,
             }
 
-    async def update_policy(r: Req) -> dict[str, Any]:
+    async def update_policy(r: Req) -> Reply:
         b: bodies.PolicyUpdate = r.body
         if b.spec is None and b.description is None:
             raise ApiError(400, "invalid_body", "give spec and/or description", "spec")
         spec = validate_spec(b.spec.name, b.spec.params) if b.spec is not None else None
+        expected = if_match(r.request)
         async with db.transaction() as s:
+            # the row lock orders writers: the version checked is the one this write replaces
             p = await policy_row(s, r.path["name"], lock=True)
+            check_precondition(expected, f"policy {p.name!r}", p.latest_version)
             before = await policy_out(s, p)
             if b.description is not None:
                 p.description = b.description
@@ -152,13 +171,15 @@ def routes(ctx: ApiContext) -> list[Route]:
                 before,
                 {k: v for k, v in out.items() if k != "versions"},
             )
-        return out
+        return Reply(out, {"ETag": etag(out["latest_version"])})
 
     async def delete_policy(r: Req) -> dict[str, Any]:
         name = r.path["name"]
+        expected = if_match(r.request)
         async with db.transaction() as s:
             st = await lock_state(s)
             p = await policy_row(s, name, lock=True)
+            check_precondition(expected, f"policy {name!r}", p.latest_version)
             if st.active_name == name:
                 raise conflict(f"policy {name!r} is active; activate another policy first")
             c = await open_canary(s)
@@ -175,12 +196,16 @@ def routes(ctx: ApiContext) -> list[Route]:
 
     async def activate_policy(r: Req) -> dict[str, Any]:
         b: bodies.PolicyActivate = r.body
+        expected = if_match(r.request)
         async with db.transaction() as s:
             c = await open_canary(s)
             if c is not None:
                 raise conflict(f"canary {c.id} is {c.state}; promote or abort it first")
             st = await lock_state(s)
-            p = await policy_row(s, r.path["name"])
+            # locked as DELETE locks it (state, then policy): a PUT cannot add the version
+            # "latest" means between the check and the activation
+            p = await policy_row(s, r.path["name"], lock=expected is not None)
+            check_precondition(expected, f"policy {p.name!r}", p.latest_version)
             v = await policy_version(s, p, b.version)
             before = {"name": st.active_name, "version": st.active_version, "revision": st.revision}
             st.active_name, st.active_version, st.active_spec = p.name, v.version, v.spec
@@ -246,6 +271,7 @@ def routes(ctx: ApiContext) -> list[Route]:
             "a policy with all versions",
             "policies",
             path_params=name_p,
+            etag=VERSION_TAG,
         ),
         Route(
             "PUT",
@@ -256,6 +282,12 @@ def routes(ctx: ApiContext) -> list[Route]:
             role="admin",
             body=bodies.PolicyUpdate,
             path_params=name_p,
+            etag=VERSION_TAG,
+            if_match=VERSION_TAG,
+            description="With `If-Match` (the ETag of a GET) the update is made only if the "
+            "policy's latest version is still that one, else 412 and nothing changes: a "
+            "read-modify-write cannot lose another writer's version. Without it, the update "
+            "is unconditional.",
         ),
         Route(
             "DELETE",
@@ -265,6 +297,7 @@ def routes(ctx: ApiContext) -> list[Route]:
             "policies",
             role="admin",
             path_params=name_p,
+            if_match=VERSION_TAG,
         ),
         Route(
             "GET",
@@ -284,6 +317,12 @@ def routes(ctx: ApiContext) -> list[Route]:
             body=bodies.PolicyActivate,
             body_required=False,
             path_params=name_p,
+            if_match=VERSION_TAG,
+            description="`version` defaults to the latest. With `If-Match` (the ETag of a "
+            "GET) the activation is made only if the policy's latest version is still that "
+            'one, else 412 and nothing changes: activating "the latest" cannot pick up a '
+            "version written since it was reviewed. A named `version` never changes (stored "
+            "versions are immutable).",
         ),
         Route(
             "GET", f"{V1}/active-policy", active_policy, "the active policy and canary", "policies"
