@@ -66,7 +66,6 @@ from services.epp import protocol as P
 from services.epp.picker import NO_BODY_PATH, Pick, _with_aliases
 from services.epp.response_watch import ResponseWatch
 from services.router import metrics as RM
-from services.router.tenant_identity import bearer_key
 
 RESULTS = Path(__file__).parent / "results" / "epp"
 STAGES = ("read", "intake", "admission", "dispatch", "answer", "response", "settle")
@@ -136,7 +135,7 @@ async def staged(picker: Any, msgs: Messages, max_body: int, acc: dict[str, int]
     # intake
     t0 = time.perf_counter()
     path = headers.get(":path", "").split("?", 1)[0]
-    tenancy = r.tenants.request_tenancy(headers, bearer_key(headers))
+    tenancy = r.request_tenancy(headers)
     ctx = await r.path.intake(
         raw, _with_aliases(headers), path, path == "/v1/chat/completions", t0, tenancy
     )

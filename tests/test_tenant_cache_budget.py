@@ -2,7 +2,8 @@
 (services.core.flow.cache_budget), then end to end on a real NATS and Postgres: a budget set
 through the admin API, an over-budget tenant reported in its usage, alerted through the alert
 manager and demoted to the sheddable band by the router, a tenant within its budget
-unaffected, and bad budgets refused in the API's error shape.
+unaffected, and bad budgets refused in the API's error shape; the EPP's ledger shared with a
+router's and its picks demoted the same way.
 """
 
 from __future__ import annotations
@@ -283,3 +284,140 @@ async def test_over_budget_tenant_is_shed_first_on_a_saturated_fleet(
         await router.stop()
         await beats.stop()
         await w.stop()
+
+
+# --------------------------------------------------------------------------- the EPP
+async def _through_epp(epp, s: aiohttp.ClientSession, key: str, prompt: str) -> dict:
+    """One request as the gateway carries it: the EPP picks, the request goes to the pick,
+    its answer passes through the EPP's stream, which then ends."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from tests.test_epp import body_chunk, picked, request_headers
+
+    raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 2}).encode()
+    e = epp.envoy()
+    await e.send(request_headers(extra={"authorization": f"Bearer {key}"}))
+    await e.send(body_chunk(raw, True))
+    endpoint = picked(await e.recv(), len(raw))
+    await e.recv()  # the body, sent on
+    async with s.post(
+        f"http://{endpoint}/v1/completions",
+        data=raw,
+        headers={"content-type": "application/json"},
+    ) as r:
+        answer = await r.read()
+        assert r.status == 200, answer
+    hv = base_pb2.HeaderValue
+    headers = [hv(key=":status", raw_value=b"200"), hv(key="content-type", raw_value=b"json")]
+    await e.send(
+        pb.ProcessingRequest(
+            response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=headers))
+        )
+    )
+    await e.recv()
+    await e.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=True)))
+    await e.recv()
+    await e.close()
+    return msgspec.json.decode(answer)
+
+
+async def test_epp_enforces_cache_budgets_and_shares_its_ledger(
+    nats_url: str, subjects, bus
+) -> None:
+    """``kvgate epp`` enforces cache budgets as a router does (the same guard): the blocks
+    its picks made are its ledger's and ride its load-share reports (a router whose own ledger
+    holds none of them demotes that tenant), a tenant over its budget by a router's blocks is
+    demoted by the EPP, and a tenant within its budget keeps its band."""
+    from services.common.schemas import RouterOutcome, TenantKeyRecord
+    from services.router.tenant_identity import key_digest
+    from tests.test_epp import EppProc
+
+    sims = await SimCluster(nats_url, subjects, 1).start()
+    epp = await EppProc(nats_url, subjects, load_interval=0.2).start()
+    router = await RouterProc(nats_url, subjects, load_interval=0.2).start()
+    e, r = epp.router, router.router
+    assert e is not None and r is not None
+    bands: asyncio.Queue[RouterOutcome] = asyncio.Queue()
+
+    async def on_outcome(o: RouterOutcome, _raw) -> None:
+        await bands.put(o)
+
+    sub = await bus.subscribe(bus.subjects.router_outcomes, RouterOutcome, on_outcome)
+
+    async def band_of(via: str) -> tuple[str | None, str | None]:
+        o = await asyncio.wait_for(bands.get(), 5)
+        assert o.router_id == via, o
+        return o.tenant_id, o.priority
+
+    # "epp-hog" fills the cache through the EPP, "router-hog" through the router; both have a
+    # budget of one block; "light" (through the EPP) a large one
+    budgets = {"epp-hog": 1, "router-hog": 1, "light": 10**6}
+    prompts = {
+        t: f"{t} asks its own long question about caches, number {t}. " * 30 for t in budgets
+    }
+    try:
+        await epp.wait_workers(1)
+        await router.wait_workers(1)
+        await bus.publish(
+            bus.subjects.tenants_updated,
+            TenantsUpdated(
+                revision=1,
+                tenants=[
+                    TenantRecord(tenant_id=t, cache_budget_blocks=b) for t, b in budgets.items()
+                ],
+                keys=[
+                    TenantKeyRecord(key_id=i, tenant_id=t, digest=key_digest(t).hex())
+                    for i, t in enumerate(budgets, 1)
+                ],
+            ),
+        )
+        for x in (e, r):
+            await wait_until(lambda x=x: x.tenants.revision == 1, 5, "directory applied")
+            await wait_until(lambda x=x: x.tenant_cache.active, 5, "cache ledger fed")
+
+        async with aiohttp.ClientSession() as s:
+            served = {"epp-hog": await _through_epp(epp, s, "epp-hog", prompts["epp-hog"])}
+            assert await band_of(e.router_id) == ("epp-hog", "standard")  # within, so far
+            served["light"] = await _through_epp(epp, s, "light", prompts["light"])
+            assert await band_of(e.router_id) == ("light", "standard")
+            served["router-hog"] = await _ask(s, router.url, "router-hog", prompts["router-hog"])
+            assert await band_of(r.router_id) == ("router-hog", "standard")
+            bs = next(iter(e.state.block_sizes))
+            blocks = {t: a["usage"]["prompt_tokens"] // bs for t, a in served.items()}
+            assert min(blocks.values()) > 1  # more than the hogs' budget of 1
+
+            # the EPP's ledger holds the blocks its picks made (the router's holds none of them)
+            led = e.tenant_cache.ledger
+            await wait_until(
+                lambda: (
+                    (led.held["epp-hog"], led.held["light"]) == (blocks["epp-hog"], blocks["light"])
+                ),
+                5,
+                "EPP's blocks",
+            )
+            await wait_until(
+                lambda: r.tenant_cache.ledger.held["router-hog"] == blocks["router-hog"],
+                5,
+                "router's blocks",
+            )
+            assert r.tenant_cache.ledger.held["epp-hog"] == 0
+            assert led.held["router-hog"] == 0
+            # each sees both over from its own ledger and the other's load-share reports
+            hogs = {"epp-hog", "router-hog"}
+            await wait_until(lambda: e.cache_budget.over == hogs, 5, "EPP sees both over")
+            await wait_until(lambda: r.cache_budget.over == hogs, 5, "router sees both over")
+
+            # enforced by the EPP: both hogs' picks are in the sheddable band, light's not
+            for t in budgets:
+                await _through_epp(epp, s, t, prompts[t])
+                want = "standard" if t == "light" else "sheddable"
+                assert await band_of(e.router_id) == (t, want)
+            # and by the router, for the tenant whose blocks only the EPP counted
+            await _ask(s, router.url, "epp-hog", prompts["epp-hog"])
+            assert await band_of(r.router_id) == ("epp-hog", "sheddable")
+    finally:
+        await sub.unsubscribe()
+        await router.stop()
+        await epp.stop()
+        await sims.stop()

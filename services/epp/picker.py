@@ -1,8 +1,9 @@
 """One request's pick, through the router's own parts: the same intake
 (``RequestPath.intake``: parse and tokenize, SLO headers, session, canary arm), admission
 (``decide()`` over the same cluster state and index replica, the bounded wait queue,
-shedding), dispatch (ticket, replicas, follower holds) and outcome recorder as ``kvgate
-router``: one decision core, two front doors.
+shedding), dispatch (ticket, replicas, follower holds), outcome recorder and tenant cache
+ledger (a tenant over its cache budget is picked in the sheddable band:
+``Router.request_tenancy``) as ``kvgate router``: one decision core, two front doors.
 
 Invariants: a :class:`Pick` holds exactly one ticket on its worker until :meth:`Picker.settle`
 releases it (called once per stream, in ``finally``); every request, picked or refused,
@@ -36,7 +37,7 @@ from services.router import slo
 from services.router.app import Router
 from services.router.http_server import Response
 from services.router.proxy import Ctx, error_response
-from services.router.tenant_identity import TenancyError, bearer_key
+from services.router.tenant_identity import TenancyError
 from services.router.trace import RequestTrace
 
 from . import endpoints
@@ -104,7 +105,8 @@ class Picker:
         r = self.router
         path = headers.get(":path", "").split("?", 1)[0]
         try:  # the gateway authenticates; the tenant is the client key's, or its header's
-            tenancy = r.tenants.request_tenancy(headers, bearer_key(headers))
+            # (its band lowered while it is over its cache budget, as the router does)
+            tenancy = r.request_tenancy(headers)
         except TenancyError as exc:  # an expired tenant key, a bad band
             return self._refused(exc.status, exc.message, "invalid_request_error", exc.param)
         if tenancy.cache_salt is not None:
@@ -264,6 +266,9 @@ class Picker:
                 if p.ctx.trace is not None:
                     p.ctx.trace.end_attempt(p.ctx.status, streamed=finished)
                     p.ctx.trace.finish(p.ctx)
+            # the tenant's cache ledger (its blocks held count toward its cache budget, here
+            # and, through the load share, on every router): the worker that served it
+            r.path.claim_cache(p.ctx)
         except Exception:
             log.exception("request bookkeeping failed", request_id=p.ctx.request_id)
 

@@ -28,6 +28,7 @@ import gc
 import signal
 import ssl
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -91,7 +92,7 @@ from services.router.send import Sender
 from services.router.signals import CapacitySignal, Spawner
 from services.router.sweeper import Sweeper
 from services.router.tenant_cache import TenantCacheFeed
-from services.router.tenant_identity import TenantDirectory
+from services.router.tenant_identity import TenantDirectory, bearer_key
 from services.router.tenant_reload import TenantReload
 from services.router.tokenize import RequestParser
 from services.router.trust import BusTrust
@@ -355,8 +356,14 @@ class Router:
         if not self.tenant_cache.active and len(self.tenants):
             self.spawner.spawn(self.tenant_cache.start())
 
+    def request_tenancy(self, headers: Mapping[str, str]) -> RequestTenancy:
+        """A request's tenancy (the directory's, from its key or a trusted header) with the
+        cache budgets applied: the router's request path and the EPP's picker both take it
+        here. Raises TenancyError (an expired key, a bad band)."""
+        return self.cache_budget.demote(self.tenants.request_tenancy(headers, bearer_key(headers)))
+
     def _tenancy_of(self, request: Any) -> RequestTenancy:
-        return self.cache_budget.demote(self.tenants.tenancy_of(request))
+        return self.request_tenancy(request.headers)
 
     def _claim_cache(self, ctx: Any, wid: str) -> None:
         """The prompt's blocks past the worker's overlap: the worker computes them for the

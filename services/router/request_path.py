@@ -234,10 +234,15 @@ class RequestPath:
                 self.outcomes.record(ctx)
                 if ctx.trace is not None:
                     ctx.trace.finish(ctx)
-            if self.cache_claim is not None and ctx.tenancy.tenant_id and ctx.worker_id:
-                self.cache_claim(ctx, ctx.worker_id)
+            self.claim_cache(ctx)
         except Exception:
             log.exception("request bookkeeping failed", request_id=ctx.request_id)
+
+    def claim_cache(self, ctx: Ctx) -> None:
+        """After the reply: the blocks ``ctx``'s worker computed are claimed for its tenant
+        (the router's settle; the EPP's, when its stream ends)."""
+        if self.cache_claim is not None and ctx.tenancy.tenant_id and ctx.worker_id:
+            self.cache_claim(ctx, ctx.worker_id)
 
     async def _route_and_send(self, request: Request, ctx: Ctx) -> Reply:
         while True:
