@@ -87,12 +87,9 @@ from bench.simcore import (
     simulate,
 )
 from bench.workloads import WORKLOADS, parse_params
+from services.core.engine_profiles import ENGINE_PROFILES
 
-PROFILES: dict[str, dict[str, Any]] = {
-    "default": {},
-    # docs/benchmarks.md's PB: prefill 3.125x slower, a KV pool that never runs out
-    "prefill-bound": {"prefill_token_s": 1.25e-4, "num_gpu_blocks": 192000},
-}
+PROFILES = ENGINE_PROFILES  # services/core/engine_profiles.py
 # the conversation workload (docs/benchmarks.md's `mt`): -w multi-turn's parameters
 # unless a -p overrides one
 CONVERSATION = {
@@ -163,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(PROFILES),
         default="prefill-bound",
         help="engine profile (default prefill-bound: -e prefill_token_s=1.25e-4 "
-        "-e num_gpu_blocks=192000; default: EngineConfig's own)",
+        "-e num_gpu_blocks=192000; default: EngineConfig's own; h200-llama-3-8b: fitted to "
+        "a forward pass measured on an H200, docs/worker-sim.md)",
     )
     e.add_argument(
         "--engine",

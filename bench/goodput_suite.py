@@ -80,10 +80,10 @@ WORKLOADS: dict[str, tuple[str, dict[str, dict[str, Any]], bool]] = {
 }
 BURSTS = ("ssp", "gsp")  # searched with --scale-count
 TRACE_FILES = {"mc": "synthetic_trace.jsonl", "az": "AzureLLMInferenceTrace_code.csv"}
-SLO_TTFT = {"default": 2.0, "prefill-bound": 6.25}
+SLO_TTFT = {"default": 2.0, "prefill-bound": 6.25, "h200-llama-3-8b": 2.0}
 # Mooncake's long prompts: the 90th percentile (~33 k tokens) alone takes ~2.8 s to prefill on
 # the default engine and ~5.7 s on the prefill-bound one, so its TTFT SLO is looser
-SLO_TTFT_MC = {"default": 5.0, "prefill-bound": 15.0}
+SLO_TTFT_MC = {"default": 5.0, "prefill-bound": 15.0, "h200-llama-3-8b": 5.0}
 # a trace's seed is a window of it (its arrivals and lengths are the trace's own: a seed alone
 # would change only the prompt text): window s starts at start_s + WINDOW_S[trace] x s (the
 # Azure trace has gaps: its windows are further apart so that they hold different requests)

@@ -44,6 +44,7 @@ from bench.simcore import (
     simulate,
 )
 from bench.workloads import infinite_cache_hit_rate, parse_params
+from services.core.engine_profiles import ENGINE_PROFILES
 
 # what forked run processes read (set before the pool starts)
 _SHARED: dict[str, Any] = {}
@@ -72,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--wide",
         action="store_true",
         help="print the full results table (every column; results.md always has it)",
+    )
+    parser.add_argument(
+        "--profile",
+        choices=sorted(ENGINE_PROFILES),
+        default="default",
+        help="engine profile, under the -e settings (default: EngineConfig's own; "
+        "h200-llama-3-8b: fitted to a forward pass measured on an H200, docs/worker-sim.md)",
     )
     parser.add_argument(
         "--engine",
@@ -210,7 +218,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         workload = workload_from_args(args)
         policies = parse_policies(args.policies)
-        engine = {k: _num(v) for k, v in parse_params(args.engine).items()}
+        engine = {
+            **ENGINE_PROFILES[args.profile],
+            **{k: _num(v) for k, v in parse_params(args.engine).items()},
+        }
         if not 1 <= args.workers <= 4096:
             raise ValueError("--workers must be between 1 and 4096")
         pre, dec = parse_split(args.pd) if args.pd else (0, 0)
