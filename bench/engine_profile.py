@@ -283,6 +283,31 @@ def check_forward(model: Any, runner: StepRunner, device: str, dtype: Any) -> di
 
 
 # ---------------------------------------------------------------------------- timing
+def median_seconds(fn: Any, reps: int, warmup: int, cuda: bool) -> float:
+    """Median duration of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones: CUDA
+    events on a GPU (the work is asynchronous), the host clock on a CPU."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def time_step(
     runner: StepRunner,
     n: int,
@@ -309,27 +334,7 @@ def time_step(
     cuda = ids.is_cuda
 
     def timed(fn: Any) -> float:
-        for _ in range(2):
-            fn()
-        sync()
-        times = []
-        for _ in range(reps):
-            if not cuda:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-                continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
+        return median_seconds(fn, reps, warmup=2, cuda=cuda)
 
     out: dict[str, Any] = {}
     with torch.no_grad():
@@ -363,19 +368,8 @@ def ceilings(device: str) -> dict[str, float]:
     src = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)  # 2 GiB
     dst = torch.empty_like(src)
 
-    def med(fn: Any, reps: int = 10) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s0.record()
-            fn()
-            s1.record()
-            s1.synchronize()
-            ts.append(s0.elapsed_time(s1) / 1e3)
-        return statistics.median(ts)
+    def med(fn: Any) -> float:
+        return median_seconds(fn, 10, warmup=3, cuda=True)
 
     mm = med(lambda: a @ bm)
     cp = med(lambda: dst.copy_(src))
