@@ -33,12 +33,15 @@ Scenarios (each on several seeds):
   dispatched (target 0).
 
 Mode ``kvgate_room`` is kvgate with the router's ``--protect-prefill`` (the prefill room,
-services/core/flow/prefill_room.py, at ``--protect-quantile``). Its cost shows as the work done
-per second (prompt + 2 x generated tokens of requests served within the span) by the heavy
-tenant (``heavy_work_per_s``) and by the standard and sheddable tenants (``std_shed_work_*``).
+services/core/flow/prefill_room.py, at ``--protect-quantile``; ``kvgate_room@0.95`` at 0.95, so
+one run can sweep the quantile). Its cost shows as the work done per second (prompt + 2 x
+generated tokens of requests served within the span) by the heavy tenant
+(``heavy_work_per_s``) and by the standard and sheddable tenants (``std_shed_work_*``).
 
     python -m bench.bench_tenants                       # all scenarios, seeds 1-3
     python -m bench.bench_tenants --scenarios fair --seeds 1,2,3,4,5 --json out.json
+    python -m bench.bench_tenants --scenarios heavy,priority \
+        --modes kvgate,kvgate_room@0.8,kvgate_room@0.9,kvgate_room@0.95
 """
 
 from __future__ import annotations
@@ -169,18 +172,24 @@ def run_modes(
                 for t, ten in tenants.items()
             }
             opts = fleet_opts(args, flow="fcfs", tenants=ts)
-        elif mode == "kvgate_room":
+        elif mode.startswith("kvgate_room"):
             opts = fleet_opts(
                 args,
                 flow="kvgate",
                 tenants=tenants,
                 protect_prefill=True,
-                protect_quantile=args.protect_quantile,
+                protect_quantile=room_quantile(args, mode),
             )
         else:
             opts = fleet_opts(args, flow=mode, tenants=tenants)
         out[mode] = simulate(reqs, policy(args, mode), opts)
     return out
+
+
+def room_quantile(args: argparse.Namespace, mode: str) -> float:
+    """``kvgate_room@Q``'s quantile Q; plain ``kvgate_room``: ``--protect-quantile``."""
+    _, at, q = mode.partition("@")
+    return float(q) if at else args.protect_quantile
 
 
 def _prompt_fraction(reqs: list[BenchRequest], tenant: str) -> float:
@@ -404,23 +413,33 @@ def _fmt(v: Any) -> str:
 
 def report(results: dict[str, list[dict[str, Any]]]) -> None:
     for name, per_seed in results.items():
-        first = next(m for m in MODES if m in per_seed[0])
-        keys = [k for k in per_seed[0][first] if k not in ("windows", "light_requests")]
+        modes = [m for m, v in per_seed[0].items() if isinstance(v, dict)]
+        keys = [k for k in per_seed[0][modes[0]] if k not in ("windows", "light_requests")]
         print(f"\n== {name} ({len(per_seed)} seeds; per seed, then the mean)")
-        print(f"{'mode':<14} " + " ".join(f"{k:>36}" for k in keys))
-        for mode in [m for m in MODES if m in per_seed[0]]:
+        print(f"{'mode':<16} " + " ".join(f"{k:>36}" for k in keys))
+        for mode in modes:
             cells = []
             for k in keys:
                 vals = [s[mode][k] for s in per_seed]
                 nums = [v for v in vals if isinstance(v, int | float)]
                 mean = statistics.fmean(nums) if nums else None
                 cells.append(f"{' '.join(_fmt(v) for v in vals)} | {_fmt(mean)}")
-            print(f"{mode:<14} " + " ".join(f"{c:>36}" for c in cells))
+            print(f"{mode:<16} " + " ".join(f"{c:>36}" for c in cells))
         if name == "heavy":
             print(
                 "solo light TTFT p99 s: "
                 + " ".join(_fmt(s["solo_light_ttft_p99_s"]) for s in per_seed)
             )
+
+
+def valid_mode(mode: str) -> bool:
+    base, at, q = mode.partition("@")
+    if not at:
+        return mode in MODES
+    try:
+        return base == "kvgate_room" and 0.0 < float(q) < 1.0
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,7 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--scenarios", default="heavy,fair,priority")
     ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"of {', '.join(MODES)}; kvgate_room@Q: the room at --protect-quantile Q",
+    )
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--max-inflight", type=int, default=16, help="per-worker cap (the policy's)")
     ap.add_argument(
@@ -463,8 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
-    if not args.modes or set(args.modes) - set(MODES):
-        ap.error(f"--modes: a comma-separated list of {', '.join(MODES)}")
+    if not args.modes or any(not valid_mode(m) for m in args.modes):
+        ap.error(
+            f"--modes: a comma-separated list of {', '.join(MODES)}, or kvgate_room@Q "
+            "with 0 < Q < 1"
+        )
     caps = {"chat": capacity(args, CHAT), "batch": capacity(args, BATCH)}
     print(
         f"fleet: {args.workers} workers x {args.max_inflight} in flight; capacity "

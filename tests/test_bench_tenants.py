@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import bench_tenants
 
 
@@ -47,3 +49,24 @@ def test_loadgen_names_tenant_and_band_as_a_gateway_would() -> None:
         "x-kvgate-tenant": "a",
         "x-kvgate-priority": "critical",
     }
+
+
+def test_bench_tenants_sweeps_the_room_quantile(tmp_path) -> None:
+    """``kvgate_room@Q`` runs the prefill room at quantile Q, beside plain ``kvgate_room`` (at
+    ``--protect-quantile``) in the same run; a mode it cannot parse is refused."""
+    out = tmp_path / "t.json"
+    rc = bench_tenants.main(
+        ["--scenarios", "heavy", "--seeds", "1", "--span", "8", "--workers", "2",
+         "--max-inflight", "4", "--modes", "kvgate_room,kvgate_room@0.8,kvgate_room@0.99",
+         "--protect-quantile", "0.8", "--json", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    heavy = json.loads(out.read_text())["results"]["heavy"][0]
+    assert heavy["kvgate_room"] == heavy["kvgate_room@0.8"]  # the same runs
+    # at 0.99 the room is both workers: the heavy tenant is held for the light ones' sake
+    assert (
+        heavy["kvgate_room@0.99"]["heavy_work_per_s"] < heavy["kvgate_room@0.8"]["heavy_work_per_s"]
+    )
+    for bad in ("kvgate_room@1.5", "kvgate_room@x", "kvgate@0.9", "fifo"):
+        with pytest.raises(SystemExit):
+            bench_tenants.main(["--modes", bad])
