@@ -154,6 +154,9 @@ class SimRun:
     hold_timeouts: int = 0  # prefills whose held blocks no decoder pulled within kv_hold_s
     roles: dict[str, str] = field(default_factory=dict)  # worker -> role
     dispatched_at: dict[str, float] = field(default_factory=dict)  # request id -> when sent
+    # request id -> the router's view when it was sent: (times the prefill room held it, prompt
+    # tokens its worker had still to compute, workers computing a prompt)
+    sent_into: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -176,6 +179,7 @@ class _Live:
     engine_priority: int = 0  # the ``priority`` its engine requests carry
     holding: bool = False  # counted in the router's holdings until it ends
     room_held: bool = False  # its last decision was held by the prefill room
+    room_holds: int = 0  # how many of its decisions the prefill room held
 
 
 def for_policy(opts: SimOptions, spec: dict[str, Any]) -> SimOptions:
@@ -334,6 +338,7 @@ def simulate(
         QuotaBook() if any(t.quota != Tenant("").quota for t in opts.tenants.values()) else None
     )
     dispatched_at: dict[str, float] = {}
+    sent_into: dict[str, tuple[int, int, int]] = {}
     counts = {"replicas": 0, "held": 0, "transfers": 0, "local": 0, "hold_timeouts": 0}
     xfer_total = 0.0
     done = 0
@@ -479,6 +484,7 @@ def simulate(
                 d, state.states, overlaps, req.prompt_tokens, protected(lv), room.room(t)
             )
             lv.room_held = held is None
+            lv.room_holds += held is None
             if held is None:  # as if every worker were full: wait, or shed (sheddable)
                 if verdict(lv.tenancy.priority, False) is Verdict.QUEUE:
                     return False
@@ -506,6 +512,9 @@ def simulate(
         if quotas is not None and req.tenant is not None:
             quotas.admitted(req.tenant, req.prompt_tokens, t)
         dispatched_at[lv.rid] = t
+        sts = state.states
+        computing = sum(1 for ws in sts.values() if ws.pending_prefill_tokens > 0)
+        sent_into[lv.rid] = (lv.room_holds, sts[w].pending_prefill_tokens, computing)
         lv.dispatched = lv.result.dispatch_s = t
         if policy.impl.disaggregated:
             return dispatch_pd(lv, d, t)
@@ -799,4 +808,5 @@ def simulate(
         hold_timeouts=counts["hold_timeouts"],
         roles=roles,
         dispatched_at=dispatched_at,
+        sent_into=sent_into,
     )

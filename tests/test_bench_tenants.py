@@ -37,6 +37,16 @@ def test_bench_tenants_small_fleet(tmp_path) -> None:
             assert 0 < p[f"critical_engine_p99_{load}_s"] <= p[f"critical_ttft_p99_{load}_s"]
             assert 0 <= p[f"critical_wait_p99_{load}_s"] <= p[f"critical_ttft_p99_{load}_s"]
     assert heavy["fcfs"]["light_queue_wait_p99_s"] > heavy["fcfs"]["light_engine_p99_s"]
+    # the light requests over the target, by cause: the causes add up to all of them; FCFS's
+    # are over for their router wait (no prefill room: none held by it)
+    for mode in ("fcfs", "kvgate"):
+        over = heavy[mode]["light_over_target"]
+        assert set(over) == {"all", *bench_tenants.CAUSES}
+        assert 0 < over["all"] <= 1
+        assert abs(sum(over[c] for c in bench_tenants.CAUSES) - over["all"]) < 1e-9
+        assert over["room_held"] == 0
+    fcfs = heavy["fcfs"]["light_over_target"]
+    assert fcfs["slot_wait"] > fcfs["all"] / 2
 
 
 def test_loadgen_names_tenant_and_band_as_a_gateway_would() -> None:

@@ -177,6 +177,14 @@ def test_sim_protected_requests_pass_held_best_effort_ones() -> None:
     )
     assert ttft(on)[-1] < ttft(off)[-1]  # and the light tail is shorter for it
     assert all(r.status == "ok" for r in on.results)
+    # the run says how each request was sent: the room's holds (heavy ones held, light never),
+    # and its worker computed no prompt when a light one was sent there past held heavy ones
+    sent = on.sent_into
+    assert set(sent) == set(at)
+    assert any(sent[h.request_id][0] > 0 for h in heavy_waiting)
+    assert all(sent[lr.request_id][0] == 0 for lr in light)
+    assert any(sent[lr.request_id][1] == 0 for lr in passed)
+    assert all(holds == 0 for holds, _, _ in off.sent_into.values())
 
 
 def test_sim_without_protected_traffic_decides_as_today() -> None:
