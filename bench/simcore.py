@@ -177,7 +177,7 @@ class _Live:
     tenancy: RequestTenancy = NO_TENANT
     waited: bool = False  # joined the queue (its quota is checked again when dispatched)
     engine_priority: int = 0  # the ``priority`` its engine requests carry
-    holding: bool = False  # counted in the router's holdings until it ends
+    held_work: int | None = None  # its work in the router's holdings until it ends
     room_held: bool = False  # its last decision was held by the prefill room
     room_holds: int = 0  # how many of its decisions the prefill room held
 
@@ -408,9 +408,9 @@ def simulate(
         """``lv`` ended on its worker (finished or refused): the lifecycle releases its claim;
         followers still held on it go now."""
         assert lv.ticket is not None
-        if lv.holding and holdings is not None:
-            holdings.remove(lv.tenancy.flow)
-            lv.holding = False
+        if lv.held_work is not None and holdings is not None:
+            holdings.remove(lv.tenancy.flow, lv.held_work)
+            lv.held_work = None
         followers = life.end(lv.rid, lv.ticket)
         if followers:
             push(t, _RELEASE, (None, followers))
@@ -505,10 +505,11 @@ def simulate(
         if holdings is not None:
             if opts.engine_priority:
                 lv.engine_priority = engine_priority(
-                    ten.priority.rank, holdings.over_share(ten.flow, ten.weight)
+                    ten.priority.rank,
+                    holdings.over_share(ten.flow, ten.weight, req.prompt_tokens),
                 )
-            holdings.add(ten.flow, ten.weight)
-            lv.holding = True
+            holdings.add(ten.flow, ten.weight, req.prompt_tokens)
+            lv.held_work = req.prompt_tokens
         if quotas is not None and req.tenant is not None:
             quotas.admitted(req.tenant, req.prompt_tokens, t)
         dispatched_at[lv.rid] = t
@@ -640,7 +641,8 @@ def simulate(
     def protected(lv: _Live) -> bool:
         ten = lv.tenancy
         return is_protected(
-            ten.priority, holdings is None or holdings.over_share(ten.flow, ten.weight)
+            ten.priority,
+            holdings is None or holdings.over_share(ten.flow, ten.weight, lv.req.prompt_tokens),
         )
 
     def pass_held(t: float) -> None:

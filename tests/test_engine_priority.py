@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.core.engine import Engine, EngineConfig, SimRequest
 from services.core.flow import BAND_STEP, Holdings, engine_priority
@@ -112,23 +114,104 @@ def test_engine_priority_is_the_band_then_the_share_held():
 
 
 def test_holdings_over_share_worked_by_hand():
+    """The share test over work in flight (prompt tokens), requests of equal work: the same
+    answers as counting requests."""
     h = Holdings()
-    assert not h.over_share("heavy", 1.0)  # nothing in flight: 1/1 is not above 1/1
+    assert not h.over_share("heavy", 1.0, 100)  # nothing in flight: 100/100 is its whole share
     for _ in range(3):
-        h.add("heavy", 1.0)
-    # alone it holds everything: (3+1)/(3+1) is its whole share (no one else holds any)
-    assert not h.over_share("heavy", 1.0)
-    h.add("light", 1.0)  # heavy 3, light 1; weights 1 + 1
-    assert h.over_share("heavy", 1.0)  # 4/5 > 1/2
-    assert not h.over_share("light", 1.0)  # 2/5 <= 1/2
-    assert not h.over_share("new", 1.0)  # 1/5 <= 1/3 (its weight joins the sum)
-    h.add("b", 2.0)  # heavy 3, light 1, b 1 (weight 2): total 5, weights 4
-    assert not h.over_share("b", 2.0)  # 2/6 <= 2/4
-    assert h.over_share("heavy", 1.0)  # 4/6 > 1/4
+        h.add("heavy", 1.0, 100)
+    # alone it holds everything: (300+100)/(300+100) is its whole share (no one else holds any)
+    assert not h.over_share("heavy", 1.0, 100)
+    h.add("light", 1.0, 100)  # heavy 300, light 100; weights 1 + 1
+    assert h.over_share("heavy", 1.0, 100)  # 400/500 > 1/2
+    assert not h.over_share("light", 1.0, 100)  # 200/500 <= 1/2
+    assert not h.over_share("new", 1.0, 100)  # 100/500 <= 1/3 (its weight joins the sum)
+    h.add("b", 2.0, 100)  # heavy 300, light 100, b 100 (weight 2): total 500, weights 4
+    assert not h.over_share("b", 2.0, 100)  # 200/600 <= 2/4
+    assert h.over_share("heavy", 1.0, 100)  # 400/600 > 1/4
     for f in ("heavy", "heavy", "heavy", "light", "b"):
-        h.remove(f)
-    h.remove("absent")  # no-op
-    assert h.total == 0 and h.count == {} and h.weight == {} and h.total_weight == 0.0
+        h.remove(f, 100)
+    h.remove("absent", 100)  # no-op
+    assert h.total_work == 0 and h.work == {} and h.count == {}
+    assert h.weight == {} and h.total_weight == 0.0
+
+
+def test_holdings_few_large_requests_against_many_small_ones():
+    """Issue #40's case: a heavy tenant held back to 2 long prompts (1024 tokens) in flight, a
+    light tenant with a burst of short ones (256). Counted in requests, the light tenant's 3rd
+    would be over its half (3/5); counted in work it holds 768 of 2816: under, so the prefill
+    room still protects it and its engine priority is not lowered."""
+    h = Holdings()
+    h.add("heavy", 1.0, 1024)
+    h.add("heavy", 1.0, 1024)
+    h.add("light", 1.0, 256)
+    h.add("light", 1.0, 256)
+    assert not h.over_share("light", 1.0, 256)  # (512+256)/(2560+256) = 0.27 <= 1/2
+    assert h.over_share("heavy", 1.0, 1024)  # (2048+1024)/(2560+1024) = 0.86 > 1/2
+    # the light tenant is over its half only once its work is: 8 short requests hold 2048,
+    # the 9th would make (2048+256)/(4096+256) = 0.53 > 1/2
+    for _ in range(6):
+        h.add("light", 1.0, 256)
+    assert h.count["light"] == 8 and h.work["light"] == 2048 == h.work["heavy"]
+    assert h.over_share("light", 1.0, 256)
+    # weights: a tenant of weight 3 beside heavy's 1 may hold 3/4 of the work
+    h.add("big", 3.0, 6144)  # big 6144 of 10240, weights 5: its share 3/5
+    assert not h.over_share("big", 3.0, 0)  # 6144/10240 = 0.6 <= 3/5
+    assert h.over_share("big", 3.0, 1)  # 6145/10241 > 3/5
+    # a new flow's zero-work request is never over its share
+    assert not h.over_share("empty", 1.0, 0)
+    assert h.total_work == 2048 + 2048 + 6144
+    with pytest.raises(ValueError, match=">= 0"):
+        h.add("light", 1.0, -1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.integers(min_value=0, max_value=5000),
+            st.booleans(),
+        ),
+        max_size=60,
+    )
+)
+def test_holdings_invariant_each_request_releases_what_it_charged(ops):
+    """Any interleaving of dispatches and ends, each end releasing the amount its request was
+    added with: per-flow work and counts are the sums of the requests in flight, never
+    negative, the totals their sums, and everything is zero when nothing is in flight."""
+    weights = {"a": 1.0, "b": 2.0, "c": 0.5}
+    h = Holdings()
+    inflight: list[tuple[str, int]] = []
+    for flow, work, end in ops:
+        if end and inflight:
+            f, w = inflight.pop(work % len(inflight))  # not necessarily the oldest
+            h.remove(f, w)
+        else:
+            h.add(flow, weights[flow], work)
+            inflight.append((flow, work))
+        for f in weights:
+            mine = [w for g, w in inflight if g == f]
+            assert h.count.get(f, 0) == len(mine)
+            assert h.work.get(f, 0) == sum(mine) >= 0
+        assert h.total_work == sum(w for _, w in inflight) >= 0
+        assert h.total_weight == pytest.approx(sum(weights[f] for f in h.count))
+    for f, w in inflight:
+        h.remove(f, w)
+    assert h.total_work == 0 and h.work == {} and h.count == {} and h.weight == {}
+    assert h.total_weight == 0.0
+
+
+def test_holdings_release_never_goes_below_zero():
+    """A release larger than what the flow holds takes only what it holds; the flow's last
+    request releases all of it."""
+    h = Holdings()
+    h.add("a", 1.0, 10)
+    h.add("a", 1.0, 5)
+    h.remove("a", 50)  # more than it holds: clamped
+    assert h.work["a"] == 0 and h.count["a"] == 1 and h.total_work == 0
+    h.remove("a", 5)
+    assert h.work == {} and h.count == {} and h.total_work == 0 and h.total_weight == 0.0
 
 
 def test_the_sim_workers_priority_field_as_vllm_reads_it():

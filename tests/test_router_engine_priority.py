@@ -1,7 +1,7 @@
 """``--engine-priority``: the router sends each request's flow-control order to a real
 simulated worker (vLLM's ``--scheduling-policy priority``) as the body's ``priority``: the
 band (critical 0, standard 20, sheddable 40), +1 for a tenant over its share of the
-requests in flight; a client's own ``priority`` does not survive; off by default."""
+work in flight (prompt tokens); a client's own ``priority`` does not survive; off by default."""
 
 from __future__ import annotations
 
@@ -24,9 +24,12 @@ async def _beat(bus: Bus, w) -> None:
 
 
 def _engine_priorities(w) -> dict[str, int]:
-    """prompt text -> the priority its engine request carries (running or waiting)."""
+    """prompt tag (its first 2 characters) -> the priority its engine request carries (running
+    or waiting)."""
     seqs = [*w.engine.running, *w.engine.waiting]
-    return {bytes(s.req.prompt_token_ids).decode(errors="replace"): s.req.priority for s in seqs}
+    return {
+        bytes(s.req.prompt_token_ids[:2]).decode(errors="replace"): s.req.priority for s in seqs
+    }
 
 
 @contextlib.asynccontextmanager
@@ -63,33 +66,37 @@ async def test_router_sends_band_and_share_as_the_engines_priority(nats_url, sub
                 await r.content.readline()  # its first token: it runs on the engine
                 streams.append(r)
 
-            # in flight before each: {} ; {h:1} ; {h:2} ; {h:2, l:1} ; {h:3, l:1} ; ... (weights 1)
-            await open_stream("h1", "heavy", "standard")  # alone: its whole share -> 20
-            await open_stream("h2", "heavy", "standard")  # still alone -> 20
+            # heavy's prompts are 40 tokens (the byte tokenizer), the others' 2: the share is
+            # of the prompt tokens in flight (weights 1), (held + mine) / (in flight + mine)
+            long = "-" * 38
+            await open_stream("h1" + long, "heavy", "standard")  # alone: its whole share -> 20
+            await open_stream("h2" + long, "heavy", "standard")  # still alone -> 20
             # a client's own priority is replaced by the router's
-            await open_stream("l1", "light", "standard", priority=-100)  # 1/3 <= 1/2 -> 20
-            await open_stream("h3", "heavy", "standard")  # 3/4 > 1/2: over its share -> 21
-            await open_stream("c1", "ops", "critical")  # 1/5 <= 1/3 -> 0
+            await open_stream("l1", "light", "standard", priority=-100)  # 2/82 <= 1/2 -> 20
+            await open_stream("l2", "light", "standard")  # 4/84 -> 20
+            # 3 of 5 requests in flight, but 6 of 86 tokens: under its share -> 20
+            await open_stream("l3", "light", "standard")
+            await open_stream("h3" + long, "heavy", "standard")  # 120/126 > 1/2 -> 21
+            await open_stream("c1", "ops", "critical")  # 2/128 <= 1/3 -> 0
             await open_stream("s1", "batch", "sheddable")  # not saturated: sent -> 40
             assert _engine_priorities(w) == {
                 "h1": 20,
                 "h2": 20,
                 "l1": 20,
+                "l2": 20,
+                "l3": 20,
                 "h3": 21,
                 "c1": 0,
                 "s1": 40,
             }
             holdings = router.router.flow.holdings
-            assert holdings is not None and holdings.count == {
-                "heavy": 3,
-                "light": 1,
-                "ops": 1,
-                "batch": 1,
-            }
+            assert holdings is not None
+            assert holdings.count == {"heavy": 3, "light": 3, "ops": 1, "batch": 1}
+            assert holdings.work == {"heavy": 120, "light": 6, "ops": 2, "batch": 2}
             for r in streams:  # the clients leave: every request ends, nothing stays held
                 r.close()
-            await wait_until(lambda: holdings.total == 0, what="holdings released")
-            assert holdings.count == {} and holdings.total_weight == 0.0
+            await wait_until(lambda: holdings.total_work == 0, what="holdings released")
+            assert holdings.count == {} and holdings.work == {} and holdings.total_weight == 0.0
 
 
 async def test_off_by_default_the_body_goes_as_the_client_sent_it(nats_url, subjects, bus):

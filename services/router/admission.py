@@ -90,7 +90,7 @@ class Admission:
         fc = self.flow
         ten = ctx.tenancy
         prio = ten.priority
-        first = not ctx.flow_counted  # not a retry: quota checked, and counted on dispatch
+        first = ctx.flow_charged is None  # not a retry: quota checked, counted on dispatch
         if first:
             refusal = fc.over_quota(ten, len(ctx.parsed.token_ids), time.monotonic())
             if refusal is not None:
@@ -102,7 +102,7 @@ class Admission:
         prot = room is not None and (
             fc.arrived(ten, len(ctx.parsed.token_ids), time.monotonic())
             if first
-            else fc.protected(ten)
+            else fc.protected(ten, len(ctx.parsed.token_ids))
         )
         me: _Waiter | None = None
         last: Decision | None = None  # its last decision (why it waits)
@@ -149,10 +149,9 @@ class Admission:
                         d = placed
                     if d.worker_id is not None:
                         if first:
-                            ctx.engine_priority = fc.dispatched(
-                                ten, len(ctx.parsed.token_ids), time.monotonic()
-                            )
-                            ctx.flow_counted = True
+                            n = len(ctx.parsed.token_ids)
+                            ctx.engine_priority = fc.dispatched(ten, n, time.monotonic())
+                            ctx.flow_charged = n
                         return d
                     if d.never_fits:
                         return reject(ctx, 400, d.never_fits, "invalid_request_error", "rejected")
@@ -255,8 +254,8 @@ class Admission:
 
     def ended(self, ctx: Ctx) -> None:
         """The request ended (after the reply): its generated tokens are charged."""
-        if ctx.flow_counted:
-            self.flow.ended(ctx.tenancy, ctx.completion_tokens, time.monotonic())
+        if ctx.flow_charged is not None:
+            self.flow.ended(ctx.tenancy, ctx.flow_charged, ctx.completion_tokens, time.monotonic())
 
     def _no_worker(self, ctx: Ctx, d: Decision) -> Response:
         """No worker and no point waiting: why, as the client's error."""

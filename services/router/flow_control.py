@@ -8,13 +8,15 @@ metrics and the quota reports of the other routers.
   the other routers on the load-share channel (services/router/load_share.py), and theirs;
 - ``quota_of(tenant_id)``: the tenant's quota (the tenant directory's, hot-reloaded; every
   tenant is unlimited until one is set);
-- with ``engine_priority``, the requests in flight per tenant (:class:`~services.core.flow.
-  Holdings`), from which each dispatched request gets the ``priority`` its engine schedules it
-  by (services/core/flow/engine_priority.py).
+- with ``engine_priority`` or the prefill room, the work in flight per tenant (its requests'
+  prompt tokens, as charged at dispatch: :class:`~services.core.flow.Holdings`), from which
+  each dispatched request gets the ``priority`` its engine schedules it by (services/core/
+  flow/engine_priority.py) and the room decides who is under its share.
 
 Counting: a request is counted (its tenant's counter charged its prompt, its quota usage
 counted) once, when first dispatched, and its generated tokens when it ends; a retry on
-another worker is not counted again. Quotas are checked on arrival and again when a request
+another worker is not counted again, and what it holds in flight is released, the same
+amount, when it ends. Quotas are checked on arrival and again when a request
 that waited is dispatched. Only tenants with a quota are counted in the quota book.
 
 Invariant: ``len(self)`` is the number of requests waiting in all lanes.
@@ -129,9 +131,10 @@ class FlowControl:
         if h is not None:
             if self.engine_priority:
                 prio = engine_priority(
-                    tenancy.priority.rank, h.over_share(tenancy.flow, tenancy.weight)
+                    tenancy.priority.rank,
+                    h.over_share(tenancy.flow, tenancy.weight, prompt_tokens),
                 )
-            h.add(tenancy.flow, tenancy.weight)
+            h.add(tenancy.flow, tenancy.weight, prompt_tokens)
         self.counters.dispatched(tenancy.flow, tenancy.weight, prompt_tokens)
         tenant = tenancy.tenant_id
         if tenant is not None and limited(self.quota_of(tenant)):
@@ -141,25 +144,30 @@ class FlowControl:
             self._forget()
         return prio
 
-    def protected(self, tenancy: RequestTenancy) -> bool:
-        """Does the prefill room protect this request (critical, or under its share)?"""
+    def protected(self, tenancy: RequestTenancy, prompt_tokens: int) -> bool:
+        """Does the prefill room protect this request (critical, or under its share of the
+        work in flight with its ``prompt_tokens`` added)?"""
         h = self.holdings
         return is_protected(
-            tenancy.priority, h is None or h.over_share(tenancy.flow, tenancy.weight)
+            tenancy.priority,
+            h is None or h.over_share(tenancy.flow, tenancy.weight, prompt_tokens),
         )
 
     def arrived(self, tenancy: RequestTenancy, prompt_tokens: int, now: float) -> bool:
         """A request arrives (not a retry): with the room on, counts a protected one's prompt
         in the protected load. Returns whether it is protected (False: room off)."""
-        if self.room is None or not self.protected(tenancy):
+        if self.room is None or not self.protected(tenancy, prompt_tokens):
             return False
         self.room.arrived(now, protected_prompt_s(self.prefill_coef, prompt_tokens, PROMPT_BUDGET))
         return True
 
-    def ended(self, tenancy: RequestTenancy, completion_tokens: int, now: float) -> None:
-        """A dispatched request ended having generated ``completion_tokens``."""
+    def ended(
+        self, tenancy: RequestTenancy, prompt_tokens: int, completion_tokens: int, now: float
+    ) -> None:
+        """A request dispatched with ``prompt_tokens`` (as passed to :meth:`dispatched`) ended
+        having generated ``completion_tokens``."""
         if self.holdings is not None:
-            self.holdings.remove(tenancy.flow)
+            self.holdings.remove(tenancy.flow, prompt_tokens)
         self.counters.completed(tenancy.flow, tenancy.weight, completion_tokens)
         tenant = tenancy.tenant_id
         if tenant is not None and limited(self.quota_of(tenant)):

@@ -104,7 +104,9 @@ class Ctx(msgspec.Struct):
     dispatched_at: float = 0.0  # monotonic time of the current attempt's dispatch
     # who the request is for and its priority band (services.router.tenant_identity)
     tenancy: RequestTenancy = NO_TENANT
-    flow_counted: bool = False  # charged to its tenant by flow control (once, at dispatch)
+    # its prompt tokens as charged to its tenant by flow control (once, at dispatch; None: not
+    # yet): what it holds in the work in flight until it ends
+    flow_charged: int | None = None
     # tracing (services.router.trace): the request's trace while tracing is on; off, the
     # client's own W3C trace context, passed to the engine untouched
     trace: Any = None

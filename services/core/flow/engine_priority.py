@@ -8,7 +8,7 @@ there. With a priority from the same model the engine serves the queue in the sa
 
 - the band, strictly: critical < standard < sheddable, ``BAND_STEP`` apart;
 - within a band, +1 for a request whose flow (tenant) already holds more than its weighted
-  share of the requests in flight on this router (:class:`Holdings`): a light tenant's request
+  share of the work in flight on this router (:class:`Holdings`): a light tenant's request
   goes ahead of the over-share tenant's in the engine's queue.
 
 ``BAND_STEP`` is 20, above SGLang's default ``--priority-scheduling-preemption-threshold``
@@ -16,8 +16,19 @@ there. With a priority from the same model the engine serves the queue in the sa
 (a difference of 1) it only reorders the queue, unless the threshold is set to 0. vLLM 0.33
 never preempts for a waiting request (its priority picks the victim when blocks run out).
 
-Invariants: holdings count every dispatched, not yet ended request of a flow once; the total
-is their sum; a flow with nothing in flight is not held.
+The share is of *work*, in the fair queue's currency (services/core/flow/vtc.py): a request
+in flight holds what the virtual counters charged it at dispatch, its prompt tokens (VTC's
+input cost, 1 a token); its generated tokens are charged when it ends, so they are never in
+flight (the router does not know a request's output length before it ends). A tenant sending
+few long prompts and one sending many short ones are compared by the prompt work they hold,
+not by how many requests: a burst of short requests stays under its share while a long-prompt
+tenant holds most of the slots' work. The same test decides who the prefill room protects
+(services/core/flow/prefill_room.py).
+
+Invariants: a flow is held while it has a dispatched, not yet ended request; its work is the
+sum of those requests' charges, never negative, and a flow's last request releases what it
+holds (so holdings are empty, total 0, when nothing is in flight); ``total_work`` is the sum
+over the flows, ``total_weight`` the sum of the held flows' weights.
 """
 
 from __future__ import annotations
@@ -34,39 +45,52 @@ def engine_priority(band_rank: int, over_share: bool) -> int:
 
 @dataclass(slots=True)
 class Holdings:
-    """Requests in flight per flow and the flows' weights (the router's dispatched, not yet
-    ended requests)."""
+    """Work in flight per flow (the prompt tokens of the router's dispatched, not yet ended
+    requests), how many requests hold it, and the held flows' weights."""
 
+    work: dict[str, int] = field(default_factory=dict)
     count: dict[str, int] = field(default_factory=dict)
     weight: dict[str, float] = field(default_factory=dict)
-    total: int = 0
+    total_work: int = 0
     total_weight: float = 0.0
 
-    def over_share(self, flow: str, weight: float) -> bool:
-        """Would one more request of ``flow`` hold more than its weighted share of the
-        requests in flight (its weight over the weights of the flows holding any)?"""
-        mine = self.count.get(flow, 0)
-        weights = self.total_weight + (0.0 if mine else weight)
-        # (mine + 1) / (total + 1) > weight / weights, without dividing
-        return (mine + 1) * weights > weight * (self.total + 1)
+    def over_share(self, flow: str, weight: float, work: int) -> bool:
+        """Would ``flow``, with one more request of ``work`` in flight, hold more than its
+        weighted share of the work in flight (its weight over the weights of the flows
+        holding any)?"""
+        mine = self.work.get(flow, 0)
+        weights = self.total_weight + (0.0 if flow in self.count else weight)
+        # (mine + work) / (total + work) > weight / weights, without dividing
+        return (mine + work) * weights > weight * (self.total_work + work)
 
-    def add(self, flow: str, weight: float) -> None:
+    def add(self, flow: str, weight: float, work: int) -> None:
+        """A request of ``flow`` holding ``work`` (>= 0) was dispatched."""
+        if work < 0:
+            raise ValueError(f"work in flight must be >= 0, got {work}")
         n = self.count.get(flow, 0)
         if not n:
             self.weight[flow] = weight
             self.total_weight += weight
         self.count[flow] = n + 1
-        self.total += 1
+        self.work[flow] = self.work.get(flow, 0) + work
+        self.total_work += work
 
-    def remove(self, flow: str) -> None:
+    def remove(self, flow: str, work: int) -> None:
+        """A request of ``flow`` that was added with ``work`` ended. A flow not held: no-op;
+        never more than the flow holds is released, and its last request releases all."""
         n = self.count.get(flow, 0)
         if not n:
             return
-        self.total -= 1
+        mine = self.work[flow]
         if n == 1:
-            del self.count[flow]
+            self.total_work -= mine
+            del self.count[flow], self.work[flow]
             self.total_weight -= self.weight.pop(flow)
             if not self.count:
                 self.total_weight = 0.0  # no drift from float sums
+                self.total_work = 0
         else:
+            w = min(max(work, 0), mine)
             self.count[flow] = n - 1
+            self.work[flow] = mine - w
+            self.total_work -= w

@@ -7,9 +7,12 @@ to ``max_num_batched_tokens`` of prompt, so a short protected prompt sent to a w
 a long best-effort prompt waits for those tokens (in the simulator a heavy step takes up to
 ~0.23 s, a light prompt alone ~0.02 s). Router-side ordering cannot help once it is sent.
 
-Who is *protected*: a critical request, and a standard request of a tenant holding less than
-its weighted share of the requests in flight (:meth:`~services.core.flow.Holdings.over_share`).
-Everything else is *best-effort*.
+Who is *protected*: a critical request, and a standard request of a tenant that, with it,
+holds no more than its weighted share of the work in flight (prompt tokens, the fair queue's
+dispatch charge: :meth:`~services.core.flow.Holdings.over_share`). Everything else is
+*best-effort*. Counted in work, a burst of short requests from a light tenant stays under its
+share while a long-prompt tenant holds most of the work, also when the room has held that
+tenant back to few requests in flight.
 
 The model (M/G/infinity): protected requests arrive at rate ``lambda`` and each keeps one worker
 busy computing its prompt for ``s`` seconds (the latency model's TTFT of its prompt on an idle
