@@ -215,3 +215,31 @@ def test_protected_prompt_s_is_the_latency_models_ttft_on_an_idle_worker() -> No
     assert protected_prompt_s(c, 256, 8192) == pytest.approx(
         0.0065 + 256 * 4e-5 + 2.5e-9 * 256**2 / 2
     )
+
+
+def test_router_flow_control_protects_by_work_in_flight_and_releases_it() -> None:
+    """The router's FlowControl (services/router/flow_control.py) with the room on: a light
+    tenant's burst of short prompts beside a heavy tenant held to two long ones is protected
+    while its work is under its half, whatever its request count; every end releases what its
+    dispatch charged, so nothing is held when nothing is in flight."""
+    from services.router.flow_control import FlowControl
+
+    fc = FlowControl(8, 1.0, 10.0, protect_quantile=0.95)
+    heavy, light = RequestTenancy("heavy"), RequestTenancy("light")
+    crit = RequestTenancy("ops", Priority.CRITICAL)
+    for _ in range(2):
+        fc.dispatched(heavy, 1024, 0.0)
+    for i in range(8):  # light's (i+1)-th: (256 i + 256) / (2048 + 256 i + 256) <= 1/2
+        assert fc.protected(light, 256), i
+        fc.dispatched(light, 256, 0.0)
+    assert not fc.protected(light, 256)  # 9th: 2304 / 4352 > 1/2
+    assert not fc.protected(heavy, 1024)  # (2048 + 1024) / (4096 + 1024) > 1/2
+    assert fc.protected(crit, 100_000)  # critical: always
+    h = fc.holdings
+    assert h is not None and h.work == {"heavy": 2048, "light": 2048}
+    assert h.count == {"heavy": 2, "light": 8}
+    for _ in range(2):
+        fc.ended(heavy, 1024, 128, 1.0)
+    for _ in range(8):
+        fc.ended(light, 256, 32, 1.0)
+    assert h.work == {} and h.count == {} and h.total_work == 0 and h.total_weight == 0.0
