@@ -241,3 +241,27 @@ def test_no_state_is_kept_for_workers_that_left(policy: str) -> None:
         ("cluster _reserved", state._reserved),
     ):
         assert set(d) <= live, (name, sorted(set(d) - live)[:5])
+
+
+def test_decode_gaps_sum_one_over_the_gaps_of_the_requests_past_their_first_token() -> None:
+    # max_tokens 11 -> 10 gaps: a stall of 1 s adds 0.1 s to its TPOT; 5 -> 0.25; 1 -> none
+    life = _lifecycle()
+    w0 = life.state.states["w0"]
+    a = life.dispatch("a", "w0", prompt_tokens=64, max_tokens=11, cached_tokens=0, wall=1.0)
+    b = life.dispatch("b", "w0", prompt_tokens=64, max_tokens=5, cached_tokens=0, wall=1.0)
+    c = life.dispatch("c", "w0", prompt_tokens=64, max_tokens=1, cached_tokens=0, wall=1.0)
+    d = life.dispatch("d", "w0", prompt_tokens=64, max_tokens=3, cached_tokens=0, wall=1.0)
+    assert w0.decode_gaps == 0.0  # nobody decodes yet
+    life.first_token("a", a, now=2.0)
+    assert w0.decode_gaps == pytest.approx(0.1)
+    life.first_token("b", b, now=2.0)
+    life.first_token("c", c, now=2.0)
+    assert w0.decode_gaps == pytest.approx(0.35)
+    life.end("d", d)  # ended before its first token (an error): never counted
+    assert w0.decode_gaps == pytest.approx(0.35)
+    life.end("a", a)
+    life.end("a", a)  # a second end changes nothing
+    assert w0.decode_gaps == pytest.approx(0.25)
+    life.end("b", b)
+    life.end("c", c)
+    assert (w0.inflight, w0.decode_gaps) == (0, 0.0)

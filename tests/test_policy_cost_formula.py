@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,6 +102,39 @@ def test_kv_aware_stall_is_off_by_default_and_moves_a_prompt_off_decoders() -> N
     assert plain.worker_id == "w0"
     stall = build_policy({"name": "kv_aware", "params": {"imposed_weight": 0.5, **NO_HOT}})
     assert decide(stall, req, snap, ov).worker_id == "w1"
+
+
+def test_kv_aware_prices_the_tpot_the_stall_adds_worked_by_hand() -> None:
+    # a 4,000-token cold prompt; prefill(w) / prefill_token_s = 4000 + 2.5e-9 x 4000 x 2000
+    # / 4e-5 = 4500 prefill-token equivalents (the attention term: 500). w0: nothing queued,
+    # 10 requests decoding with 13-token answers (gaps = 10 / 12); w1: 3,000 tokens queued,
+    # 10 decoding with 301-token answers (gaps = 10 / 300). Base costs (uncached_weight 1,
+    # decode_weight 0, no KV pressure): w0 4000, w1 7000. stall_tpot_weight 10 adds
+    # 10 x 10/12 x 4500 = 37500 to w0 and 10 x 10/300 x 4500 = 1500 to w1: w1 (8500) wins;
+    # imposed_weight 1 would add 45000 to both alike and leave w0 first
+    states = {
+        "w0": WorkerState("w0", model="m", capacity=CAP, inflight=10, decode_gaps=10 / 12),
+        "w1": WorkerState(
+            "w1",
+            model="m",
+            capacity=CAP,
+            inflight=10,
+            pending_prefill_tokens=3000,
+            decode_gaps=10 / 300,
+        ),
+    }
+    snap, ov = ClusterSnapshot(states), {"w0": 0, "w1": 0}
+    req = RequestInfo("r", "m", 4000, 20)
+    base = {"uncached_weight": 1.0, "decode_weight": 0.0, "kv_pressure_weight": 0.0, **NO_HOT}
+    plain = decide(build_policy({"name": "kv_aware", "params": base}), req, snap, ov)
+    assert plain.worker_id == "w0"
+    assert plain.scores == pytest.approx({"w0": 4000.0, "w1": 7000.0})
+    tpot = build_policy({"name": "kv_aware", "params": {**base, "stall_tpot_weight": 10.0}})
+    d = decide(tpot, req, snap, ov)
+    assert d.scores == pytest.approx({"w0": 41500.0, "w1": 8500.0})
+    assert d.worker_id == "w1"
+    imposed = build_policy({"name": "kv_aware", "params": {**base, "imposed_weight": 1.0}})
+    assert decide(imposed, req, snap, ov).worker_id == "w0"
 
 
 def _predict(q: float, dec: int, u: float, prompt: int, out: int) -> tuple[float, float, float]:

@@ -195,9 +195,22 @@ def test_fast_path_with_the_prefill_stall(seq, roomy) -> None:
     _run(seq, {"name": "kv_aware", "params": {"imposed_weight": 1.0}}, roomy=roomy)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.booleans())
+def test_fast_path_with_the_tpot_the_stall_adds(seq, roomy) -> None:
+    # the same for the TPOT term: >= 0, 0 without uncached tokens; decode_gaps changes on
+    # first tokens and ends, which the watchers see
+    _run(seq, {"name": "kv_aware", "params": {"stall_tpot_weight": 25.0}}, roomy=roomy)
+
+
 @pytest.mark.parametrize(
     ("name", "params"),
-    [("kv_aware", {}), ("kv_aware", {"imposed_weight": 1.0}), ("slo_aware", {})],
+    [
+        ("kv_aware", {}),
+        ("kv_aware", {"imposed_weight": 1.0}),
+        ("kv_aware", {"stall_tpot_weight": 25.0}),
+        ("slo_aware", {}),
+    ],
 )
 def test_long_random_sequence_same_decisions(name: str, params: dict) -> None:
     rng = random.Random(7)

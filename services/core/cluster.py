@@ -51,6 +51,9 @@ class Ticket(msgspec.Struct):
     wall: float
     prefilling: bool = True
     released: bool = False
+    # 1 / (max_tokens - 1): the TPOT a stall of one second adds to it while it decodes (its
+    # TPOT averages its max_tokens - 1 gaps; a one-token answer has none: 0)
+    gap: float = 0.0
 
 
 @dataclass
@@ -58,6 +61,7 @@ class _Local:
     inflight: int = 0
     prefill: int = 0
     blocks: int = 0  # KV blocks reserved by this router's in-flight requests
+    gaps: float = 0.0  # sum of Ticket.gap over this router's requests past their first token
 
 
 @dataclass
@@ -276,7 +280,8 @@ class ClusterState:
         s = self.states[worker_id]
         bs = s.capacity.block_size
         blocks = max(0, blocks_needed(prompt_tokens, max_tokens, bs) - cached_tokens // bs)
-        t = Ticket(worker_id, blocks, max(0, prompt_tokens - cached_tokens), wall)
+        gap = 1.0 / (max_tokens - 1) if max_tokens > 1 else 0.0
+        t = Ticket(worker_id, blocks, max(0, prompt_tokens - cached_tokens), wall, gap=gap)
         loc = self._local[worker_id]
         loc.inflight += 1
         loc.prefill += t.prefill
@@ -297,6 +302,7 @@ class ClusterState:
             loc = self._local.get(t.worker_id)
             if loc is not None:
                 loc.prefill -= t.prefill
+                loc.gaps += t.gap
                 self._refresh_load(t.worker_id)
             s = self.states.get(t.worker_id)
             if now is not None and s is not None:
@@ -313,6 +319,8 @@ class ClusterState:
             return
         loc.inflight -= 1
         loc.blocks -= t.blocks
+        # (first_token above added its gap if it had not been); no float residue when empty
+        loc.gaps = loc.gaps - t.gap if loc.inflight > 0 else 0.0
         if self._tickets[t.worker_id].pop(id(t), None) is t:
             r = self._reserved.get(t.worker_id)
             if r is not None and t.wall >= r[0]:
@@ -397,9 +405,11 @@ class ClusterState:
         loc = self._local.get(wid)
         inflight = (loc.inflight if loc else 0) + self._remote_inflight.get(wid, 0)
         prefill = (loc.prefill if loc else 0) + self._remote_prefill.get(wid, 0)
-        if s.inflight != inflight or s.pending_prefill_tokens != prefill:
+        gaps = loc.gaps if loc and loc.gaps > 1e-12 else 0.0
+        if s.inflight != inflight or s.pending_prefill_tokens != prefill or s.decode_gaps != gaps:
             s.inflight = inflight
             s.pending_prefill_tokens = prefill
+            s.decode_gaps = gaps
             self._notify(wid)
 
     def _refresh_kv(self, wid: str) -> None:

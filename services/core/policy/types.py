@@ -58,6 +58,10 @@ class WorkerState:
     # load
     inflight: int = 0  # global across router replicas
     pending_prefill_tokens: int = 0  # uncached prompt tokens of in-flight requests before 1st token
+    # sum over this router's requests decoding on the worker (past their first token) of
+    # 1 / (max_tokens - 1): the TPOT, summed over them, that one second of stall adds (other
+    # routers' decoders are not in it)
+    decode_gaps: float = 0.0
     first_token_at: float | None = None  # ``now`` of the latest first token this router saw
     running: int | None = None  # engine-reported (telemetry)
     waiting: int | None = None

@@ -5,6 +5,7 @@
             + decode_weight * inflight(w)     # each running sequence slows every step
             + kv_pressure_weight * kv_usage(w)
             + imposed_weight * decoding(w) * prefill(w) / prefill_token_s   # the stall it imposes
+            + stall_tpot_weight * gaps(w) * prefill(w) / prefill_token_s    # the TPOT that adds
 
 ``inflight`` is the snapshot's global figure (every router replica).
 
@@ -19,6 +20,17 @@ by ``prefill_token_s`` puts the stall in this cost's unit (prefill tokens). It i
 ``slo_aware``'s ``imposed_weight x decoding x prefill`` term in those units. Where the TPOT SLO
 binds on short answers (every worker busy, prompts of thousands of tokens), without it a worker
 whose requests all decode looks cheapest, and the prompt sent there stalls them all.
+
+**TPOT the stall adds** (``stall_tpot_weight``, 0 = off by default). The same stall priced by
+what it does to the SLO that it threatens: a decoding request's TPOT is its decode time over
+its ``max_tokens - 1`` gaps, so a stall of ``prefill(w)`` seconds adds ``prefill(w) /
+(max_tokens - 1)`` to it whenever it comes during its decode (the whole answer, not what is
+left of it: the mean counts every gap). Summed over the worker's decoders that is
+``gaps(w) x prefill(w)``, with ``gaps(w)`` = :attr:`WorkerState.decode_gaps` (sum of ``1 /
+(max_tokens - 1)`` over this router's requests past their first token there). Weighted by
+TTFT seconds per second of TPOT (``slo_ttft / slo_tpot`` counts both in fractions of their
+SLO) and divided by ``prefill_token_s`` like the stall. A 4 k prompt on a worker of 13-token
+answers weighs ~1/12 of the plain stall per decoder, on one of 300-token answers 1/299.
 
 **Prefill clock.** ``pending_prefill_tokens`` (the router's count of uncached prompt tokens of
 requests without a first token) drops only at the first token, so a worker that is 90% through
@@ -170,6 +182,13 @@ class KvAware(PolicyImpl):
             "worker (decoding x this prompt's compute time by the latency model, in "
             "prefill-token equivalents), against its own TTFT; slo_aware's term of that name; "
             "0 = off (the new request's TTFT alone)",
+            0.0,
+        ),
+        "stall_tpot_weight": _num(
+            "weight of the TPOT this request's prefill stall adds to the requests decoding on "
+            "the worker (stall / (max_tokens - 1) each, summed: WorkerState.decode_gaps), in "
+            "seconds of its own TTFT per second of TPOT; slo_ttft / slo_tpot prices both as "
+            "fractions of their SLO; 0 = off",
             0.0,
         ),
         "hot_min_blocks": _int("matched blocks from which the hot-prefix rule applies", 2),
@@ -687,6 +706,13 @@ class KvAware(PolicyImpl):
             if d > 0:
                 th = STALL_THETA
                 cost += iw * d * prefill_s(th, uncached, req.prompt_tokens) / th[PREFILL_TOKEN]
+        sw = p["stall_tpot_weight"]
+        if sw > 0.0 and uncached > 0 and w.decode_gaps > 0.0:
+            # the TPOT the stall adds to the worker's decoders (module docstring)
+            th = STALL_THETA
+            cost += (
+                sw * w.decode_gaps * prefill_s(th, uncached, req.prompt_tokens) / th[PREFILL_TOKEN]
+            )
         return cost
 
 
