@@ -85,7 +85,8 @@ def test_kv_aware_scores_are_its_documented_formula(ws, rq, uw, dw, kw, iw) -> N
         usage = 1.0 - w.kv_blocks_free / BLOCKS
         ref = w.pending_prefill_tokens + uw * uncached + dw * w.inflight + kw * usage
         # the prefill stall: slo_aware's imposed term (the latency model's prefill time of
-        # this prompt, each decoding request waits it) in prefill tokens; nothing of this
+        # this prompt, each decoding request waits it) in prefill tokens (decode_gaps is 0 here,
+        # so the TPOT term adds nothing); nothing of this
         # policy's own is queued, so every request in flight decodes
         _, _, prefill = _predict(0, 0, uncached, prompt, out)
         ref += iw * w.inflight * prefill / PRIOR["prefill_token_s"]
@@ -126,6 +127,7 @@ def test_kv_aware_prices_the_tpot_the_stall_adds_worked_by_hand() -> None:
     snap, ov = ClusterSnapshot(states), {"w0": 0, "w1": 0}
     req = RequestInfo("r", "m", 4000, 20)
     base = {"uncached_weight": 1.0, "decode_weight": 0.0, "kv_pressure_weight": 0.0, **NO_HOT}
+    base["stall_tpot_weight"] = 0.0
     plain = decide(build_policy({"name": "kv_aware", "params": base}), req, snap, ov)
     assert plain.worker_id == "w0"
     assert plain.scores == pytest.approx({"w0": 4000.0, "w1": 7000.0})

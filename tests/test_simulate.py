@@ -177,7 +177,10 @@ def test_held_followers_reach_the_infinite_cache_bound():
     """Generated shared prefix, 32 groups: a group's second request arriving while its first
     still waits in the holder's queue would start in the same engine step and compute the
     prefix again; held until the first's first token, it hits, and the hit rate is the
-    workload's infinite-cache bound."""
+    workload's infinite-cache bound. (``stall_tpot_weight`` 0: with the default's TPOT term,
+    which prices a placement by the stall it imposes on these 32-token answers as well as by
+    its hits, the hit rate here is 87.7 % against the bound's 88.2 %; the holds are the
+    subject here.)"""
     w = build_workload(
         "generated-shared-prefix",
         {"groups": 32, "prompts_per_group": 16, "output_len": 32, "rate": 10, "seed": 0},
@@ -185,7 +188,8 @@ def test_held_followers_reach_the_infinite_cache_bound():
     bound = infinite_cache_hit_rate(w.requests, 16)
     rates = {}
     for hold in (True, False):
-        spec = {"name": "kv_aware", "params": {"hold_followers": hold}}
+        params = {"hold_followers": hold, "stall_tpot_weight": 0.0}
+        spec = {"name": "kv_aware", "params": params}
         run = simulate(w.requests, spec, SimOptions(num_workers=8, speedup=0.1))
         assert all(r.status == OK for r in run.results)
         rates[hold] = run.cache.hits / run.cache.queries

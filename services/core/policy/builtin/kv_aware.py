@@ -21,7 +21,7 @@ by ``prefill_token_s`` puts the stall in this cost's unit (prefill tokens). It i
 binds on short answers (every worker busy, prompts of thousands of tokens), without it a worker
 whose requests all decode looks cheapest, and the prompt sent there stalls them all.
 
-**TPOT the stall adds** (``stall_tpot_weight``, 0 = off by default). The same stall priced by
+**TPOT the stall adds** (``stall_tpot_weight``, 25 by default). The same stall priced by
 what it does to the SLO that it threatens: a decoding request's TPOT is its decode time over
 its ``max_tokens - 1`` gaps, so a stall of ``prefill(w)`` seconds adds ``prefill(w) /
 (max_tokens - 1)`` to it whenever it comes during its decode (the whole answer, not what is
@@ -30,7 +30,11 @@ left of it: the mean counts every gap). Summed over the worker's decoders that i
 (max_tokens - 1)`` over this router's requests past their first token there). Weighted by
 TTFT seconds per second of TPOT (``slo_ttft / slo_tpot`` counts both in fractions of their
 SLO) and divided by ``prefill_token_s`` like the stall. A 4 k prompt on a worker of 13-token
-answers weighs ~1/12 of the plain stall per decoder, on one of 300-token answers 1/299.
+answers weighs ~1/12 of the plain stall per decoder, on one of 300-token answers 1/299. The
+weight is 25, below the SLOs' ratio (40-125 in the benchmarks): the linear price counts a stall
+on a decoder with slack to spare in full, and 100 lost goodput steps on Mooncake and Azure
+(docs/benchmarks.md). ``max_tokens`` stands for the answer's length; requests that leave it
+unset count as the router assumes them.
 
 **Prefill clock.** ``pending_prefill_tokens`` (the router's count of uncached prompt tokens of
 requests without a first token) drops only at the first token, so a worker that is 90% through
@@ -188,8 +192,8 @@ class KvAware(PolicyImpl):
             "weight of the TPOT this request's prefill stall adds to the requests decoding on "
             "the worker (stall / (max_tokens - 1) each, summed: WorkerState.decode_gaps), in "
             "seconds of its own TTFT per second of TPOT; slo_ttft / slo_tpot prices both as "
-            "fractions of their SLO; 0 = off",
-            0.0,
+            "fractions of their SLO, but 25 measured best (docs/benchmarks.md); 0 = off",
+            25.0,
         ),
         "hot_min_blocks": _int("matched blocks from which the hot-prefix rule applies", 2),
         "spread_margin": _int(
