@@ -221,18 +221,8 @@ def build_model(shape: ModelShape, device: str, dtype: Any) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        rope_theta=shape.rope_theta,
-        rms_norm_eps=shape.rms_norm_eps,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-    )
+    # ModelShape's fields are LlamaConfig's own names
+    cfg = LlamaConfig(**asdict(shape), max_position_embeddings=32768, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     before = torch.get_default_dtype()
