@@ -4,7 +4,9 @@ NATS server, driven over HTTP by ``bench.loadgen`` with each request's tenant an
 the trusted gateway's headers.
 
 kvgate = the router with ``--trust-tenant-header`` (flow control sees the tenants and
-bands); FCFS = the same router without it (every request tenant-less, one first-come line);
+bands); kvgate_room = kvgate with its prefill room (``--protect-prefill true
+--protect-quantile Q``, Q from ``--protect-quantile``); FCFS = the same router without the
+header (every request tenant-less, one first-come line);
 solo = the light (or critical) requests alone. Fleet capacity is taken from the simulator
 on the same engine model (the workers run it).
 
@@ -38,12 +40,20 @@ def p99_ttft(results, ids: set[str]) -> float | None:
     )
 
 
-def run(
-    stack: BenchStack, a: argparse.Namespace, label: str, reqs: list[BenchRequest], trust: bool
-):
-    stack.router_args = ["--queue-timeout", str(a.queue_timeout), "--log-level", "warning"]
-    if trust:
-        stack.router_args += ["--trust-tenant-header", "true"]
+MODES = ("fcfs", "kvgate", "kvgate_room")
+
+
+def router_args(a: argparse.Namespace, mode: str) -> list[str]:
+    args = ["--queue-timeout", str(a.queue_timeout), "--log-level", "warning"]
+    if mode != "fcfs":
+        args += ["--trust-tenant-header", "true"]
+    if mode == "kvgate_room":
+        args += ["--protect-prefill", "true", "--protect-quantile", str(a.protect_quantile)]
+    return args
+
+
+def run(stack: BenchStack, a: argparse.Namespace, label: str, reqs: list[BenchRequest], mode: str):
+    stack.router_args = router_args(a, mode)
     try:
         prefix, _ = stack.start_workers(label)
         base = stack.start_kvgate(label, prefix, B.policy(a))
@@ -63,10 +73,10 @@ def heavy(stack: BenchStack, a: argparse.Namespace, seed: int, cap: float) -> di
     ]
     hv = B.stream(rng, "heavy", B.BATCH, 10 * share / B.BATCH.cost, a.span, "standard")
     ids = {r.request_id for s in lights for r in s}
-    solo = p99_ttft(run(stack, a, f"s{seed}-solo", B.merged(*lights), True), ids)
+    solo = p99_ttft(run(stack, a, f"s{seed}-solo", B.merged(*lights), "kvgate"), ids)
     out: dict[str, Any] = {"solo_light_ttft_p99_s": solo}
-    for mode, trust in (("fcfs", False), ("kvgate", True)):
-        res = run(stack, a, f"s{seed}-{mode}", B.merged(*lights, hv), trust)
+    for mode in MODES:
+        res = run(stack, a, f"s{seed}-{mode}", B.merged(*lights, hv), mode)
         p = p99_ttft(res, ids)
         out[mode] = {
             "light_ttft_p99_s": p,
@@ -88,13 +98,13 @@ def priority(stack: BenchStack, a: argparse.Namespace, seed: int, cap: float) ->
             rng2, "shed", B.BATCH, mult * a.sheddable_load * cap / B.BATCH.cost, a.span, "sheddable"
         )
         ids = {r.request_id for r in crit}
-        for mode, trust in (("fcfs", False), ("kvgate", True)):
-            res = run(stack, a, f"s{seed}-{mode}-x{mult:g}", B.merged(crit, std, shd), trust)
+        for mode in MODES:
+            res = run(stack, a, f"s{seed}-{mode}-x{mult:g}", B.merged(crit, std, shd), mode)
             per[(mode, mult)] = p99_ttft(res, ids)
             out.setdefault(mode, {})[f"critical_refused_x{mult:g}"] = sum(
                 r.status == REJECTED for r in res if r.request_id in ids
             )
-    for mode in ("fcfs", "kvgate"):
+    for mode in MODES:
         p1, p2 = per[(mode, 1.0)], per[(mode, 2.0)]
         out[mode].update(
             critical_ttft_p99_1x_s=p1,
@@ -119,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue-timeout", type=float, default=10.0, help="the router's")
     ap.add_argument("--light-load", type=float, default=0.3)
     ap.add_argument("--sheddable-load", type=float, default=0.3)
+    ap.add_argument(
+        "--protect-quantile",
+        type=float,
+        default=0.95,
+        help="the router's, in kvgate_room (with --protect-prefill true)",
+    )
     ap.add_argument(
         "--nats-url", default="", help="an existing NATS server (default: start an embedded one)"
     )
