@@ -131,19 +131,30 @@ async def test_slowloris_heads_get_408_and_silent_connections_are_closed(
     router: RouterProc,
 ) -> None:
     before = rejected("header_timeout")
+    written = [0] * 5
 
-    async def trickle(writer: asyncio.StreamWriter) -> None:
+    async def trickle(i: int, writer: asyncio.StreamWriter) -> None:
         writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n")
         while True:  # one header byte every 0.1 s, never the end of the head
             await asyncio.sleep(0.1)
             writer.write(b"x")
+            written[i] += 1
 
     conns = [await connect(router) for _ in range(5)]
-    trickles = [asyncio.create_task(trickle(w)) for _, w in conns]
+    trickles = [asyncio.create_task(trickle(i, w)) for i, (_, w) in enumerate(conns)]
     silent_reader, silent_writer = await connect(router)  # sends nothing at all
     try:
-        for reader, _ in conns:
-            resp = await read_response(reader)
+        # the clients go on sending after their 408: the answer must survive that (a close
+        # with their bytes unread would reset the connection under it)
+        await wait_until(lambda: rejected("header_timeout") - before == 6, 5, "six timeouts")
+        mark = list(written)
+        await wait_until(
+            lambda: all(w >= m + 3 for w, m in zip(written, mark, strict=True)), 5, "more bytes"
+        )
+        responses = await asyncio.gather(*(read_response(reader) for reader, _ in conns))
+        for t in trickles:
+            t.cancel()
+        for resp, (reader, _) in zip(responses, conns, strict=True):
             err = assert_error(resp, 408)
             assert "0.5 s" in err["message"] and resp.headers["connection"] == "close"
             assert await closed_by_server(reader, 5) == b""

@@ -681,7 +681,9 @@ class _Connection(asyncio.Protocol):
             if started is not None and now - started > limits.header_timeout_s:
                 if self.head_begun:
                     message = f"request head not received within {limits.header_timeout_s:g} s"
-                    self._refuse(408, "header_timeout", message, linger=False)
+                    # a slow client is still sending: linger (bounded, LINGER_S) so its
+                    # bytes do not reset the connection under the 408
+                    self._refuse(408, "header_timeout", message)
                 else:  # nothing sent since the accept: no request to answer
                     reject("header_timeout", self._peer(), status=None)
                     self.transport.close()
