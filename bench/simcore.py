@@ -155,7 +155,7 @@ class SimRun:
     roles: dict[str, str] = field(default_factory=dict)  # worker -> role
     dispatched_at: dict[str, float] = field(default_factory=dict)  # request id -> when sent
     # request id -> the router's view when it was sent: (times the prefill room held it, prompt
-    # tokens its worker had still to compute, workers computing a prompt)
+    # tokens its worker had still to compute, workers computing a prompt); runs with tenants or the prefill room only
     sent_into: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
@@ -513,9 +513,10 @@ def simulate(
         if quotas is not None and req.tenant is not None:
             quotas.admitted(req.tenant, req.prompt_tokens, t)
         dispatched_at[lv.rid] = t
-        sts = state.states
-        computing = sum(1 for ws in sts.values() if ws.pending_prefill_tokens > 0)
-        sent_into[lv.rid] = (lv.room_holds, sts[w].pending_prefill_tokens, computing)
+        if opts.tenants or room is not None:  # a pass over the workers: for the tenant benches
+            sts = state.states
+            computing = sum(1 for ws in sts.values() if ws.pending_prefill_tokens > 0)
+            sent_into[lv.rid] = (lv.room_holds, sts[w].pending_prefill_tokens, computing)
         lv.dispatched = lv.result.dispatch_s = t
         if policy.impl.disaggregated:
             return dispatch_pd(lv, d, t)
