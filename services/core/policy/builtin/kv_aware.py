@@ -702,21 +702,23 @@ class KvAware(PolicyImpl):
             + p["decode_weight"] * w.inflight
             + p["kv_pressure_weight"] * kv_usage(w)
         )
-        iw = p["imposed_weight"]
-        if iw > 0.0 and uncached > 0:
-            # the prefill stall (module docstring): decoding = in flight past the first token
-            fifo = self._clock(state).fifo.get(w.worker_id)
-            d = w.inflight - len(fifo) if fifo else w.inflight
-            if d > 0:
+        if uncached > 0:
+            # the prefill stall (module docstring), priced per decoder by the plain stall
+            # (imposed_weight, decoding = in flight past the first token) and by the TPOT it
+            # adds (stall_tpot_weight), in prefill tokens
+            per_stall = 0.0
+            iw = p["imposed_weight"]
+            if iw > 0.0:
+                fifo = self._clock(state).fifo.get(w.worker_id)
+                d = w.inflight - len(fifo) if fifo else w.inflight
+                if d > 0:
+                    per_stall += iw * d
+            sw = p["stall_tpot_weight"]
+            if sw > 0.0 and w.decode_gaps > 0.0:
+                per_stall += sw * w.decode_gaps
+            if per_stall > 0.0:
                 th = STALL_THETA
-                cost += iw * d * prefill_s(th, uncached, req.prompt_tokens) / th[PREFILL_TOKEN]
-        sw = p["stall_tpot_weight"]
-        if sw > 0.0 and uncached > 0 and w.decode_gaps > 0.0:
-            # the TPOT the stall adds to the worker's decoders (module docstring)
-            th = STALL_THETA
-            cost += (
-                sw * w.decode_gaps * prefill_s(th, uncached, req.prompt_tokens) / th[PREFILL_TOKEN]
-            )
+                cost += per_stall * prefill_s(th, uncached, req.prompt_tokens) / th[PREFILL_TOKEN]
         return cost
 
 
