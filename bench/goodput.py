@@ -89,7 +89,6 @@ from bench.simcore import (
 from bench.workloads import WORKLOADS, parse_params
 from services.core.engine_profiles import ENGINE_PROFILES
 
-PROFILES = ENGINE_PROFILES  # services/core/engine_profiles.py
 # the issue's conversation workload (docs/benchmarks.md's `mt`): -w multi-turn's parameters
 # unless a -p overrides one
 CONVERSATION = {
@@ -157,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--profile",
-        choices=sorted(PROFILES),
+        choices=sorted(ENGINE_PROFILES),
         default="prefill-bound",
         help="engine profile (default prefill-bound: -e prefill_token_s=1.25e-4 "
         "-e num_gpu_blocks=192000; default: EngineConfig's own; h200-llama-3-8b: fitted to "
@@ -252,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(a: argparse.Namespace) -> dict[str, Any]:
     """The run's configuration from the arguments; ValueError on bad input."""
     params: dict[str, Any] = parse_params(a.param)
-    engine = dict(PROFILES[a.profile])
+    engine = dict(ENGINE_PROFILES[a.profile])
     if a.workload == "multi-turn":  # the issue's conversations under the -p given
         params = {**CONVERSATION, **(QUICK if a.quick else {}), **params}
         engine.update(CONVERSATION_ENGINE)

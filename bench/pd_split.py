@@ -46,7 +46,6 @@ from bench.common import DEFAULT_RESULTS
 from bench.goodput import (
     CONVERSATION,
     CONVERSATION_ENGINE,
-    PROFILES,
     QUICK,
     run_searches,
 )
@@ -54,6 +53,7 @@ from bench.latency_bound import _number
 from bench.simcore import make_engine_config, request_keys
 from bench.workloads import WORKLOADS, build_workload, parse_params
 from services.core.engine import EngineConfig
+from services.core.engine_profiles import ENGINE_PROFILES
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--trace", default="", help="trace file (= -p path=...)")
     ap.add_argument("--workers", "-n", type=int, default=8, help="engines to split (default 8)")
-    ap.add_argument("--profile", choices=sorted(PROFILES), default="prefill-bound")
+    ap.add_argument("--profile", choices=sorted(ENGINE_PROFILES), default="prefill-bound")
     ap.add_argument("--engine", "-e", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--ttft", type=float, default=6.25, help="TTFT SLO, seconds (6.25)")
     ap.add_argument("--tpot", type=float, default=0.050, help="TPOT SLO, seconds (0.050)")
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _conf(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     params: dict[str, Any] = parse_params(a.param)
-    engine = dict(PROFILES[a.profile])
+    engine = dict(ENGINE_PROFILES[a.profile])
     if a.workload == "multi-turn":
         params = {**CONVERSATION, **(QUICK if a.quick else {}), **params}
         engine.update(CONVERSATION_ENGINE)
