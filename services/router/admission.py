@@ -91,18 +91,20 @@ class Admission:
         ten = ctx.tenancy
         prio = ten.priority
         first = ctx.flow_charged is None  # not a retry: quota checked, counted on dispatch
+        n_prompt = len(ctx.parsed.token_ids)
         if first:
-            refusal = fc.over_quota(ten, len(ctx.parsed.token_ids), time.monotonic())
+            refusal = fc.over_quota(ten, n_prompt, time.monotonic())
             if refusal is not None:
                 return self._refuse(ctx, refusal.message, refusal.retry_after_s)
         lane = fc.lane(ctx.parsed.model)
         room = fc.room
         # --protect-prefill: protected requests pass a head the room holds and are placed on
-        # a worker computing no prompt (services/core/flow/prefill_room.py)
+        # a worker computing no prompt (services/core/flow/prefill_room.py). Protected is
+        # asked again at every wake-up, as the simulator does: the tenant's work in flight
+        # changes while it waits (a request that arrived over its share is under it once its
+        # tenant's other requests end)
         prot = room is not None and (
-            fc.arrived(ten, len(ctx.parsed.token_ids), time.monotonic())
-            if first
-            else fc.protected(ten, len(ctx.parsed.token_ids))
+            fc.arrived(ten, n_prompt, time.monotonic()) if first else fc.protected(ten, n_prompt)
         )
         me: _Waiter | None = None
         last: Decision | None = None  # its last decision (why it waits)
@@ -119,9 +121,11 @@ class Admission:
                 if refused is not None:
                     return refused
             while True:
+                if me is not None and room is not None:
+                    prot = fc.protected(ten, n_prompt)
                 if me is None or lane.head() is me or (prot and _held(lane.head())):
                     if me is not None and first:  # it waited: its quota again
-                        refusal = fc.over_quota(ten, len(ctx.parsed.token_ids), time.monotonic())
+                        refusal = fc.over_quota(ten, n_prompt, time.monotonic())
                         if refusal is not None:
                             return self._refuse(ctx, refusal.message, refusal.retry_after_s)
                     if tr is not None:
@@ -149,9 +153,8 @@ class Admission:
                         d = placed
                     if d.worker_id is not None:
                         if first:
-                            n = len(ctx.parsed.token_ids)
-                            ctx.engine_priority = fc.dispatched(ten, n, time.monotonic())
-                            ctx.flow_charged = n
+                            ctx.engine_priority = fc.dispatched(ten, n_prompt, time.monotonic())
+                            ctx.flow_charged = n_prompt
                         return d
                     if d.never_fits:
                         return reject(ctx, 400, d.never_fits, "invalid_request_error", "rejected")
