@@ -4,6 +4,7 @@ traffic every decision is the policy's own."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -105,6 +106,27 @@ def test_decisions_in_the_room() -> None:
     assert decide_in_room(d2, ws, {}, 200, True, 3) is d2
     # best-effort, room 2 over the candidates {b, c} (one prompt-free): held
     assert decide_in_room(d2, ws, {}, 200, False, 2) is None
+
+
+def test_the_room_never_takes_the_whole_fleet() -> None:
+    """A room at or above the model's routable workers is capped one below them, so best-effort
+    prompts keep a worker; a cordoned worker or another model's does not count."""
+    ws = _workers({"a": 0, "b": 0, "c": 0})
+    d = Decision("a", scores={"a": 1.0, "b": 2.0, "c": 3.0})
+    # room 3 = the whole fleet: capped at 2; all three prompt-free, 2 stay free after it
+    assert decide_in_room(d, ws, {}, 200, False, 3) is d
+    assert decide_in_room(d, ws, {}, 200, False, 2) is d
+    # one of the three computes a prompt: 1 < 2 stays free after it: held
+    busy = {**ws, "c": dataclasses.replace(ws["c"], pending_prefill_tokens=50)}
+    assert decide_in_room(d, busy, {}, 200, False, 3) is None
+    # c cordoned: the fleet is a and b, the room at most 1: a best-effort request goes
+    cordoned = {**busy, "c": dataclasses.replace(busy["c"], cordoned=True)}
+    assert decide_in_room(d, cordoned, {}, 200, False, 3) is d
+    # another model's workers do not count: a fleet of one keeps no room
+    other = {**busy, "b": dataclasses.replace(ws["b"], model="other")}
+    solo = {"a": busy["a"], "b": other["b"], "c": cordoned["c"]}
+    one = Decision("a", scores={"a": 1.0})
+    assert decide_in_room(one, solo, {}, 200, False, 5) is one
 
 
 def test_flow_heads_are_by_band_then_arrival() -> None:

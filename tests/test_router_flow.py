@@ -313,23 +313,23 @@ async def test_epp_picks_count_against_the_tenants_concurrency(nats_url, subject
 async def test_protect_prefill_a_protected_request_passes_a_held_best_effort_one(
     nats_url, subjects, bus
 ) -> None:
-    """--protect-prefill (services/core/flow/prefill_room.py) on one worker whose answers are
-    held (its prompts stay queued): once critical requests arrive the room is 1, so an
+    """--protect-prefill (services/core/flow/prefill_room.py) on two workers whose answers are
+    held (their prompts stay queued): once critical requests arrive the room is 1, so an
     over-share tenant's request is held at the head of the line; a light tenant's request
-    (under its share: protected) joins behind it and passes it to the worker. Once the others
-    end, the held request is under its share and is served (protection is not fixed on
+    (under its share: protected) joins behind it and passes it to a worker. Once others hold
+    more, the held request is under its share and goes too (protection is not fixed on
     arrival)."""
     from services.common.schemas import WorkerCapacity
 
     hold = asyncio.Event()
     cap = WorkerCapacity(block_size=16, num_gpu_blocks=1000, max_num_seqs=64, max_model_len=8192)
-    w = await FakeWorker("w0", hold=hold, capacity=cap).start(bus)
-    beats = Beats(bus, [w]).start()
+    ws = [await FakeWorker(f"w{i}", hold=hold, capacity=cap).start(bus) for i in range(2)]
+    beats = Beats(bus, ws).start()
     router = await RouterProc(
         nats_url, subjects, protect_prefill=True, protect_quantile=0.9, queue_timeout=2.0
     ).start()
     trust_tenant_headers(router)
-    await router.wait_workers(1)
+    await router.wait_workers(2)
     r = router.router
     from prometheus_client import REGISTRY
 
@@ -352,8 +352,11 @@ async def test_protect_prefill_a_protected_request_passes_a_held_best_effort_one
                     )
                 )
 
+            def names() -> set[str]:
+                return {x for w in ws for x in order_served(w)}
+
             async def served(n: int, what: str) -> None:
-                await wait_until(lambda: len(w.served) == n, what=what)
+                await wait_until(lambda: len(names()) == n, what=what)
 
             # no protected arrivals yet: room 0, heavy's requests go straight to the worker
             first = [send("h1", "heavy"), send("h2", "heavy")]
@@ -368,19 +371,21 @@ async def test_protect_prefill_a_protected_request_passes_a_held_best_effort_one
             # light (under its share) joins behind h3 (same band) and passes it
             light = send("l1", "light")
             await served(5, "l1 sent past h3")
-            assert order_served(w) == ["h1", "h2", "c1", "c2", "l1"]
+            assert names() == {"h1", "h2", "c1", "c2", "l1"}
             assert r.queue_len == 1  # h3 still waits
+            # three more critical requests (protected: they pass h3 too) make heavy's 2 of 8
+            # in flight no more than its third of the work: h3's protection is asked again
+            # at each wake-up (it was over its share on arrival), so it is placed now,
+            # while the workers still hold every prompt, not refused at the queue timeout
+            first += [send(f"c{i}", "crit", "critical") for i in (3, 4, 5)]
+            await served(9, "c3-c5 sent, then h3 as a protected request")
+            assert "h3" in names() and r.queue_len == 0
             hold.set()
-            assert [t[0] for t in await asyncio.gather(*first, light)] == [200] * 5
-            # the others ended: heavy, alone in flight, holds no more than its share. h3's
-            # protection is asked again at each wake-up (it was over its share on arrival),
-            # so it is protected now and served, not refused at the queue timeout
-            st, _, body = await held
-            assert st == 200, body
-            assert order_served(w) == ["h1", "h2", "c1", "c2", "l1", "h3"]
+            assert [t[0] for t in await asyncio.gather(*first, light, held)] == [200] * 9
             # h3 was asked again at every wake-up, but it is one request the room held
             assert room_held() == held_before + 1
     finally:
         await router.stop()
         await beats.stop()
-        await w.stop()
+        for w in ws:
+            await w.stop()

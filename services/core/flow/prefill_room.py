@@ -39,6 +39,12 @@ own order of preference, best first):
   order. Otherwise it is *held* (it waits in the line, and a protected request may pass it
   there). A first token ends a prompt: callers re-try held requests then, as on a released
   slot.
+- the room never takes the whole fleet: r is at most the model's routable workers less one.
+  A quantile the fleet cannot meet (r >= its size) would otherwise hold every best-effort
+  prompt while protected traffic lasts, and the share test, counted over the work in
+  flight, then finds the protected tenants themselves over their shares of what little is
+  left in flight (on 2 workers at r = 3: each light tenant held to one request in flight
+  while 13 of 16 slots stood empty).
 
 Pure: no I/O, no clock (``now`` is an argument).
 """
@@ -163,6 +169,11 @@ def place(
     return next(w for w in ranked if queued.get(w, 0) <= 0)
 
 
+def fleet_size(workers: Mapping[str, WorkerState], model: str) -> int:
+    """The routable workers serving ``model`` (the room's bound is one less)."""
+    return sum(1 for s in workers.values() if s.model == model and s.routable)
+
+
 def decide_in_room(
     d: Decision,
     workers: Mapping[str, WorkerState],
@@ -186,6 +197,8 @@ def decide_in_room(
     queued = {w: workers[w].pending_prefill_tokens for w in cands if w in workers}
     queued.setdefault(chosen, workers[chosen].pending_prefill_tokens)
     free = sum(1 for q in queued.values() if q <= 0)
+    if not protected and free - 1 < room:  # it would be held: unless r is the whole fleet
+        room = min(room, fleet_size(workers, workers[chosen].model) - 1)
     ranked = sorted(queued, key=lambda w: cands.get(w, 0.0))
     w = place(chosen, ranked, queued, protected, room, free)
     if w is None or w == chosen:
