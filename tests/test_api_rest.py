@@ -225,6 +225,31 @@ async def test_policy_lifecycle_versions_activation_and_audit(api: ApiHarness, b
     assert st == 400 and err["error"]["field"] == "actor", err
 
 
+async def test_slo_aware_refuses_kv_aware_cost_terms(api: ApiHarness) -> None:
+    """A parameter slo_aware would ignore (kv_aware's stall_tpot_weight) is a 400 naming it,
+    on create, update and validate, and nothing is stored; kv_aware takes it."""
+    params = {"stall_tpot_weight": 10}
+    kv = {"name": "kv_aware", "params": params}
+    assert (await api.call("POST", "/api/v1/policies", {"name": "kv", "spec": kv}))[0] == 201
+    slo = {"name": "slo_aware", "params": params}
+    for method, path, body in (
+        ("POST", "/api/v1/policies", {"name": "slo", "spec": slo}),
+        ("PUT", "/api/v1/policies/kv", {"spec": slo}),
+        ("POST", "/api/v1/policies/validate", slo),
+    ):
+        st, err = await api.call(method, path, body)
+        assert st == 400, (path, st, err)
+        assert set(err["error"]) == {"message", "code", "field"}, err
+        assert err["error"]["code"] == "invalid_policy", err
+        assert err["error"]["field"] == "spec.params.stall_tpot_weight", err
+        assert "slo_aware does not take it" in err["error"]["message"], err
+    _, listed = await api.call("GET", "/api/v1/policies")
+    assert [(p["name"], p["latest_version"]) for p in listed["policies"]] == [("kv", 1)]
+    _, schemas = await api.call("GET", "/api/v1/policy-schemas")
+    assert "stall_tpot_weight" not in schemas["schemas"]["slo_aware"]["properties"]
+    assert "stall_tpot_weight" in schemas["schemas"]["kv_aware"]["properties"]
+
+
 async def test_policy_etag_and_if_match(api: ApiHarness, bus: Bus) -> None:
     """As a tenant's: GET names the latest version in ETag; PUT, DELETE and activation with
     If-Match write only over that version (else 412 in the error shape, nothing changed);

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.core.policy import (
+    POLICY_SCHEMAS,
     Capacity,
     ClusterSnapshot,
     PolicyError,
@@ -134,6 +135,22 @@ def test_params_validated() -> None:
         build_policy({"name": "slo_aware", "params": {"prior": {"prefill_token_s": -1}}})
     with pytest.raises(PolicyError, match="params.slo_ttft_ms"):
         build_policy({"name": "slo_aware", "params": {"slo_ttft_ms": 0}})
+
+
+@pytest.mark.parametrize("key", ["stall_tpot_weight", "uncached_weight", "kv_pressure_weight"])
+def test_kv_aware_cost_terms_it_does_not_use_are_refused_by_name(key: str) -> None:
+    """kv_aware's cost terms have no place in slo_aware's cost: a spec naming one is refused
+    (accepted, it would change nothing while the user believes it tuned), by name and why;
+    kv_aware takes them, and slo_aware's schema no longer lists them."""
+    with pytest.raises(PolicyError) as exc:
+        build_policy({"name": "slo_aware", "params": {key: 10.0}})
+    assert exc.value.field == f"params.{key}"
+    assert "slo_aware does not take it" in exc.value.message and "kv_aware" in exc.value.message
+    assert key not in POLICY_SCHEMAS["slo_aware"]["properties"]
+    assert key not in build_policy({"name": "slo_aware", "params": {}}).params
+    assert build_policy({"name": "kv_aware", "params": {key: 10.0}}).params[key] == 10.0
+    # decode_weight stays: slo_aware's replication orders its targets by it
+    assert build_policy({"name": "slo_aware", "params": {"decode_weight": 1.0}})
 
 
 def test_queued_prefill_counts_in_full_until_its_first_token() -> None:

@@ -78,6 +78,10 @@ class PolicyImpl:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     PARAMS: ClassVar[dict[str, Any]] = {}
+    # parameters a related policy takes that this one has no use for (name -> why): a spec
+    # naming one is refused by name (an accepted parameter that changes nothing would let a
+    # user believe it was tuned); they are not in PARAMS
+    NOT_TAKEN: ClassVar[dict[str, str]] = {}
     # a P/D policy (prefill/decode disaggregation) pairs a prefill worker with a decode worker
     # in :meth:`decide_pd` instead of costing colocated ("both") workers
     disaggregated: ClassVar[bool] = False
@@ -215,7 +219,11 @@ def validate_policy_spec(name: str, params: dict[str, Any] | None) -> dict[str, 
         params = {}
     if not isinstance(params, dict):
         raise PolicyError("params", "must be an object")
-    return check(params, params_schema(REGISTRY[name]), "params")
+    cls = REGISTRY[name]
+    for key in params:
+        if key in cls.NOT_TAKEN:
+            raise PolicyError(f"params.{key}", f"{name} does not take it: {cls.NOT_TAKEN[key]}")
+    return check(params, params_schema(cls), "params")
 
 
 def build_policy(spec: dict[str, Any], version: int = 0) -> Policy:

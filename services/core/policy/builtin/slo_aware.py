@@ -36,8 +36,10 @@ prompts then looked done while still computing and more piled on behind them (Mo
 default engine, seeds 2-4: TTFT p99 25-41 s against 8-9 s in full); matches include
 routed-prefix memory (``routed_ttl``), followers of a
 prefix still being computed are held (``hold_followers``), and hot prefixes are replicated
-(``replicate``) or spread by its demand rules. ``kv_aware``'s cost weights
-(``uncached_weight``, ``decode_weight``, ``kv_pressure_weight``) are not used.
+(``replicate``) or spread by its demand rules (``decode_weight`` orders the replicas' targets
+there, as in ``kv_aware``). ``kv_aware``'s cost terms (``uncached_weight``,
+``kv_pressure_weight``, ``stall_tpot_weight``) have no place in this cost: a spec naming one is
+refused (:attr:`SloAware.NOT_TAKEN`).
 
 Calibration: one :class:`~services.core.latency.LatencyModel` per worker, starting from the
 engine model's default step times (``prior``), fitted from the prefill clock's samples (batches
@@ -66,6 +68,16 @@ CTX_DECAY = 0.02  # weight of each request in the running mean context
 INFEASIBLE = 1e6  # added to the cost of a worker predicted to miss the SLO (seconds)
 
 
+# kv_aware's cost terms, which this policy's cost (its latency model's) replaces
+NOT_TAKEN = {
+    "uncached_weight": "kv_aware's weight of the uncached prompt tokens; slo_aware prices "
+    "them as the latency model's prefill time (compute_weight, imposed_weight)",
+    "kv_pressure_weight": "kv_aware's KV-usage term; slo_aware's cost has none",
+    "stall_tpot_weight": "kv_aware's price of the TPOT a prefill stall adds; slo_aware "
+    "prices the stall with imposed_weight and holds TPOT to slo_tpot_ms",
+}
+
+
 def _ms(desc: str, default: float) -> dict:
     return {"type": "number", "exclusiveMinimum": 0, "default": default, "description": desc}
 
@@ -77,8 +89,9 @@ class SloAware(KvAware):
         "minimise predicted TTFT + the prefill stall imposed on decoding requests, subject to "
         "per-request TTFT / TPOT SLOs"
     )
+    NOT_TAKEN = NOT_TAKEN
     PARAMS = {
-        **KvAware.PARAMS,
+        **{k: v for k, v in KvAware.PARAMS.items() if k not in NOT_TAKEN},
         "slo_ttft_ms": _ms("default TTFT target (header x-slo-ttft-ms overrides)", 2000.0),
         "slo_tpot_ms": _ms("default TPOT target (header x-slo-tpot-ms overrides)", 50.0),
         "imposed_weight": {
