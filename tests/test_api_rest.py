@@ -348,6 +348,84 @@ async def test_policy_etag_and_if_match(api: ApiHarness, bus: Bus) -> None:
         assert (hp["name"], hp["required"]) == ("If-Match", False)
 
 
+async def test_active_policy_etag_and_conditional_activation(api: ApiHarness, bus: Bus) -> None:
+    """GET /active-policy names the active state's revision in ETag; PUT /active-policy with
+    If-Match activates only over that revision (checked under the state row's lock): two
+    operators who read the same revision activate at once, one wins and the other is a 412
+    with the winner active; a stale revision is a 412 and changes nothing; without If-Match
+    it activates as before."""
+    from multidict import CIMultiDict
+
+    assert api.session is not None
+    auth = {"Authorization": f"Bearer {api.admin}"}
+    url = f"{api.url}/api/v1/active-policy"
+
+    async def req(method: str, body=None, **headers: str):
+        async with api.session.request(method, url, json=body, headers={**auth, **headers}) as r:
+            return r.status, await r.json(content_type=None), CIMultiDict(r.headers)
+
+    for name in ("a", "b", "c"):
+        spec = {"name": "kv_aware", "params": {"decode_weight": 8}}
+        assert (await api.call("POST", "/api/v1/policies", {"name": name, "spec": spec}))[0] == 201
+    await require_policy_stream(bus)
+    st, active, h = await req("GET")
+    assert (st, active["name"], h.get("ETag")) == (200, None, f'"{active["revision"]}"')
+    first = h["ETag"]
+
+    # the revision read: activated; the answer names the new revision
+    st, act, h = await req("PUT", {"name": "a"}, **{"If-Match": first})
+    assert (st, act["name"], act["version"]) == (200, "a", 1), act
+    assert h.get("ETag") == f'"{act["revision"]}"' and h["ETag"] != first
+    read = h["ETag"]
+
+    # two operators read the same revision and activate different policies at once
+    both = await asyncio.gather(
+        req("PUT", {"name": "b"}, **{"If-Match": read}),
+        req("PUT", {"name": "c"}, **{"If-Match": read}),
+    )
+    assert sorted(st for st, _, _ in both) == [200, 412], both
+    (won,) = [p for st, p, _ in both if st == 200]
+    (lost,) = [(p, h) for st, p, h in both if st == 412]
+    assert lost[0]["error"]["code"] == "precondition_failed" and lost[0]["error"]["field"] == (
+        "If-Match"
+    ), lost
+    assert lost[1].get("ETag") == f'"{won["revision"]}"'
+    _, active, h = await req("GET")
+    assert (active["name"], h["ETag"]) == (won["name"], f'"{won["revision"]}"')
+
+    # stale: 412, nothing changed (state, audit, the notice routers read)
+    _, audit_before = await api.call("GET", "/api/v1/audit?target_type=policy")
+    notice = await bus.js.get_last_msg(bus.subjects.policy_stream, bus.subjects.policy_updated)
+    loser = "c" if won["name"] == "b" else "b"
+    st, err, h = await req("PUT", {"name": loser}, **{"If-Match": read})
+    assert st == 412 and err["error"]["code"] == "precondition_failed", err
+    assert set(err["error"]) == {"message", "code", "field"}, err
+    assert h.get("ETag") == f'"{won["revision"]}"' and "revision" in err["error"]["message"]
+    _, after, _ = await req("GET")
+    assert after == active
+    assert (await api.call("GET", "/api/v1/audit?target_type=policy"))[1] == audit_before
+    again = await bus.js.get_last_msg(bus.subjects.policy_stream, bus.subjects.policy_updated)
+    assert again.seq == notice.seq
+
+    # the policy's own If-Match on POST .../activate keeps its meaning (its latest version)
+    st, _ = await api.call("POST", f"/api/v1/policies/{loser}/activate")
+    assert st == 200  # no If-Match: unconditional, as before
+    st, act, _ = await req("PUT", {"name": "a", "version": 1})  # and so is PUT without it
+    assert (st, act["name"], act["version"]) == (200, "a", 1), act
+    st, err, _ = await req("PUT", {"name": "nope"}, **{"If-Match": "*"})
+    assert st == 404, err
+    st, err, _ = await req("PUT", {"name": "a", "version": 9})
+    assert st == 404, err
+
+    # the OpenAPI document says so
+    _, doc = await api.call("GET", "/api/v1/openapi.json", token=None)
+    ops = doc["paths"]["/api/v1/active-policy"]
+    assert "ETag" in ops["get"]["responses"]["200"]["headers"]
+    assert "412" in ops["put"]["responses"]
+    (hp,) = [x for x in ops["put"]["parameters"] if x["in"] == "header"]
+    assert (hp["name"], hp["required"]) == ("If-Match", False)
+
+
 async def test_policy_resync_republishes_a_lost_notice(api: ApiHarness, bus: Bus) -> None:
     await api.call("POST", "/api/v1/policies", {"name": "rr", "spec": {"name": "round_robin"}})
     _, act = await api.call("POST", "/api/v1/policies/rr/activate")

@@ -89,6 +89,11 @@ class PolicyActivate(Body, kw_only=True):
     version: Version | None = None  # default: the latest version
 
 
+class ActivePolicySet(Body, kw_only=True):
+    name: Name  # the policy to activate
+    version: Version | None = None  # default: its latest version
+
+
 # ----------------------------------------------------------------------------- canaries
 class CriteriaBody(Body, kw_only=True):
     max_ttft_p95_ratio: Annotated[float, Meta(ge=1.0, le=100.0)] = 1.25
@@ -209,6 +214,7 @@ ALL_BODIES: tuple[type, ...] = (
     PolicyCreate,
     PolicyUpdate,
     PolicyActivate,
+    ActivePolicySet,
     CriteriaBody,
     CanaryCreate,
     CanaryPromote,

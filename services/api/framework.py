@@ -133,15 +133,17 @@ def if_match(request: web.Request) -> list[str] | None:
     return tags
 
 
-def check_precondition(tags: list[str] | None, what: str, current: int) -> None:
-    """412 unless ``tags`` (from :func:`if_match`) is None, ``*`` or names version
+def check_precondition(
+    tags: list[str] | None, what: str, current: int, unit: str = "version"
+) -> None:
+    """412 unless ``tags`` (from :func:`if_match`) is None, ``*`` or names ``unit``
     ``current``. Call it after locking the row, inside the transaction that writes it."""
     if tags is None or "*" in tags or etag(current) in tags:
         return
     raise ApiError(
         412,
         "precondition_failed",
-        f"{what} is at version {current} now, not the one If-Match names "
+        f"{what} is at {unit} {current} now, not the one If-Match names "
         f"({', '.join(tags) or 'a weak tag'}): it changed since it was read; read it again",
         "If-Match",
         headers={"ETag": etag(current)},

@@ -200,7 +200,7 @@ def _responses(route: Route) -> dict[str, Any]:
         out["409"] = {"description": "conflicts with the current state", "content": err}
     if route.if_match:
         out["412"] = {
-            "description": "If-Match does not name the current version (code "
+            "description": "If-Match does not name the current ETag (code "
             "precondition_failed; nothing changed; the ETag header names the current one)",
             "headers": {"ETag": {"description": route.if_match, "schema": {"type": "string"}}},
             "content": err,

@@ -11,6 +11,10 @@ Invariants:
 - A policy's ETag is its latest version (:func:`services.api.framework.etag`). A PUT, DELETE
   or activation with ``If-Match`` checks it under the policy row's lock, in the transaction
   that writes: a stale tag is a 412 and nothing changes.
+- The active policy's ETag (``/active-policy``) is the policy-state revision, which every
+  change of what routers run bumps (activation, canary steps). ``PUT /active-policy`` with
+  ``If-Match`` checks it under the state row's lock, in the transaction that writes: of two
+  activations over one revision read, one wins and the other is a 412.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ from services.api.publisher import lock_state, open_canary
 from services.api.routes.common import V1, iso, version_history
 
 VERSION_TAG = 'the policy\'s latest version, quoted (`"7"`); a description-only update keeps it'
+REVISION_TAG = (
+    'the policy-state revision, quoted (`"12"`): it moves with every change of what routers run '
+    "(an activation, a canary's start, steps and end; not a pause or resume)"
+)
 
 
 def validate_spec(name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -194,19 +202,27 @@ def routes(ctx: ApiContext) -> list[Route]:
         b: bodies.PolicySpec = r.body
         return {"valid": True, "spec": validate_spec(b.name, b.params)}
 
-    async def activate_policy(r: Req) -> dict[str, Any]:
-        b: bodies.PolicyActivate = r.body
-        expected = if_match(r.request)
+    async def activate(
+        r: Req,
+        name: str,
+        version: int | None,
+        policy_tags: list[str] | None,
+        state_tags: list[str] | None,
+    ) -> dict[str, Any]:
+        """Activate ``version`` (None: the latest) of policy ``name``: with ``policy_tags``
+        only over the policy's latest version read, with ``state_tags`` only over the
+        policy-state revision read (each a 412 when stale, nothing changed)."""
         async with db.transaction() as s:
             c = await open_canary(s)
             if c is not None:
                 raise conflict(f"canary {c.id} is {c.state}; promote or abort it first")
             st = await lock_state(s)
+            check_precondition(state_tags, "the active policy", st.revision, "revision")
             # locked as DELETE locks it (state, then policy): a PUT cannot add the version
             # "latest" means between the check and the activation
-            p = await policy_row(s, r.path["name"], lock=expected is not None)
-            check_precondition(expected, f"policy {p.name!r}", p.latest_version)
-            v = await policy_version(s, p, b.version)
+            p = await policy_row(s, name, lock=policy_tags is not None)
+            check_precondition(policy_tags, f"policy {p.name!r}", p.latest_version)
+            v = await policy_version(s, p, version)
             before = {"name": st.active_name, "version": st.active_version, "revision": st.revision}
             st.active_name, st.active_version, st.active_spec = p.name, v.version, v.spec
             st.revision += 1
@@ -216,11 +232,20 @@ def routes(ctx: ApiContext) -> list[Route]:
         published = await ctx.publisher.publish_current()
         return {**after, "spec": v.spec, "published": published}
 
-    async def active_policy(_r: Req) -> dict[str, Any]:
+    async def activate_policy(r: Req) -> dict[str, Any]:
+        b: bodies.PolicyActivate = r.body
+        return await activate(r, r.path["name"], b.version, if_match(r.request), None)
+
+    async def set_active_policy(r: Req) -> Reply:
+        b: bodies.ActivePolicySet = r.body
+        out = await activate(r, b.name, b.version, None, if_match(r.request))
+        return Reply(out, {"ETag": etag(out["revision"])})
+
+    async def active_policy(_r: Req) -> Reply:
         async with db.session() as s:
             st = (await s.execute(select(PolicyState).where(PolicyState.id == 1))).scalar_one()
             c = await open_canary(s)
-        return {
+        out = {
             "name": st.active_name,
             "version": st.active_version,
             "spec": st.active_spec,
@@ -235,6 +260,7 @@ def routes(ctx: ApiContext) -> list[Route]:
             if c
             else None,
         }
+        return Reply(out, {"ETag": etag(st.revision)})
 
     name_p = {"name": bodies.Name}
     return [
@@ -325,6 +351,28 @@ def routes(ctx: ApiContext) -> list[Route]:
             "versions are immutable).",
         ),
         Route(
-            "GET", f"{V1}/active-policy", active_policy, "the active policy and canary", "policies"
+            "GET",
+            f"{V1}/active-policy",
+            active_policy,
+            "the active policy and canary",
+            "policies",
+            etag=REVISION_TAG,
+        ),
+        Route(
+            "PUT",
+            f"{V1}/active-policy",
+            set_active_policy,
+            "make a policy's version active (routers apply it within 1 s)",
+            "policies",
+            role="admin",
+            body=bodies.ActivePolicySet,
+            etag=REVISION_TAG,
+            if_match=REVISION_TAG,
+            description="`version` defaults to the policy's latest. With `If-Match` (the ETag "
+            "of `GET /api/v1/active-policy`) the activation is made only if what routers run "
+            "is still what was read, else 412 and nothing changes: of two operators who read "
+            "the same state and activate at once, one wins and the other is told. Without it, "
+            "the activation is unconditional. (`POST /api/v1/policies/{name}/activate` is the "
+            "same activation; its `If-Match` names the policy's latest version instead.)",
         ),
     ]
