@@ -8,7 +8,7 @@ is bumped, so the api republishes the notice routers read (a router would refuse
 
 Revision ID: 0004_slo_aware_not_taken
 Revises: 0003_tenants
-Create Date: 2027-02-20 09:00:00.000000
+Create Date: 2026-11-28 19:30:00.000000
 """
 
 from alembic import op
