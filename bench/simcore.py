@@ -327,7 +327,11 @@ def simulate(
         order.clear()
 
     counters = VirtualCounters()
-    holdings = Holdings() if opts.engine_priority or opts.protect_prefill else None
+    holdings = (
+        Holdings(window_s=opts.protect_window_s)
+        if opts.engine_priority or opts.protect_prefill
+        else None
+    )
     room = (
         PrefillRoom(opts.protect_window_s, opts.protect_quantile) if opts.protect_prefill else None
     )
@@ -672,6 +676,8 @@ def simulate(
         if kind == _ARRIVE:
             lv = payload
             lv.result.send_s = t
+            if holdings is not None:  # its tenant is active in the share test
+                holdings.arrived(lv.tenancy.flow, lv.tenancy.weight, t)
             if over_quota(lv, t):
                 continue
             if room is not None and protected(lv):

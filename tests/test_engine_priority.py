@@ -165,31 +165,70 @@ def test_holdings_few_large_requests_against_many_small_ones():
         h.add("light", 1.0, -1)
 
 
+def test_holdings_share_is_among_the_active_tenants():
+    """Live, #40: the heavy tenant alone in flight between the light tenants' short requests
+    was within "its share" of the holders (1/1). A tenant that arrived within the window
+    counts in the division while it holds nothing; it leaves it when its latest arrival is
+    older than the window (as of the next arrival)."""
+    h = Holdings(window_s=10.0)
+    for t, f in enumerate(["heavy", "light0", "light1", "light2"]):
+        h.arrived(f, 1.0, float(t))
+    h.add("heavy", 1.0, 1024)
+    h.add("heavy", 1.0, 1024)  # heavy alone in flight; the light tenants active, idle
+    assert h.idle_weight == 3.0
+    assert h.over_share("heavy", 1.0, 1024)  # 3072/3072 > 1/4
+    assert not h.over_share("light0", 1.0, 256)  # 256/2304 <= 1/4
+    h.add("light0", 1.0, 256)  # now a holder: not counted twice
+    assert h.idle_weight == 2.0 and h.total_weight == 2.0
+    assert not h.over_share("light0", 1.0, 256)  # 512/2560 <= 1/4
+    h.remove("light0", 256)  # idle again, still within its window
+    assert h.idle_weight == 3.0
+    # 20 s later only heavy sends: the light tenants leave the division, heavy is alone
+    h.arrived("heavy", 1.0, 23.0)
+    assert h.idle_weight == 0.0 and list(h.recent) == ["heavy"]
+    assert not h.over_share("heavy", 1.0, 1024)
+    # a tenant's new weight replaces its old one in the division
+    h.arrived("light0", 1.0, 24.0)
+    h.arrived("light0", 3.0, 25.0)
+    assert h.idle_weight == 3.0
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(
         st.tuples(
             st.sampled_from(["a", "b", "c"]),
             st.integers(min_value=0, max_value=5000),
-            st.booleans(),
+            st.sampled_from(["add", "end", "arrive"]),
         ),
         max_size=60,
     )
 )
 def test_holdings_invariant_each_request_releases_what_it_charged(ops):
-    """Any interleaving of dispatches and ends, each end releasing the amount its request was
-    added with: per-flow work and counts are the sums of the requests in flight, never
-    negative, the totals their sums, and everything is zero when nothing is in flight."""
+    """Any interleaving of arrivals, dispatches and ends, each end releasing the amount its
+    request was added with: per-flow work and counts are the sums of the requests in flight,
+    never negative, the totals their sums, and everything is zero when nothing is in flight;
+    the idle weight is the weight of the flows active within the window holding nothing."""
     weights = {"a": 1.0, "b": 2.0, "c": 0.5}
-    h = Holdings()
+    h = Holdings(window_s=3.0)
     inflight: list[tuple[str, int]] = []
-    for flow, work, end in ops:
-        if end and inflight:
+    last: dict[str, float] = {}
+    now = 0.0
+    for flow, work, op in ops:
+        if op == "end" and inflight:
             f, w = inflight.pop(work % len(inflight))  # not necessarily the oldest
             h.remove(f, w)
+        elif op == "arrive":
+            now += work % 3  # 0-2 s later
+            h.arrived(flow, weights[flow], now)
+            last[flow] = now
         else:
             h.add(flow, weights[flow], work)
             inflight.append((flow, work))
+        active = {f for f, t in last.items() if now - t <= 3.0}
+        assert set(h.recent) == active
+        idle = sum(weights[f] for f in active if f not in h.count)
+        assert h.idle_weight == pytest.approx(idle)
         for f in weights:
             mine = [w for g, w in inflight if g == f]
             assert h.count.get(f, 0) == len(mine)

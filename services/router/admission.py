@@ -103,9 +103,10 @@ class Admission:
         # asked again at every wake-up, as the simulator does: the tenant's work in flight
         # changes while it waits (a request that arrived over its share is under it once its
         # tenant's other requests end)
-        prot = room is not None and (
-            fc.arrived(ten, n_prompt, time.monotonic()) if first else fc.protected(ten, n_prompt)
-        )
+        if first:
+            prot = fc.arrived(ten, n_prompt, time.monotonic())
+        else:
+            prot = room is not None and fc.protected(ten, n_prompt)
         me: _Waiter | None = None
         last: Decision | None = None  # its last decision (why it waits)
         tr = ctx.trace  # services.router.trace (None: not traced)

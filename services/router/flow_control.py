@@ -88,7 +88,11 @@ class FlowControl:
         protect_quantile: float | None = None,
     ) -> None:
         # holdings: who is over its share (engine priority's +1, the prefill room's protected)
-        self.holdings = Holdings() if engine_priority or protect_quantile is not None else None
+        self.holdings = (
+            Holdings(window_s=DEFAULT_WINDOW_S)
+            if engine_priority or protect_quantile is not None
+            else None
+        )
         self.engine_priority = engine_priority
         # --protect-prefill: the room kept free of best-effort prompt work (None: off)
         self.room = (
@@ -154,8 +158,11 @@ class FlowControl:
         )
 
     def arrived(self, tenancy: RequestTenancy, prompt_tokens: int, now: float) -> bool:
-        """A request arrives (not a retry): with the room on, counts a protected one's prompt
-        in the protected load. Returns whether it is protected (False: room off)."""
+        """A request arrives (not a retry): its tenant is active in the holdings' share test;
+        with the room on, a protected one's prompt counts in the protected load. Returns
+        whether it is protected (False: room off)."""
+        if self.holdings is not None:
+            self.holdings.arrived(tenancy.flow, tenancy.weight, now)
         if self.room is None or not self.protected(tenancy, prompt_tokens):
             return False
         self.room.arrived(now, protected_prompt_s(self.prefill_coef, prompt_tokens, PROMPT_BUDGET))

@@ -25,14 +25,24 @@ not by how many requests: a burst of short requests stays under its share while 
 tenant holds most of the slots' work. The same test decides who the prefill room protects
 (services/core/flow/prefill_room.py).
 
+Whose share: the tenants *active* now, those holding work in flight and those that sent a
+request within the last ``window_s`` seconds (the prefill room's window). Counted over the
+holders alone, a tenant far above its share is "within" it whenever the others happen to
+have nothing in flight (live, 2 workers: a heavy tenant at 10x its share, alone in flight
+between the light tenants' short requests, was protected by the prefill room most of the
+time); a tenant that sends keeps its place in the division between its requests.
+
 Invariants: a flow is held while it has a dispatched, not yet ended request; its work is the
 sum of those requests' charges, never negative, and a flow's last request releases what it
 holds (so holdings are empty, total 0, when nothing is in flight); ``total_work`` is the sum
-over the flows, ``total_weight`` the sum of the held flows' weights.
+over the flows, ``total_weight`` the sum of the held flows' weights; ``idle_weight`` the sum
+of the weights of the flows that arrived within the window (as of the latest arrival) and
+hold nothing.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 BAND_STEP = 20
@@ -46,22 +56,47 @@ def engine_priority(band_rank: int, over_share: bool) -> int:
 @dataclass(slots=True)
 class Holdings:
     """Work in flight per flow (the prompt tokens of the router's dispatched, not yet ended
-    requests), how many requests hold it, and the held flows' weights."""
+    requests), how many requests hold it, the held flows' weights, and the flows that arrived
+    within ``window_s`` (active while they hold nothing)."""
 
     work: dict[str, int] = field(default_factory=dict)
     count: dict[str, int] = field(default_factory=dict)
     weight: dict[str, float] = field(default_factory=dict)
     total_work: int = 0
     total_weight: float = 0.0
+    window_s: float = 10.0
+    # flow -> (its weight, its latest arrival), oldest arrival first
+    recent: OrderedDict[str, tuple[float, float]] = field(default_factory=OrderedDict)
+    idle_weight: float = 0.0
 
     def over_share(self, flow: str, weight: float, work: int) -> bool:
         """Would ``flow``, with one more request of ``work`` in flight, hold more than its
-        weighted share of the work in flight (its weight over the weights of the flows
-        holding any)?"""
+        weighted share of the work in flight (its weight over the weights of the active
+        flows: holding any, or arrived within the window)?"""
         mine = self.work.get(flow, 0)
-        weights = self.total_weight + (0.0 if flow in self.count else weight)
+        weights = self.total_weight + self.idle_weight
+        if flow not in self.count and flow not in self.recent:
+            weights += weight
         # (mine + work) / (total + work) > weight / weights, without dividing
         return (mine + work) * weights > weight * (self.total_work + work)
+
+    def arrived(self, flow: str, weight: float, now: float) -> None:
+        """A request of ``flow`` arrived at ``now``: it is active for ``window_s``. Flows
+        whose latest arrival is older leave the active set (amortised O(1))."""
+        recent = self.recent
+        while recent:
+            old, (w, t) = next(iter(recent.items()))
+            if now - t <= self.window_s:
+                break
+            del recent[old]
+            if old not in self.count:
+                self.idle_weight -= w
+        prev = recent.pop(flow, None)
+        recent[flow] = (weight, now)
+        if flow not in self.count:
+            self.idle_weight += weight - (prev[0] if prev is not None else 0.0)
+        if not recent and not self.count:
+            self.idle_weight = 0.0
 
     def add(self, flow: str, weight: float, work: int) -> None:
         """A request of ``flow`` holding ``work`` (>= 0) was dispatched."""
@@ -71,6 +106,9 @@ class Holdings:
         if not n:
             self.weight[flow] = weight
             self.total_weight += weight
+            r = self.recent.get(flow)
+            if r is not None:  # active while idle: now a holder
+                self.idle_weight -= r[0]
         self.count[flow] = n + 1
         self.work[flow] = self.work.get(flow, 0) + work
         self.total_work += work
@@ -86,9 +124,13 @@ class Holdings:
             self.total_work -= mine
             del self.count[flow], self.work[flow]
             self.total_weight -= self.weight.pop(flow)
+            r = self.recent.get(flow)
+            if r is not None:  # still active: idle now
+                self.idle_weight += r[0]
             if not self.count:
                 self.total_weight = 0.0  # no drift from float sums
                 self.total_work = 0
+                self.idle_weight = sum(w for w, _ in self.recent.values())
         else:
             w = min(max(work, 0), mine)
             self.count[flow] = n - 1
