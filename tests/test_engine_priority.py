@@ -173,6 +173,8 @@ def test_holdings_share_is_among_the_active_tenants():
     h = Holdings(window_s=10.0)
     for t, f in enumerate(["heavy", "light0", "light1", "light2"]):
         h.arrived(f, 1.0, float(t))
+    # nothing in flight: a lone request is not over its quarter (holding nothing, never)
+    assert not h.over_share("heavy", 1.0, 1024)
     h.add("heavy", 1.0, 1024)
     h.add("heavy", 1.0, 1024)  # heavy alone in flight; the light tenants active, idle
     assert h.idle_weight == 3.0

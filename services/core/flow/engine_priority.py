@@ -72,8 +72,12 @@ class Holdings:
     def over_share(self, flow: str, weight: float, work: int) -> bool:
         """Would ``flow``, with one more request of ``work`` in flight, hold more than its
         weighted share of the work in flight (its weight over the weights of the active
-        flows: holding any, or arrived within the window)?"""
+        flows: holding any, or arrived within the window)? Never while it holds nothing:
+        divided among the active tenants, a lone request on an idle fleet would otherwise be
+        over its share."""
         mine = self.work.get(flow, 0)
+        if not mine:
+            return False  # holding nothing, no tenant is over its share (an idle fleet's too)
         weights = self.total_weight + self.idle_weight
         if flow not in self.count and flow not in self.recent:
             weights += weight
