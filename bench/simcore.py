@@ -155,7 +155,8 @@ class SimRun:
     roles: dict[str, str] = field(default_factory=dict)  # worker -> role
     dispatched_at: dict[str, float] = field(default_factory=dict)  # request id -> when sent
     # request id -> the router's view when it was sent: (times the prefill room held it, prompt
-    # tokens its worker had still to compute, workers computing a prompt); runs with tenants or the prefill room only
+    # tokens its worker had still to compute, workers computing a prompt); recorded only in
+    # runs with tenants or the prefill room
     sent_into: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 

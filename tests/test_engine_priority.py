@@ -125,7 +125,7 @@ def test_holdings_over_share_worked_by_hand():
     h.add("light", 1.0, 100)  # heavy 300, light 100; weights 1 + 1
     assert h.over_share("heavy", 1.0, 100)  # 400/500 > 1/2
     assert not h.over_share("light", 1.0, 100)  # 200/500 <= 1/2
-    assert not h.over_share("new", 1.0, 100)  # 100/500 <= 1/3 (its weight joins the sum)
+    assert not h.over_share("new", 1.0, 100)  # it holds nothing: never over its share
     h.add("b", 2.0, 100)  # heavy 300, light 100, b 100 (weight 2): total 500, weights 4
     assert not h.over_share("b", 2.0, 100)  # 200/600 <= 2/4
     assert h.over_share("heavy", 1.0, 100)  # 400/600 > 1/4

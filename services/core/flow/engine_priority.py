@@ -78,9 +78,8 @@ class Holdings:
         mine = self.work.get(flow, 0)
         if not mine:
             return False  # holding nothing, no tenant is over its share (an idle fleet's too)
+        # it holds work, so its weight is in total_weight already
         weights = self.total_weight + self.idle_weight
-        if flow not in self.count and flow not in self.recent:
-            weights += weight
         # (mine + work) / (total + work) > weight / weights, without dividing
         return (mine + work) * weights > weight * (self.total_work + work)
 
