@@ -36,6 +36,21 @@ on a decoder with slack to spare in full, and 100 lost goodput steps on Mooncake
 (docs/benchmarks.md). ``max_tokens`` stands for the answer's length; requests that leave it
 unset count as the router assumes them.
 
+**Conversations** (``conversation_weight``, 0 = off by default; ``conversation_window_s``).
+Every term above prices the request at hand. A request that starts a new prefix (no candidate
+holds ``hot_min_blocks`` of it) also decides where that prefix's later requests go: a chat's
+next turns follow it, and the worker's load then is its conversations' turns, which the queue
+and in-flight counts do not show while those conversations are between turns (a worker whose
+conversations all just finished a turn looks idle, and new ones pile onto it, their turns
+arriving together). With the weight > 0 such a request also pays ``conversation_weight`` x the
+worker's recent work (:class:`~services.core.policy.recent_work.RecentWork`): the uncached
+prompt tokens this policy sent there within the last ``conversation_window_s``, a request that
+continued a prefix only that worker holds counted in full and one that started a prefix x the
+window's share of continuations, so a fleet without reuse (every request a start) carries none.
+It evens out conversations, at a cost where recent work says nothing of what comes next
+(docs/benchmarks.md: the multi-turn TTFT p99 falls, a Mooncake window's rises), hence off by
+default. ``slo_aware`` does not take it (its cost is in seconds).
+
 **Prefill clock.** ``pending_prefill_tokens`` (the router's count of uncached prompt tokens of
 requests without a first token) drops only at the first token, so a worker that is 90% through
 a 2 s cold prefill looks as busy as one that just started it. With a clock (``snapshot.now``,
@@ -142,6 +157,7 @@ from services.core.policy.base import PolicyImpl, PolicyState, register
 from services.core.policy.builtin import kv_fast
 from services.core.policy.demand import ColdEntry, Demand, HolderDemand
 from services.core.policy.prefill_clock import PrefillClock
+from services.core.policy.recent_work import RecentWork
 from services.core.policy.types import (
     ClusterSnapshot,
     RequestInfo,
@@ -195,6 +211,20 @@ class KvAware(PolicyImpl):
             "fractions of their SLO, but 25 measured best (docs/benchmarks.md); 0 = off",
             25.0,
         ),
+        "conversation_weight": _num(
+            "weight, in prefill tokens per token, of the prompt work sent to a worker within "
+            "the last conversation_window_s, added to the cost of a request that starts a new "
+            "prefix there (a conversation's later turns follow its first); a request that "
+            "started a prefix counts x the recent share of requests that continued one; "
+            "0 = off",
+            0.0,
+        ),
+        "conversation_window_s": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "default": 10.0,
+            "description": "seconds of recent work conversation_weight counts",
+        },
         "hot_min_blocks": _int("matched blocks from which the hot-prefix rule applies", 2),
         "spread_margin": _int(
             "holders' in-flight excess over the least loaded that spreads a prefix whose "
@@ -401,6 +431,9 @@ class KvAware(PolicyImpl):
 
     def pick(self, costs: dict[str, float], state: PolicyState) -> str:
         wid = super().pick(costs, state)
+        conv = state.extra.pop("kv_aware_conv", None)
+        if conv is not None and conv[0] in (None, wid):
+            state.extra["kv_aware_recent"].record(state.now, wid, max(0, conv[1]), conv[0] == wid)
         last = state.extra.pop("kv_aware_last", None)
         leaders = state.extra.pop("kv_aware_leaders", None)
         disp = state.extra.pop("kv_aware_dispatch", None)
@@ -662,7 +695,40 @@ class KvAware(PolicyImpl):
                 worker_cost(req, w, queued, prompt - cached if cached < prompt else 0, state)
                 - aw * age
             )
+        if self.p.get("conversation_weight", 0.0) > 0.0:  # (slo_aware has no such term)
+            self._conversation(cands, ovs, prompt, out, state)
         return out
+
+    def _conversation(
+        self,
+        cands: list[WorkerState],
+        ovs: list[int],
+        prompt: int,
+        out: dict[str, float],
+        state: PolicyState,
+    ) -> None:
+        """The conversation term (module docstring): a request that starts a new prefix pays
+        ``conversation_weight`` x each worker's recent work; leaves for :meth:`pick` what to
+        record (a start, or a continuation when exactly one worker holds the prefix)."""
+        recent = state.extra.get("kv_aware_recent")
+        if recent is None or recent.window_s != self.p["conversation_window_s"]:
+            recent = state.extra["kv_aware_recent"] = RecentWork(self.p["conversation_window_s"])
+        recent.expire(state.now)
+        best = max(ovs)
+        if best >= self.p["hot_min_blocks"]:
+            holders = [w for w, o in zip(cands, ovs, strict=True) if o == best]
+            if len(holders) == 1:
+                w = holders[0]
+                uncached = max(0, prompt - best * w.capacity.block_size)
+                state.extra["kv_aware_conv"] = (w.worker_id, uncached)
+            return
+        state.extra["kv_aware_conv"] = (None, prompt - best * cands[0].capacity.block_size)
+        cw = self.p["conversation_weight"]
+        work = recent.work
+        for w in cands:
+            load = work.get(w.worker_id)
+            if load:
+                out[w.worker_id] += cw * load
 
     def fast_costs(
         self,
@@ -678,6 +744,7 @@ class KvAware(PolicyImpl):
         if (
             type(self).costs is not KvAware.costs
             or type(self)._worker_cost is not KvAware._worker_cost
+            or self.p.get("conversation_weight", 0.0) > 0.0  # a pass over every worker's work
         ):
             return None
         return kv_fast.fast_costs(self, req, snapshot, overlaps, state, filtered)

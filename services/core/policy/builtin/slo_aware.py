@@ -38,7 +38,8 @@ routed-prefix memory (``routed_ttl``), followers of a
 prefix still being computed are held (``hold_followers``), and hot prefixes are replicated
 (``replicate``) or spread by its demand rules (``decode_weight`` orders the replicas' targets
 there, as in ``kv_aware``). ``kv_aware``'s cost terms (``uncached_weight``,
-``kv_pressure_weight``, ``stall_tpot_weight``) have no place in this cost: a spec naming one is
+``kv_pressure_weight``, ``stall_tpot_weight``, ``conversation_weight`` and its window) have no
+place in this cost: a spec naming one is
 refused (:attr:`SloAware.NOT_TAKEN`).
 
 Calibration: one :class:`~services.core.latency.LatencyModel` per worker, starting from the
@@ -75,6 +76,10 @@ NOT_TAKEN = {
     "kv_pressure_weight": "kv_aware's KV-usage term; slo_aware's cost has none",
     "stall_tpot_weight": "kv_aware's price of the TPOT a prefill stall adds; slo_aware "
     "prices the stall with imposed_weight and holds TPOT to slo_tpot_ms",
+    "conversation_weight": "kv_aware's price, in prefill tokens, of a worker's recent work for "
+    "a request that starts a prefix; slo_aware's cost is in seconds and has no such term",
+    "conversation_window_s": "the window of kv_aware's conversation_weight, which slo_aware "
+    "does not take",
 }
 
 
