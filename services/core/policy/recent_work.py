@@ -2,9 +2,10 @@
 conversation term reads it: a worker whose conversations are between turns looks idle to the
 queue and in-flight counts, but their next turns will come back to it.
 
-Pure state, no I/O. Invariant: ``work.get(w, 0)`` is the sum of the tokens of the window's entries
-for ``w`` (to within float rounding), and ``starts`` / ``continued`` count the window's entries of each kind; entries leave the
-window ``window_s`` seconds after they were recorded (at the next :meth:`expire`).
+Pure state, no I/O. Invariant: ``work.get(w, 0)`` is the sum of the tokens of the window's
+entries for ``w`` (to within float rounding), and ``starts`` / ``continued`` count the window's
+entries of each kind; entries leave the window ``window_s`` seconds after they were recorded (at
+the next :meth:`expire`).
 """
 
 from __future__ import annotations
