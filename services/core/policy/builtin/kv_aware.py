@@ -6,6 +6,7 @@
             + kv_pressure_weight * kv_usage(w)
             + imposed_weight * decoding(w) * prefill(w) / prefill_token_s   # the stall it imposes
             + stall_tpot_weight * gaps(w) * prefill(w) / prefill_token_s    # the TPOT that adds
+            + conversation_weight * recent_work(w)   # only a request that starts a prefix
 
 ``inflight`` is the snapshot's global figure (every router replica).
 
