@@ -711,6 +711,7 @@ class KvAware(PolicyImpl):
         """The conversation term (module docstring): a request that starts a new prefix pays
         ``conversation_weight`` x each worker's recent work; leaves for :meth:`pick` what to
         record (a start, or a continuation when exactly one worker holds the prefix)."""
+        state.extra.pop("kv_aware_conv", None)  # (a decision that was never picked)
         recent = state.extra.get("kv_aware_recent")
         if recent is None or recent.window_s != self.p["conversation_window_s"]:
             recent = state.extra["kv_aware_recent"] = RecentWork(self.p["conversation_window_s"])
