@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from bench.report import markdown, new_report, write_report
 from bench.scrape import delta, router_actions, router_reuse, scrape_all, scrape_router
 from bench.stack import EXTERNAL_ROUTERS, BenchStack, external_available, http_json
 from bench.workloads import Workload, infinite_cache_hit_rate
+from services.router.stall import OPTIONS as STALL_OPTIONS
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -121,6 +123,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ready-timeout", type=float, default=90.0, help="seconds to wait for the processes"
     )
     add_output_arguments(parser, "bench")
+
+
+def stretched_router_args(router_arg: list[str], speedup: float) -> list[str]:
+    """The router's arguments for simulated workers at ``speedup``: below 1 their engine steps
+    take 1 / speedup times as long as the engine model the router predicts them by, so the
+    stall detector's bounds (``--stall-factor`` x the predicted gap, ``--stall-min-s``) are
+    stretched by as much, unless given in ``router_arg`` or the environment. Without this, a
+    step that computes a long prompt beside the decoders (several seconds at ``--speedup 0.1``)
+    reads as a hung worker: its streams are moved and the worker is shunned, until none is left
+    to route to."""
+    args = list(router_arg)
+    if speedup >= 1.0:
+        return args
+    given = {a.split("=", 1)[0] for a in args}
+    for opt in STALL_OPTIONS:
+        if opt.cli_flag not in given and opt.env_var not in os.environ:
+            args.append(f"{opt.cli_flag}={opt.default / speedup:g}")
+    return args
 
 
 def _externals(spec: str) -> list[str]:
@@ -256,7 +276,7 @@ def main(args: argparse.Namespace) -> int:
                 workdir=Path(out_dir),
                 num_workers=args.workers,
                 sim_args=sim_args,
-                router_args=args.router_arg,
+                router_args=stretched_router_args(args.router_arg, args.speedup),
                 nats_url=args.nats_url,
                 ready_timeout=args.ready_timeout,
                 telemetry_interval=args.telemetry_interval,

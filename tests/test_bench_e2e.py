@@ -78,3 +78,40 @@ def test_bench_two_workers_two_policies(tmp_path, nats_url, capsys):
     for f in ("results.md", "ttft_cdf.png", "worker_load.png", "hit_rate.png", "requests.json"):
         assert (out / f).stat().st_size > 0
     assert "| `prefix` |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_slowed_workers_do_not_read_as_stalled(tmp_path, nats_url):
+    """Regression: at ``--speedup 0.05`` a long prompt's prefill step beside a decoding stream
+    takes seconds (8,000 tokens: ~6 s of wall clock here), past the router's stall bound for
+    an engine at full speed (2 s), so the stream was "stalled", moved, and with one worker
+    failed. ``kvgate bench`` stretches the router's stall bounds by 1 / speedup."""
+    trace = tmp_path / "trace.csv"
+    # a short request that decodes for ~9 s of wall clock, and a long prompt 0.5 s later
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:00:00.0000000,100,60\n"
+        "2023-11-16 18:00:00.5000000,8000,4\n"
+    )
+    args = ["bench", "-w", "azure", "--trace", str(trace), "-n", "1", "--speedup", "0.05"]
+    args += ["--policies", "round_robin", "--external", "none", "--nats-url", nats_url]
+    args += ["--out-dir", str(tmp_path), "--name", "slow", "--no-progress", "--timeout", "60"]
+    assert kvgate(args) == 0
+    data = json.loads((tmp_path / "slow" / "results.json").read_text())
+    s = data["runs"][0]["summary"]
+    assert (s["completed"], s["errors"], s["timeouts"]) == (2, 0, 0)
+    # the short request's stream did wait out the long prefill step (the case under test)
+    assert max(s["itl_s"]["max"], 0) > 2.0
+
+
+def test_stretched_router_args_keep_what_the_user_gave(monkeypatch):
+    from bench.cli import stretched_router_args
+
+    monkeypatch.delenv("KVGATE_ROUTER_STALL_FACTOR", raising=False)
+    monkeypatch.delenv("KVGATE_ROUTER_STALL_MIN_S", raising=False)
+    assert stretched_router_args(["--x=1"], 1.0) == ["--x=1"]
+    assert stretched_router_args([], 0.1) == ["--stall-factor=200", "--stall-min-s=20"]
+    given = ["--stall-min-s=5"]
+    assert stretched_router_args(given, 0.05) == ["--stall-min-s=5", "--stall-factor=400"]
+    monkeypatch.setenv("KVGATE_ROUTER_STALL_FACTOR", "0")
+    assert stretched_router_args([], 0.5) == ["--stall-min-s=4"]
