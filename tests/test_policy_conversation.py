@@ -1,6 +1,7 @@
 """``kv_aware``'s conversation term (``conversation_weight``): a request that starts a new
-prefix pays for each worker's recent prompt work, a next turn's counted in full and a start's
-by the window's share of next turns (services/core/policy/recent_work.py). Worked by hand."""
+prefix pays, per later turn it can be expected to bring (``s / (1 - s)`` for the window's share
+``s`` of next turns), for each worker's recent prompt work, a next turn's counted in full and a
+start's x ``s`` (services/core/policy/recent_work.py). Worked by hand."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from services.core.policy import (
     build_policy,
     decide,
 )
-from services.core.policy.recent_work import RecentWork
+from services.core.policy.recent_work import MAX_TURNS_AHEAD, RecentWork
 
 BS = 16
 CAP = Capacity(block_size=BS, num_gpu_blocks=100_000, max_num_seqs=256, max_model_len=65536)
@@ -46,13 +47,31 @@ def test_recent_work_counts_a_start_by_the_share_of_next_turns_and_forgets_after
     assert rw.work == {} and (rw.starts, rw.continued) == (0, 0)
 
 
+def test_turns_ahead_is_the_geometric_count_of_later_requests():
+    rw = RecentWork(10.0)
+    assert rw.turns_ahead() == 0.0  # nothing seen: no conversation expected
+    rw.record(0.0, "w0", 100, continued=False)
+    assert rw.turns_ahead() == 0.0  # starts only: nothing comes back
+    rw.record(0.0, "w0", 100, continued=True)
+    rw.record(0.0, "w0", 100, continued=True)
+    assert rw.turns_ahead() == pytest.approx(2.0)  # s = 2/3: s / (1 - s)
+    rw.expire(10.5)
+    rw.record(11.0, "w0", 100, continued=True)
+    assert rw.turns_ahead() == MAX_TURNS_AHEAD  # continuations only: bounded
+
+
 def test_a_new_conversation_goes_where_fewer_conversations_are_between_turns():
-    # w0 idle, w1 with 100 prompt tokens queued. w0 just served two next turns (1,000 uncached
-    # tokens each, continuing prefixes only it holds); then a new conversation starts (3,000
-    # tokens, no holder). Without the term it goes to w0 (100 tokens cheaper); with
-    # conversation_weight 0.5 it pays 0.5 x 2,000 on w0 and goes to w1 (900 cheaper)
+    # w0 idle, w1 with 100 prompt tokens queued. A conversation starts (to w0, the cheaper,
+    # the window empty), then w0 serves two next turns (1,000 uncached tokens each, continuing
+    # prefixes only it holds); then a new conversation starts (3,000 tokens, no holder). The
+    # window: 1 start, 2 continuations (s = 2/3, 2 turns ahead), w0's recent work 2,000 (the
+    # start counted x 0, the share when it came). Without the term the new one goes to w0 (100
+    # tokens cheaper); with conversation_weight 0.25 it pays 0.25 x 2 x 2,000 on w0 and goes
+    # to w1 (900 cheaper)
     def run(weight: float) -> tuple[str, dict[str, float]]:
         pol = build_policy({"name": "kv_aware", "params": {**PLAIN, "conversation_weight": weight}})
+        first = decide(pol, RequestInfo("c0", "m", 3000, 20), _snap(0.5, 100), {"w0": 0, "w1": 0})
+        assert first.worker_id == "w0"
         for i, t in enumerate((1.0, 2.0)):
             d = decide(
                 pol,
@@ -67,9 +86,9 @@ def test_a_new_conversation_goes_where_fewer_conversations_are_between_turns():
     # (abs 0.5: the tie-break by queue age moves a cost by at most 0.1)
     wid, scores = run(0.0)
     assert wid == "w0" and scores["w1"] - scores["w0"] == pytest.approx(100.0, abs=0.5)
-    wid, scores = run(0.5)
+    wid, scores = run(0.25)
     assert wid == "w1"
-    assert scores["w0"] - scores["w1"] == pytest.approx(0.5 * 2000.0 - 100.0, abs=0.5)
+    assert scores["w0"] - scores["w1"] == pytest.approx(0.25 * 2 * 2000.0 - 100.0, abs=0.5)
 
 
 def test_a_next_turn_pays_nothing_and_old_work_is_forgotten():

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+MAX_TURNS_AHEAD = 99.0  # RecentWork.turns_ahead's bound (a share of continuations of 0.99)
+
 
 @dataclass(slots=True)
 class RecentWork:
@@ -49,6 +51,13 @@ class RecentWork:
         """The window's continuations over its requests (0 for an empty window)."""
         n = self.starts + self.continued
         return self.continued / n if n else 0.0
+
+    def turns_ahead(self) -> float:
+        """How many more requests a prefix started now can be expected to bring: if each
+        request is continued with the window's share ``s`` of continuations, ``s / (1 - s)``
+        (geometric; at most ``MAX_TURNS_AHEAD``, for a window of continuations only)."""
+        s = self.continued_share()
+        return min(s / (1.0 - s), MAX_TURNS_AHEAD) if s < 1.0 else MAX_TURNS_AHEAD
 
     def record(self, now: float, wid: str, uncached: int, continued: bool) -> None:
         """A request sent to ``wid`` with ``uncached`` prompt tokens to compute there."""

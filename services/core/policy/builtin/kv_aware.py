@@ -6,7 +6,7 @@
             + kv_pressure_weight * kv_usage(w)
             + imposed_weight * decoding(w) * prefill(w) / prefill_token_s   # the stall it imposes
             + stall_tpot_weight * gaps(w) * prefill(w) / prefill_token_s    # the TPOT that adds
-            + conversation_weight * recent_work(w)   # only a request that starts a prefix
+            + conversation_weight * turns_ahead * recent_work(w)   # a request starting a prefix
 
 ``inflight`` is the snapshot's global figure (every router replica).
 
@@ -37,20 +37,26 @@ on a decoder with slack to spare in full, and 100 lost goodput steps on Mooncake
 (docs/benchmarks.md). ``max_tokens`` stands for the answer's length; requests that leave it
 unset count as the router assumes them.
 
-**Conversations** (``conversation_weight``, 0 = off by default; ``conversation_window_s``).
-Every term above prices the request at hand. A request that starts a new prefix (no candidate
-holds ``hot_min_blocks`` of it) also decides where that prefix's later requests go: a chat's
-next turns follow it, and the worker's load then is its conversations' turns, which the queue
-and in-flight counts do not show while those conversations are between turns (a worker whose
+**Conversations** (``conversation_weight``, off by default, 0.15 measured best;
+``conversation_window_s``, 10 s). Every term
+above prices the request at hand. A request that starts a new prefix (no candidate holds
+``hot_min_blocks`` of it) also decides where that prefix's later requests go: a chat's next
+turns follow it, and the worker's load then is its conversations' turns, which the queue and
+in-flight counts do not show while those conversations are between turns (a worker whose
 conversations all just finished a turn looks idle, and new ones pile onto it, their turns
-arriving together). With the weight > 0 such a request also pays ``conversation_weight`` x the
-worker's recent work (:class:`~services.core.policy.recent_work.RecentWork`): the uncached
+arriving together). Such a request also pays, per worker,
+``conversation_weight x turns_ahead x recent_work(w)``
+(:class:`~services.core.policy.recent_work.RecentWork`): ``recent_work(w)`` is the uncached
 prompt tokens this policy sent there within the last ``conversation_window_s``, a request that
 continued a prefix only that worker holds counted in full and one that started a prefix x the
-window's share of continuations, so a fleet without reuse (every request a start) carries none.
-It evens out conversations, at a cost where recent work says nothing of what comes next
-(docs/benchmarks.md: the multi-turn TTFT p99 falls, a Mooncake window's rises), hence off by
-default. ``slo_aware`` does not take it (its cost is in seconds).
+window's share ``s`` of continuations; ``turns_ahead = s / (1 - s)`` is how many later requests
+the new prefix can be expected to bring (each continued with probability ``s``). A fleet
+without reuse (``s`` = 0) carries none; on chat traffic (``s`` ~ 7/8) a new conversation weighs
+its seven turns, on a trace whose prompts come back less often it weighs little
+(docs/benchmarks.md: the multi-turn TTFT p99 falls 9-21 %, Mooncake within 2 % at 8 workers).
+Off by default until the large-fleet path (:mod:`kv_fast`) carries it: with it on, fleets of
+``FAST_MIN_WORKERS`` and more take the full loop. ``slo_aware`` does not take it (its cost is in
+seconds).
 
 **Prefill clock.** ``pending_prefill_tokens`` (the router's count of uncached prompt tokens of
 requests without a first token) drops only at the first token, so a worker that is 90% through
@@ -213,11 +219,12 @@ class KvAware(PolicyImpl):
             25.0,
         ),
         "conversation_weight": _num(
-            "weight, in prefill tokens per token, of the prompt work sent to a worker within "
-            "the last conversation_window_s, added to the cost of a request that starts a new "
-            "prefix there (a conversation's later turns follow its first); a request that "
-            "started a prefix counts x the recent share of requests that continued one; "
-            "0 = off",
+            "weight, in prefill tokens per token and per expected later turn, of the prompt "
+            "work sent to a worker within the last conversation_window_s, added to the cost of "
+            "a request that starts a new prefix there (its conversation's later turns follow "
+            "it); later turns expected = s / (1 - s) for the recent share s of requests that "
+            "continued a prefix, and a request that started one counts x s; 0 = off (0.15 "
+            "measured best, docs/benchmarks.md)",
             0.0,
         ),
         "conversation_window_s": {
@@ -725,7 +732,10 @@ class KvAware(PolicyImpl):
                 state.extra["kv_aware_conv"] = (w.worker_id, uncached)
             return
         state.extra["kv_aware_conv"] = (None, prompt - best * cands[0].capacity.block_size)
-        cw = self.p["conversation_weight"]
+        # the price of the worker's conversations, per turn this new one is expected to bring
+        cw = self.p["conversation_weight"] * recent.turns_ahead()
+        if cw <= 0.0:
+            return
         work = recent.work
         for w in cands:
             load = work.get(w.worker_id)
