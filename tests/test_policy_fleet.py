@@ -203,12 +203,22 @@ def test_fast_path_with_the_tpot_the_stall_adds(seq, roomy) -> None:
     _run(seq, {"name": "kv_aware", "params": {"stall_tpot_weight": 25.0}}, roomy=roomy)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.booleans())
+def test_fast_path_with_the_conversation_term(seq, roomy) -> None:
+    # the conversation term: >= 0, added to the workers scored (a request that starts a
+    # prefix); a short window so that the clock's steps expire some of it
+    params = {"conversation_weight": 0.15, "conversation_window_s": 0.5}
+    _run(seq, {"name": "kv_aware", "params": params}, roomy=roomy)
+
+
 @pytest.mark.parametrize(
     ("name", "params"),
     [
         ("kv_aware", {}),
         ("kv_aware", {"imposed_weight": 1.0}),
         ("kv_aware", {"stall_tpot_weight": 25.0}),
+        ("kv_aware", {"conversation_weight": 0.15, "conversation_window_s": 0.5}),
         ("slo_aware", {}),
     ],
 )

@@ -54,9 +54,8 @@ the new prefix can be expected to bring (each continued with probability ``s``).
 without reuse (``s`` = 0) carries none; on chat traffic (``s`` ~ 7/8) a new conversation weighs
 its seven turns, on a trace whose prompts come back less often it weighs little
 (docs/benchmarks.md: the multi-turn TTFT p99 falls 9-21 %, Mooncake within 2 % at 8 workers).
-Off by default until the large-fleet path (:mod:`kv_fast`) carries it: with it on, fleets of
-``FAST_MIN_WORKERS`` and more take the full loop. ``slo_aware`` does not take it (its cost is in
-seconds).
+The large-fleet path adds it to the workers it scores (it is >= 0, so their bounds stay lower
+bounds). ``slo_aware`` does not take it (its cost is in seconds).
 
 **Prefill clock.** ``pending_prefill_tokens`` (the router's count of uncached prompt tokens of
 requests without a first token) drops only at the first token, so a worker that is 90% through
@@ -441,7 +440,7 @@ class KvAware(PolicyImpl):
         wid = super().pick(costs, state)
         conv = state.extra.pop("kv_aware_conv", None)
         if conv is not None and conv[0] in (None, wid):
-            state.extra["kv_aware_recent"].record(state.now, wid, max(0, conv[1]), conv[0] == wid)
+            state.extra["kv_aware_recent"].record(state.now, wid, conv[1], conv[0] == wid)
         last = state.extra.pop("kv_aware_last", None)
         leaders = state.extra.pop("kv_aware_leaders", None)
         disp = state.extra.pop("kv_aware_dispatch", None)
@@ -704,43 +703,38 @@ class KvAware(PolicyImpl):
                 - aw * age
             )
         if self.p.get("conversation_weight", 0.0) > 0.0:  # (slo_aware has no such term)
-            self._conversation(cands, ovs, prompt, out, state)
+            best = max(ovs)
+            holders = [w.worker_id for w, o in zip(cands, ovs, strict=True) if o == best]
+            conv = self._conversation(best, holders, prompt, cands[0].capacity.block_size, state)
+            if conv is not None:
+                cw, work = conv
+                for wid, load in work.items():
+                    if wid in out:
+                        out[wid] += cw * load
         return out
 
     def _conversation(
-        self,
-        cands: list[WorkerState],
-        ovs: list[int],
-        prompt: int,
-        out: dict[str, float],
-        state: PolicyState,
-    ) -> None:
-        """The conversation term (module docstring): a request that starts a new prefix pays
-        ``conversation_weight`` x each worker's recent work; leaves for :meth:`pick` what to
-        record (a start, or a continuation when exactly one worker holds the prefix)."""
+        self, best: int, holders: list[str], prompt: int, bs: int, state: PolicyState
+    ) -> tuple[float, dict[str, float]] | None:
+        """The conversation term (module docstring) for a request whose deepest match is
+        ``best`` blocks (of ``bs`` tokens), held by ``holders``: for one that starts a new
+        prefix, (the price per token of recent work, each worker's recent work); None for one
+        that follows a prefix, or when no later turn is expected. Leaves for :meth:`pick` what
+        to record (a start, or a continuation when exactly one worker holds the prefix). The
+        full loop and the large-fleet path both call it."""
         state.extra.pop("kv_aware_conv", None)  # (a decision that was never picked)
         recent = state.extra.get("kv_aware_recent")
         if recent is None or recent.window_s != self.p["conversation_window_s"]:
             recent = state.extra["kv_aware_recent"] = RecentWork(self.p["conversation_window_s"])
         recent.expire(state.now)
-        best = max(ovs)
         if best >= self.p["hot_min_blocks"]:
-            holders = [w for w, o in zip(cands, ovs, strict=True) if o == best]
             if len(holders) == 1:
-                w = holders[0]
-                uncached = max(0, prompt - best * w.capacity.block_size)
-                state.extra["kv_aware_conv"] = (w.worker_id, uncached)
-            return
-        state.extra["kv_aware_conv"] = (None, prompt - best * cands[0].capacity.block_size)
+                state.extra["kv_aware_conv"] = (holders[0], max(0, prompt - best * bs))
+            return None
+        state.extra["kv_aware_conv"] = (None, max(0, prompt - best * bs))
         # the price of the worker's conversations, per turn this new one is expected to bring
         cw = self.p["conversation_weight"] * recent.turns_ahead()
-        if cw <= 0.0:
-            return
-        work = recent.work
-        for w in cands:
-            load = work.get(w.worker_id)
-            if load:
-                out[w.worker_id] += cw * load
+        return (cw, recent.work) if cw > 0.0 else None
 
     def fast_costs(
         self,
@@ -756,7 +750,6 @@ class KvAware(PolicyImpl):
         if (
             type(self).costs is not KvAware.costs
             or type(self)._worker_cost is not KvAware._worker_cost
-            or self.p.get("conversation_weight", 0.0) > 0.0  # a pass over every worker's work
         ):
             return None
         return kv_fast.fast_costs(self, req, snapshot, overlaps, state, filtered)

@@ -223,6 +223,14 @@ def fast_costs(
     uw = p["uncached_weight"]
     aw, age_cap = self.AGE_WEIGHT, self.AGE_CAP
     spt_now = clock.spt
+    # the conversation term (KvAware._conversation): >= 0, added to the workers scored below,
+    # so the bounds (without it) stay lower bounds
+    conv = None
+    if p.get("conversation_weight", 0.0) > 0.0:
+        best = max(ov_of.values(), default=0)
+        holders = [w for w, o in ov_of.items() if o == best] if best > 0 else []
+        conv = self._conversation(best, holders, prompt, bs, state)
+    conv_w, conv_work = conv if conv is not None else (0.0, {})
     # bounds: the queued prefill is at least what other routers queued (the clock only adds);
     # without a learned speed the clock counts every entry in full (no time dependence), so
     # the bound is the value itself; once the speed is learned (it never unlearns) every
@@ -264,7 +272,12 @@ def fast_costs(
             queued += extra.get(wid, 0)
         cached = ov * w.capacity.block_size
         uncached = prompt - cached if cached < prompt else 0
-        return worker_cost(req, w, queued, uncached, state) - aw * age
+        c = worker_cost(req, w, queued, uncached, state) - aw * age
+        if conv_w:
+            load = conv_work.get(wid)
+            if load:
+                c += conv_w * load
+        return c
 
     out: dict[str, float] = {}
     # the holders (by the index or routed memory) and replicas first, in order of their own
