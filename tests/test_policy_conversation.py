@@ -118,3 +118,15 @@ def test_slo_aware_refuses_the_conversation_term():
     for k in ("conversation_weight", "conversation_window_s"):
         with pytest.raises(PolicyError, match=k):
             build_policy({"name": "slo_aware", "params": {k: 1.0}})
+
+
+def test_without_a_clock_the_term_is_off():
+    # a snapshot without a clock (now always 0) has no window to count recent work in: the
+    # next turns leave nothing behind and the new conversation is priced as without the term
+    pol = build_policy({"name": "kv_aware", "params": {**PLAIN, "conversation_weight": 1.0}})
+    decide(pol, RequestInfo("c0", "m", 3000, 20), _snap(0.0), {"w0": 0, "w1": 0})
+    for i in range(3):
+        decide(pol, RequestInfo(f"t{i}", "m", 1000 + 64 * BS, 20), _snap(0.0), {"w0": 64, "w1": 0})
+    d = decide(pol, RequestInfo("new", "m", 3000, 20), _snap(0.0), {"w0": 0, "w1": 0})
+    assert d.scores["w0"] == pytest.approx(d.scores["w1"], abs=0.5)
+    assert "kv_aware_recent" not in pol.state.extra

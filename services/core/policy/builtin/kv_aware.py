@@ -38,14 +38,13 @@ on a decoder with slack to spare in full, and 100 lost goodput steps on Mooncake
 unset count as the router assumes them.
 
 **Conversations** (``conversation_weight``, off by default, 0.15 measured best;
-``conversation_window_s``, 10 s). Every term
-above prices the request at hand. A request that starts a new prefix (no candidate holds
-``hot_min_blocks`` of it) also decides where that prefix's later requests go: a chat's next
-turns follow it, and the worker's load then is its conversations' turns, which the queue and
-in-flight counts do not show while those conversations are between turns (a worker whose
-conversations all just finished a turn looks idle, and new ones pile onto it, their turns
-arriving together). Such a request also pays, per worker,
-``conversation_weight x turns_ahead x recent_work(w)``
+``conversation_window_s``, 10 s). Every term above prices the request at hand. A request that
+starts a new prefix (no candidate holds ``hot_min_blocks`` of it) also decides where that
+prefix's later requests go: a chat's next turns follow it, and the worker's load then is its
+conversations' turns, which the queue and in-flight counts do not show while those
+conversations are between turns (a worker whose conversations all just finished a turn looks
+idle, and new ones pile onto it, their turns arriving together). With the weight > 0 such a
+request also pays, per worker, ``conversation_weight x turns_ahead x recent_work(w)``
 (:class:`~services.core.policy.recent_work.RecentWork`): ``recent_work(w)`` is the uncached
 prompt tokens this policy sent there within the last ``conversation_window_s``, a request that
 continued a prefix only that worker holds counted in full and one that started a prefix x the
@@ -53,9 +52,11 @@ window's share ``s`` of continuations; ``turns_ahead = s / (1 - s)`` is how many
 the new prefix can be expected to bring (each continued with probability ``s``). A fleet
 without reuse (``s`` = 0) carries none; on chat traffic (``s`` ~ 7/8) a new conversation weighs
 its seven turns, on a trace whose prompts come back less often it weighs little
-(docs/benchmarks.md: the multi-turn TTFT p99 falls 9-21 %, Mooncake within 2 % at 8 workers).
-The large-fleet path adds it to the workers it scores (it is >= 0, so their bounds stay lower
-bounds). ``slo_aware`` does not take it (its cost is in seconds).
+(docs/benchmarks.md: the multi-turn TTFT p99 falls 7-22 %, Mooncake's rises up to 9 %). It
+prices prefill work, not requests: prefix groups whose followers are short (tens of tokens) can
+end up less even by request count. It needs the clock (without one, ``now`` always 0, it is
+off). The large-fleet path adds it to the workers it scores (it is >= 0, so their bounds stay
+lower bounds). ``slo_aware`` does not take it (its cost is in seconds).
 
 **Prefill clock.** ``pending_prefill_tokens`` (the router's count of uncached prompt tokens of
 requests without a first token) drops only at the first token, so a worker that is 90% through
@@ -222,8 +223,8 @@ class KvAware(PolicyImpl):
             "work sent to a worker within the last conversation_window_s, added to the cost of "
             "a request that starts a new prefix there (its conversation's later turns follow "
             "it); later turns expected = s / (1 - s) for the recent share s of requests that "
-            "continued a prefix, and a request that started one counts x s; 0 = off (0.15 "
-            "measured best, docs/benchmarks.md)",
+            "continued a prefix, and a request that started one counts x s; 0 = off (the "
+            "default); 0.15 measured best on conversations (docs/benchmarks.md)",
             0.0,
         ),
         "conversation_window_s": {
@@ -723,6 +724,8 @@ class KvAware(PolicyImpl):
         to record (a start, or a continuation when exactly one worker holds the prefix). The
         full loop and the large-fleet path both call it."""
         state.extra.pop("kv_aware_conv", None)  # (a decision that was never picked)
+        if state.now <= 0.0:  # no clock (now always 0): no window to count recent work in
+            return None
         recent = state.extra.get("kv_aware_recent")
         if recent is None or recent.window_s != self.p["conversation_window_s"]:
             recent = state.extra["kv_aware_recent"] = RecentWork(self.p["conversation_window_s"])
