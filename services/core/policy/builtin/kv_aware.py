@@ -704,9 +704,8 @@ class KvAware(PolicyImpl):
                 - aw * age
             )
         if self.p.get("conversation_weight", 0.0) > 0.0:  # (slo_aware has no such term)
-            best = max(ovs)
-            holders = [w.worker_id for w, o in zip(cands, ovs, strict=True) if o == best]
-            conv = self._conversation(best, holders, prompt, cands[0].capacity.block_size, state)
+            matched = [(w.worker_id, o) for w, o in zip(cands, ovs, strict=True)]
+            conv = self._conversation(matched, prompt, cands[0].capacity.block_size, state)
             if conv is not None:
                 cw, work = conv
                 for wid, load in work.items():
@@ -715,14 +714,14 @@ class KvAware(PolicyImpl):
         return out
 
     def _conversation(
-        self, best: int, holders: list[str], prompt: int, bs: int, state: PolicyState
+        self, matched: list[tuple[str, int]], prompt: int, bs: int, state: PolicyState
     ) -> tuple[float, dict[str, float]] | None:
-        """The conversation term (module docstring) for a request whose deepest match is
-        ``best`` blocks (of ``bs`` tokens), held by ``holders``: for one that starts a new
-        prefix, (the price per token of recent work, each worker's recent work); None for one
-        that follows a prefix, or when no later turn is expected. Leaves for :meth:`pick` what
-        to record (a start, or a continuation when exactly one worker holds the prefix). The
-        full loop and the large-fleet path both call it."""
+        """The conversation term (module docstring) for a request whose candidates match
+        ``matched`` (worker, blocks of ``bs`` tokens; those matching nothing may be left out):
+        for one that starts a new prefix, (the price per token of recent work, each worker's
+        recent work); None for one that follows a prefix, or when no later turn is expected.
+        Leaves for :meth:`pick` what to record (a start, or a continuation when exactly one
+        worker holds the prefix). The full loop and the large-fleet path both call it."""
         state.extra.pop("kv_aware_conv", None)  # (a decision that was never picked)
         if state.now <= 0.0:  # no clock (now always 0): no window to count recent work in
             return None
@@ -730,7 +729,9 @@ class KvAware(PolicyImpl):
         if recent is None or recent.window_s != self.p["conversation_window_s"]:
             recent = state.extra["kv_aware_recent"] = RecentWork(self.p["conversation_window_s"])
         recent.expire(state.now)
+        best = max((o for _, o in matched), default=0)
         if best >= self.p["hot_min_blocks"]:
+            holders = [wid for wid, o in matched if o == best]
             if len(holders) == 1:
                 state.extra["kv_aware_conv"] = (holders[0], max(0, prompt - best * bs))
             return None

@@ -227,9 +227,7 @@ def fast_costs(
     # so the bounds (without it) stay lower bounds
     conv = None
     if p.get("conversation_weight", 0.0) > 0.0:
-        best = max(ov_of.values(), default=0)
-        holders = [w for w, o in ov_of.items() if o == best] if best > 0 else []
-        conv = self._conversation(best, holders, prompt, bs, state)
+        conv = self._conversation(list(ov_of.items()), prompt, bs, state)
     conv_w, conv_work = conv if conv is not None else (0.0, {})
     # bounds: the queued prefill is at least what other routers queued (the clock only adds);
     # without a learned speed the clock counts every entry in full (no time dependence), so
